@@ -1,0 +1,87 @@
+"""Shared eviction mechanics (MLX): append candidates, protect sinks/recent, keep the top budget.
+
+Every eviction method is "append the new rows, score every candidate, keep the ``budget``
+best, in increasing absolute position". Stored rows are always sorted by position, so the
+candidates (stored + new) are too, and keeping sorted indices keeps the order.
+
+Tie rule (all backends): among equal scores the newer token is kept.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ._typing import Array, Bool, Float, Int, Shaped
+
+__all__ = ["empty_rows", "append", "new_positions", "protected", "top_budget", "take_rows"]
+
+
+def empty_rows(batch: int, heads: int, head_dim: int, dtype: mx.Dtype):
+    """Zero-length keys, values, positions and a zero ``next_pos`` for a fresh state."""
+    return (mx.zeros((batch, heads, 0, head_dim), dtype), mx.zeros((batch, heads, 0, head_dim), dtype),
+            mx.zeros((batch, heads, 0), mx.int32), mx.zeros((batch, heads), mx.int32))
+
+
+def new_positions(next_pos: Int[Array, "b h"], s: int) -> Int[Array, "b h s"]:
+    """Absolute positions of ``s`` new tokens."""
+    return next_pos[:, :, None] + mx.arange(s, dtype=mx.int32)
+
+
+def append(keys: Float[Array, "b h n d"], values: Float[Array, "b h n d"],
+           positions: Int[Array, "b h n"], next_pos: Int[Array, "b h"],
+           new_keys: Float[Array, "b h s d"], new_values: Float[Array, "b h s d"]):
+    """Candidates = stored rows followed by the new ones (still sorted by position)."""
+    s = new_keys.shape[2]
+    return (mx.concatenate([keys, new_keys], axis=2), mx.concatenate([values, new_values], axis=2),
+            mx.concatenate([positions, new_positions(next_pos, s)], axis=2))
+
+
+def protected(positions: Int[Array, "b h n"], total: Int[Array, "b h"], n_sink: int,
+              recent: int = 0) -> Bool[Array, "b h n"]:
+    """Sinks (the first ``n_sink`` positions) and the ``recent`` newest of ``total`` tokens."""
+    keep = positions < n_sink
+    if recent:
+        keep = keep | (positions >= (total - recent)[:, :, None])
+    return keep
+
+
+def _order_key(scores: Float[Array, "b h n"]) -> Int[Array, "b h n"]:
+    """Int64 keys ordered like (score, index): the float bits made monotone, index breaks ties."""
+    bits = mx.view(scores.astype(mx.float32), mx.int32)
+    mono = mx.where(bits < 0, bits ^ 0x7FFFFFFF, bits).astype(mx.int64)
+    n = scores.shape[-1]
+    return mono * n + mx.arange(n, dtype=mx.int64)
+
+
+def top_budget(scores: Float[Array, "b h n"], budget: int,
+               protect: Bool[Array, "b h n"] | None = None) -> Int[Array, "b h k"] | None:
+    """Indices of the ``budget`` highest-scoring candidates, ascending; ``None`` keeps all.
+
+    Protected candidates score ``+inf``; callers guarantee they number fewer than ``budget``.
+    """
+    n = scores.shape[-1]
+    if n <= budget:
+        return None
+    if protect is not None:
+        scores = mx.where(protect, mx.inf, scores)
+    key = _order_key(scores)
+    idx = mx.argpartition(-key, kth=budget - 1, axis=-1)[..., :budget]
+    return mx.sort(idx.astype(mx.int32), axis=-1)
+
+
+def take_rows(x: Shaped[Array, "b h n *rest"], idx: Int[Array, "b h k"] | None) -> Shaped[Array, "b h k *rest"]:
+    """Gather rows along the token axis (axis 2); ``idx=None`` returns ``x`` unchanged."""
+    if idx is None:
+        return x
+    b, h, n = x.shape[:3]
+    rest = x.shape[3:]
+    k = idx.shape[-1]
+    base = (mx.arange(b * h, dtype=mx.int32) * n).reshape(b, h, 1)
+    flat = mx.take(x.reshape(b * h * n, *rest), (idx + base).reshape(-1), axis=0)
+    return flat.reshape(b, h, k, *rest)
+
+
+def dims(state) -> tuple[int, int, int, mx.Dtype]:
+    """``(batch, kv_heads, head_dim, dtype)`` of a state that stores ``keys [b, h, n, d]``."""
+    b, h, _, d = state.keys.shape
+    return b, h, d, state.keys.dtype

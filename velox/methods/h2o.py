@@ -1,0 +1,117 @@
+"""H2O: keep the heavy hitters, the tokens with the largest accumulated attention.
+
+References:
+    Zhang, Sheng, Zhou, Chen, Zheng, Cai, Song, Tian, Re, Barrett, Wang, Chen.
+    H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models.
+    NeurIPS 2023. arXiv:2306.14048.
+
+Deviations from the paper:
+    * ``grace`` newest tokens are never evicted (the paper's recent-token share of the budget)
+      and ``decay`` multiplies old scores each step; ``grace=0, decay=1`` is the paper's rule.
+    * ``n_sink`` protects the first tokens.
+    * A multi-token chunk is one selection: every query of the chunk adds its (causal)
+      attention, the i-th of ``s`` weighted by ``decay**(s-1-i)``, which equals token-by-token
+      accumulation when nothing is evicted inside the chunk.
+    * GQA: a kv head's score is the mean over the query heads that read it.
+    * Without real queries the new keys stand in for their own queries (key-as-query proxy).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from .. import evict
+from .. import reference as ref
+from .._typing import Array, Float, Int
+from ..accounting import state_nbytes
+from ..attention import attention_mass, scoring_queries
+from ..registry import dispatch, prepare_init, register
+
+__all__ = ["H2OState", "h2o_init", "h2o_update", "h2o_get_kv", "h2o_bytes"]
+
+KEY = "h2o"
+
+
+class H2OState(NamedTuple):
+    """Kept rows, their absolute positions and accumulated attention ``scores``."""
+
+    keys: Float[Array, "b h n d"]
+    values: Float[Array, "b h n d"]
+    positions: Int[Array, "b h n"]
+    scores: Float[Array, "b h n"]
+    next_pos: Int[Array, "b h"]
+    budget: int
+    n_sink: int
+    grace: int
+    decay: float
+    backend: str
+
+
+def h2o_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+             budget: int = 512, n_sink: int = 4, grace: int = 16, decay: float = 0.98,
+             backend: str = "auto") -> H2OState:
+    """Empty H2O state keeping at most ``budget`` tokens per head (sinks included)."""
+    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
+                              dict(budget=budget, n_sink=n_sink, grace=grace, decay=decay))
+    k, v, pos, nxt = evict.empty_rows(batch, kv_heads, head_dim, dtype)
+    scores = mx.zeros((batch, kv_heads, 0), mx.float32)
+    return H2OState(k, v, pos, scores, nxt, **p, backend=backend)
+
+
+def _update_mlx(state: H2OState, keys, values, queries) -> H2OState:
+    s = keys.shape[2]
+    k, v, p = evict.append(state.keys, state.values, state.positions, state.next_pos, keys, values)
+    total = state.next_pos + s
+    coef = state.decay ** mx.arange(s - 1, -1, -1, dtype=mx.float32)
+    mass = attention_mass(scoring_queries(keys, queries), k, p, p[:, :, -s:], coef)
+    old = state.scores * (state.decay ** s)
+    acc = mx.concatenate([old, mx.zeros(old.shape[:2] + (s,), mx.float32)], axis=2) + mass
+    idx = evict.top_budget(acc, state.budget,
+                           evict.protected(p, total, state.n_sink, state.grace))
+    return state._replace(keys=evict.take_rows(k, idx), values=evict.take_rows(v, idx),
+                          positions=evict.take_rows(p, idx), scores=evict.take_rows(acc, idx),
+                          next_pos=total)
+
+
+def _update_reference(state: H2OState, keys, values, queries) -> H2OState:
+    c = ref.candidates(state, keys, values, queries)
+    b, h, N = c.positions.shape
+    s = keys.shape[2]
+    q = ref.scoring_queries(c.new_keys, c.queries)
+    old = ref.to_np(state.scores)
+    acc = np.zeros((b, h, N))
+    chosen = []
+    for i in range(b):
+        chosen.append([])
+        for j in range(h):
+            pos = c.positions[i, j]
+            acc[i, j, : N - s] = old[i, j]
+            for t in range(s):  # token by token: decay, then add this query's attention
+                w = ref.attention_weights(q[i, j, :, t:t + 1], c.keys[i, j], pos, pos[N - s + t:][:1])
+                acc[i, j] = acc[i, j] * state.decay + w[:, 0].mean(0)
+            keep = ref.protected(pos, c.total[i, j], state.n_sink, state.grace)
+            chosen[i].append(ref.top_budget(acc[i, j], state.budget, keep))
+    return ref.keep(state, c, chosen, scores=acc)
+
+
+def h2o_update(state: H2OState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
+               *, queries: Float[Array, "b q s d"] | None = None) -> H2OState:
+    """Append ``s`` tokens, accumulate their attention, keep the ``budget`` heaviest."""
+    return dispatch(KEY, state, keys, values, queries, evict.dims(state))
+
+
+def h2o_get_kv(state: H2OState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+    """Kept keys and values, in increasing absolute position."""
+    return state.keys, state.values
+
+
+def h2o_bytes(state: H2OState) -> int:
+    """Bytes of every array the state holds (scores included)."""
+    return state_nbytes(state)
+
+
+register(KEY, state_type=H2OState, init=h2o_init, update=h2o_update, get_kv=h2o_get_kv,
+         nbytes=h2o_bytes, backends={"reference": _update_reference, "mlx": _update_mlx})

@@ -1,0 +1,209 @@
+"""KIVI: asymmetric 2/4-bit cache, keys per channel and values per token, newest tokens exact.
+
+References:
+    Liu, Yuan, Jin, Zhong, Xu, Braverman, Chen, Hu. KIVI: A Tuning-Free Asymmetric 2bit
+    Quantization for KV Cache. ICML 2024. arXiv:2402.02750.
+
+Storage: after ``T`` tokens, the oldest ``Q = group_size * floor(max(T - residual_length, 0) /
+group_size)`` are quantized and the rest (``residual_length`` to ``residual_length +
+group_size - 1`` tokens) stay in the cache dtype. Keys are quantized per channel in groups of
+``group_size`` tokens (stored transposed, ``[b, h, d, Q]``, groups along the last axis);
+values per token in groups of ``group_size`` channels. Codes are packed into uint32 words in
+MLX's affine layout (``velox.quant``). The quantized count depends on ``T`` only, so a prompt
+absorbed in one chunk or token by token yields bit-identical states.
+
+Deviations from the paper:
+    * Keys and values share one residual window flushed in whole key groups; the paper's code
+      flushes values one token at a time (per-token quantization makes the two equal in
+      content, only the moment a value leaves the window differs).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from .. import quant
+from .. import reference as ref
+from .._typing import Array, Float, Int, UInt
+from ..accounting import state_nbytes
+from ..registry import dispatch, prepare_init, register
+
+__all__ = ["KiviState", "kivi_init", "kivi_update", "kivi_get_kv", "kivi_bytes"]
+
+KEY = "kivi"
+
+
+class KiviState(NamedTuple):
+    """Packed key/value codes with their scales and zeros, plus the exact residual window."""
+
+    key_codes: UInt[Array, "b h d kw"]
+    key_scales: Float[Array, "b h d kg"]
+    key_zeros: Float[Array, "b h d kg"]
+    value_codes: UInt[Array, "b h nq vw"]
+    value_scales: Float[Array, "b h nq vg"]
+    value_zeros: Float[Array, "b h nq vg"]
+    residual_keys: Float[Array, "b h r d"]
+    residual_values: Float[Array, "b h r d"]
+    next_pos: Int[Array, "b h"]
+    bits: int
+    group_size: int
+    residual_length: int
+    backend: str
+
+
+def kivi_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+              bits: int = 2, group_size: int = 32, residual_length: int = 128,
+              backend: str = "auto") -> KiviState:
+    """Empty KIVI state."""
+    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
+                              dict(bits=bits, group_size=group_size, residual_length=residual_length))
+    b, h, d = batch, kv_heads, head_dim
+    vw, vg = d * p["bits"] // 32, d // p["group_size"]
+    return KiviState(
+        key_codes=mx.zeros((b, h, d, 0), mx.uint32), key_scales=mx.zeros((b, h, d, 0), dtype),
+        key_zeros=mx.zeros((b, h, d, 0), dtype), value_codes=mx.zeros((b, h, 0, vw), mx.uint32),
+        value_scales=mx.zeros((b, h, 0, vg), dtype), value_zeros=mx.zeros((b, h, 0, vg), dtype),
+        residual_keys=mx.zeros((b, h, 0, d), dtype), residual_values=mx.zeros((b, h, 0, d), dtype),
+        next_pos=mx.zeros((b, h), mx.int32), **p, backend=backend)
+
+
+def quantized_tokens(state: KiviState) -> int:
+    """Number of tokens held in quantized form."""
+    return state.key_scales.shape[-1] * state.group_size
+
+
+def _flush_count(state: KiviState, s: int) -> int:
+    """Tokens that leave the residual window when ``s`` more arrive (a multiple of the group)."""
+    g = state.group_size
+    total = quantized_tokens(state) + state.residual_keys.shape[2] + s
+    target = g * (max(total - state.residual_length, 0) // g)
+    return target - quantized_tokens(state)
+
+
+def _update_mlx(state: KiviState, keys, values, queries) -> KiviState:
+    s = keys.shape[2]
+    rk = mx.concatenate([state.residual_keys, keys], axis=2)
+    rv = mx.concatenate([state.residual_values, values], axis=2)
+    f = _flush_count(state, s)
+    fields = dict(residual_keys=rk[:, :, f:], residual_values=rv[:, :, f:],
+                  next_pos=state.next_pos + s)
+    if f:
+        kc, ks, kz = quant.quantize(rk[:, :, :f].swapaxes(2, 3), state.bits, state.group_size)
+        vc, vs, vz = quant.quantize(rv[:, :, :f], state.bits, state.group_size)
+        fields.update(
+            key_codes=mx.concatenate([state.key_codes, kc], axis=3),
+            key_scales=mx.concatenate([state.key_scales, ks], axis=3),
+            key_zeros=mx.concatenate([state.key_zeros, kz], axis=3),
+            value_codes=mx.concatenate([state.value_codes, vc], axis=2),
+            value_scales=mx.concatenate([state.value_scales, vs], axis=2),
+            value_zeros=mx.concatenate([state.value_zeros, vz], axis=2))
+    return state._replace(**fields)
+
+
+# --- reference: per-group arithmetic and bit packing written out with NumPy -------------
+
+def _np_round_to(x: np.ndarray, dtype: mx.Dtype) -> np.ndarray:
+    """Round float32 values to ``dtype`` and back (the stored precision of scales/zeros)."""
+    return ref.to_np(ref.to_mx(x, dtype), np.float32)
+
+
+def _np_quantize_group(x: np.ndarray, bits: int, dtype: mx.Dtype):
+    """One group (1-D float32): codes, stored scale, stored zero."""
+    levels = 2 ** bits - 1
+    scale = _np_round_to(np.array([(x.max() - x.min()) / np.float32(levels)], np.float32), dtype)[0]
+    zero = _np_round_to(np.array([x.min()], np.float32), dtype)[0]
+    if scale == 0:
+        return np.zeros(x.shape, np.uint32), scale, zero
+    q = np.clip(np.round((x - zero) / scale), 0, levels)
+    return q.astype(np.uint32), scale, zero
+
+
+def _np_pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Little-endian bit stream of ``bits``-bit codes along the last axis, as uint32 words."""
+    lead = codes.shape[:-1]
+    bitplanes = (codes[..., None] >> np.arange(bits, dtype=np.uint32)) & 1  # [..., m, bits]
+    stream = np.packbits(bitplanes.reshape(*lead, -1).astype(np.uint8), axis=-1, bitorder="little")
+    return np.ascontiguousarray(stream).view("<u4").reshape(*lead, -1)
+
+
+def _np_quantize(x: np.ndarray, bits: int, group_size: int, dtype: mx.Dtype):
+    lead, m = x.shape[:-1], x.shape[-1]
+    groups = x.reshape(-1, m // group_size, group_size)
+    codes = np.zeros(groups.shape, np.uint32)
+    scales = np.zeros(groups.shape[:2], np.float32)
+    zeros = np.zeros(groups.shape[:2], np.float32)
+    for r in range(groups.shape[0]):
+        for g in range(groups.shape[1]):
+            codes[r, g], scales[r, g], zeros[r, g] = _np_quantize_group(groups[r, g], bits, dtype)
+    return (_np_pack(codes.reshape(*lead, m), bits), scales.reshape(*lead, -1),
+            zeros.reshape(*lead, -1))
+
+
+def _update_reference(state: KiviState, keys, values, queries) -> KiviState:
+    dtype = state.residual_keys.dtype
+    s = keys.shape[2]
+    rk = np.concatenate([ref.to_np(state.residual_keys, np.float32), ref.to_np(keys, np.float32)], 2)
+    rv = np.concatenate([ref.to_np(state.residual_values, np.float32), ref.to_np(values, np.float32)], 2)
+    f = _flush_count(state, s)
+    fields = dict(residual_keys=ref.to_mx(rk[:, :, f:], dtype),
+                  residual_values=ref.to_mx(rv[:, :, f:], dtype), next_pos=state.next_pos + s)
+    if f:
+        kc, ks, kz = _np_quantize(np.swapaxes(rk[:, :, :f], 2, 3), state.bits, state.group_size, dtype)
+        vc, vs, vz = _np_quantize(rv[:, :, :f], state.bits, state.group_size, dtype)
+        fields.update(
+            key_codes=mx.concatenate([state.key_codes, mx.array(kc)], axis=3),
+            key_scales=mx.concatenate([state.key_scales, ref.to_mx(ks, dtype)], axis=3),
+            key_zeros=mx.concatenate([state.key_zeros, ref.to_mx(kz, dtype)], axis=3),
+            value_codes=mx.concatenate([state.value_codes, mx.array(vc)], axis=2),
+            value_scales=mx.concatenate([state.value_scales, ref.to_mx(vs, dtype)], axis=2),
+            value_zeros=mx.concatenate([state.value_zeros, ref.to_mx(vz, dtype)], axis=2))
+    return state._replace(**fields)
+
+
+def _dims(state: KiviState):
+    b, h, _, d = state.residual_keys.shape
+    return b, h, d, state.residual_keys.dtype
+
+
+def kivi_update(state: KiviState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
+                *, queries: Float[Array, "b q s d"] | None = None) -> KiviState:
+    """Append ``s`` tokens; whole groups leaving the residual window are quantized."""
+    return dispatch(KEY, state, keys, values, queries, _dims(state))
+
+
+def kivi_get_kv(state: KiviState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+    """Dequantized keys and values followed by the exact residual window."""
+    k = quant.dequantize(state.key_codes, state.key_scales, state.key_zeros, state.bits,
+                         state.group_size).swapaxes(2, 3)
+    v = quant.dequantize(state.value_codes, state.value_scales, state.value_zeros, state.bits,
+                         state.group_size)
+    return (mx.concatenate([k, state.residual_keys], axis=2),
+            mx.concatenate([v, state.residual_values], axis=2))
+
+
+def kivi_bytes(state: KiviState) -> int:
+    """Bytes of every array the state holds: codes, scales, zeros, residual window."""
+    return state_nbytes(state)
+
+
+def kivi_positions(state: KiviState) -> Int[Array, "b h n"]:
+    """Absolute positions of the tokens ``kivi_get_kv`` returns (all tokens, in order)."""
+    b, h = state.next_pos.shape
+    n = quantized_tokens(state) + state.residual_keys.shape[2]
+    return mx.broadcast_to(mx.arange(n, dtype=mx.int32), (b, h, n))
+
+
+def kivi_error_bound(state: KiviState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+    """Per-element reconstruction error bound of ``kivi_get_kv`` (zero in the residual window)."""
+    kb = quant.error_bound(state.key_scales, state.key_zeros, state.bits, state.group_size)
+    vb = quant.error_bound(state.value_scales, state.value_zeros, state.bits, state.group_size)
+    r = mx.zeros(state.residual_keys.shape, mx.float32)
+    return (mx.concatenate([kb.swapaxes(2, 3), r], axis=2), mx.concatenate([vb, r], axis=2))
+
+
+register(KEY, state_type=KiviState, init=kivi_init, update=kivi_update, get_kv=kivi_get_kv,
+         nbytes=kivi_bytes, positions=kivi_positions, error_bound=kivi_error_bound,
+         dims=_dims, backends={"reference": _update_reference, "mlx": _update_mlx})

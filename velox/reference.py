@@ -1,0 +1,113 @@
+"""NumPy helpers for the ``reference`` backends: the executable, readable spec of each rule.
+
+Reference updates convert the state to NumPy, apply the method's rule head by head in
+float64 (quantizers: float32, the precision their codes are defined in), and convert back.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+__all__ = ["to_np", "to_mx", "softmax", "attention_weights", "protected", "top_budget",
+           "scoring_queries", "Candidates", "candidates", "keep"]
+
+
+def to_np(x: mx.array, dtype=np.float64) -> np.ndarray:
+    """MLX array -> NumPy (via float32 for float inputs, so bfloat16 converts too)."""
+    if x.dtype in (mx.float16, mx.bfloat16, mx.float32, mx.float64):
+        return np.array(x.astype(mx.float32)).astype(dtype)
+    return np.array(x)
+
+
+def to_mx(x: np.ndarray, dtype: mx.Dtype) -> mx.array:
+    """NumPy -> MLX array of ``dtype``."""
+    if dtype in (mx.float16, mx.bfloat16):
+        return mx.array(np.asarray(x, dtype=np.float32)).astype(dtype)
+    return mx.array(np.ascontiguousarray(x)).astype(dtype)
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    x = x - np.max(x, axis=axis, keepdims=True)
+    e = np.exp(x)
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def scoring_queries(keys: np.ndarray, queries: np.ndarray | None) -> np.ndarray:
+    """``[b, h, g, s, d]``: real queries grouped per kv head, or the new keys as proxies."""
+    if queries is None:
+        return keys[:, :, None]
+    b, hq, s, d = queries.shape
+    h = keys.shape[1]
+    return queries.reshape(b, h, hq // h, s, d)
+
+
+def attention_weights(q: np.ndarray, k: np.ndarray, key_pos: np.ndarray,
+                      query_pos: np.ndarray) -> np.ndarray:
+    """One head: weights ``[g, m, n]`` of queries ``[g, m, d]`` over keys ``[n, d]``, causal."""
+    d = q.shape[-1]
+    logits = q @ k.T / np.sqrt(d)
+    visible = key_pos[None, None, :] <= query_pos[None, :, None]
+    return softmax(np.where(visible, logits, -np.inf))
+
+
+def protected(positions: np.ndarray, total: int, n_sink: int, recent: int = 0) -> np.ndarray:
+    """Sinks (the first ``n_sink`` positions) and the ``recent`` newest of ``total`` tokens."""
+    return (positions < n_sink) | (positions >= total - recent if recent else False)
+
+
+def top_budget(scores: np.ndarray, budget: int, protect: np.ndarray | None = None) -> np.ndarray | None:
+    """One head: indices of the ``budget`` best candidates, ascending (ties: newer wins)."""
+    n = scores.shape[-1]
+    if n <= budget:
+        return None
+    scores = np.asarray(scores, dtype=np.float64)
+    if protect is not None:
+        scores = np.where(protect, np.inf, scores)
+    order = np.lexsort((np.arange(n), scores))  # ascending by score, then by index
+    return np.sort(order[n - budget:])
+
+
+class Candidates(NamedTuple):
+    """Stored rows followed by the new ones, as NumPy arrays (one selection's input)."""
+
+    keys: np.ndarray       # [b, h, N, d] float32: exact copies of the rows
+    values: np.ndarray     # [b, h, N, d] float32
+    positions: np.ndarray  # [b, h, N] int64, absolute
+    total: np.ndarray      # [b, h] int64: tokens seen, the new ones included
+    new_keys: np.ndarray   # [b, h, s, d] float64, for scoring
+    queries: np.ndarray | None  # [b, q, s, d] float64 real queries, or None
+
+
+def candidates(state, keys: mx.array, values: mx.array, queries: mx.array | None) -> Candidates:
+    """Concatenate a state's stored rows with ``s`` new rows."""
+    s = keys.shape[2]
+    nxt = to_np(state.next_pos, np.int64)
+    return Candidates(
+        keys=np.concatenate([to_np(state.keys, np.float32), to_np(keys, np.float32)], axis=2),
+        values=np.concatenate([to_np(state.values, np.float32), to_np(values, np.float32)], axis=2),
+        positions=np.concatenate([to_np(state.positions, np.int64), nxt[..., None] + np.arange(s)], axis=2),
+        total=nxt + s, new_keys=to_np(keys), queries=None if queries is None else to_np(queries))
+
+
+def keep(state, cand: Candidates, chosen, **extra: np.ndarray):
+    """New state holding, for each row ``[i][j]``, the candidates ``chosen[i][j]`` (None: all).
+
+    ``extra`` arrays ``[b, h, N, ...]`` (per-candidate side data such as scores) are gathered the
+    same way and stored under their field names with the field's current dtype.
+    """
+    dtype = state.keys.dtype
+    b, h, N = cand.positions.shape
+    rows = [[np.arange(N) if chosen[i][j] is None else chosen[i][j] for j in range(h)] for i in range(b)]
+
+    def gather(x: np.ndarray) -> np.ndarray:
+        return np.stack([np.stack([x[i, j, rows[i][j]] for j in range(h)]) for i in range(b)])
+
+    fields = dict(keys=to_mx(gather(cand.keys), dtype), values=to_mx(gather(cand.values), dtype),
+                  positions=to_mx(gather(cand.positions), mx.int32),
+                  next_pos=to_mx(cand.total, mx.int32))
+    for name, x in extra.items():
+        fields[name] = to_mx(gather(x), getattr(state, name).dtype)
+    return state._replace(**fields)

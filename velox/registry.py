@@ -1,0 +1,114 @@
+"""The method registry: key -> the method's functions, backends and spec.
+
+Generic code (adapter, CLI, tests, benchmarks) goes through this table and needs no
+per-method branches. Kernel modules add backends to a registered method with
+:func:`register_backend`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
+
+import mlx.core as mx
+
+from .spec import Spec, load_spec
+
+__all__ = ["Method", "register", "register_backend", "get_method", "method_keys", "method_of"]
+
+
+@dataclass
+class Method:
+    """One registered method: its state type, its functions and its spec."""
+
+    key: str
+    state_type: type
+    init: Callable[..., NamedTuple]
+    update: Callable[..., NamedTuple]
+    get_kv: Callable[[NamedTuple], tuple[mx.array, mx.array]]
+    nbytes: Callable[[NamedTuple], int]
+    positions: Callable[[NamedTuple], mx.array]
+    backends: dict[str, Callable[..., NamedTuple]] = field(default_factory=dict)
+    error_bound: Callable[[NamedTuple], tuple[mx.array, mx.array]] | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def spec(self) -> Spec:
+        return load_spec(self.key)
+
+
+_REGISTRY: dict[str, Method] = {}
+_BY_STATE: dict[type, Method] = {}
+
+
+def _stored_positions(state: NamedTuple) -> mx.array:
+    return state.positions
+
+
+def register(key: str, *, state_type: type, init: Callable, update: Callable,
+             get_kv: Callable, nbytes: Callable, backends: dict[str, Callable],
+             positions: Callable | None = None, error_bound: Callable | None = None,
+             **extras: Any) -> Method:
+    """Add a method to the registry (called once by each method module)."""
+    if key in _REGISTRY:
+        raise ValueError(f"method {key!r} is already registered")
+    m = Method(key=key, state_type=state_type, init=init, update=update, get_kv=get_kv,
+               nbytes=nbytes, positions=positions or _stored_positions,
+               backends=dict(backends), error_bound=error_bound, extras=extras)
+    _REGISTRY[key] = m
+    _BY_STATE[state_type] = m
+    return m
+
+
+def register_backend(key: str, backend: str, update: Callable) -> None:
+    """Attach a backend implementation of ``key``'s update (used by kernel modules)."""
+    get_method(key).backends[backend] = update
+
+
+def get_method(key: str) -> Method:
+    """Return the registered method ``key``; unknown keys raise ``ValueError``."""
+    try:
+        return _REGISTRY[key]
+    except KeyError:
+        raise ValueError(f"unknown method {key!r}; registered: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def method_keys() -> tuple[str, ...]:
+    """Keys of every registered method, sorted."""
+    return tuple(sorted(_REGISTRY))
+
+
+def method_of(state: NamedTuple) -> Method:
+    """The method a state record belongs to."""
+    try:
+        return _BY_STATE[type(state)]
+    except KeyError:
+        raise ValueError(f"{type(state).__name__} is not the state of a registered method") from None
+
+
+def prepare_init(key: str, batch: int, kv_heads: int, head_dim: int, dtype: mx.Dtype,
+                 backend: str, params: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """Validate an ``init`` call: dims, parameters (spec ranges, constraints), backend.
+
+    Constraints in a spec may name ``batch``, ``kv_heads`` and ``head_dim`` as well.
+    Returns the full parameter dict and the resolved backend name.
+    """
+    from .backend import resolve_backend
+    from .spec import validate_params
+    from .validate import check_dims
+
+    check_dims(batch, kv_heads, head_dim, dtype)
+    method = get_method(key)
+    full = validate_params(method.spec, params, dims=dict(batch=batch, kv_heads=kv_heads,
+                                                          head_dim=head_dim))
+    return full, resolve_backend(backend, key, method.backends)
+
+
+def dispatch(key: str, state: NamedTuple, keys: mx.array, values: mx.array,
+             queries: mx.array | None, dims: tuple[int, int, int, mx.Dtype]) -> NamedTuple:
+    """Validate an ``update`` call against the state's dims and run the state's backend."""
+    from .validate import check_update
+
+    b, h, d, dtype = dims
+    check_update(keys, values, queries, batch=b, heads=h, head_dim=d, dtype=dtype)
+    return _REGISTRY[key].backends[state.backend](state, keys, values, queries)

@@ -1,0 +1,241 @@
+"""Method specs: the data file of each method (paper, parameters, invariants, tolerances).
+
+A spec is a TOML file in ``velox/specs/<key>.toml``. Parameters declare their type, default,
+valid range and the range property tests draw from; constraints relate parameters
+(``"budget > n_sink"``); the ``[contract]`` table says which contract invariants apply.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import operator
+import sys
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from typing import Any, Mapping
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["Param", "Spec", "load_spec", "spec_keys", "validate_params", "evaluate"]
+
+_TYPES = ("int", "float", "bool", "choice")
+
+
+@dataclass(frozen=True)
+class Param:
+    """One method parameter: type, default, valid range and the range tests draw from."""
+
+    name: str
+    type: str
+    default: Any
+    doc: str = ""
+    min: float | None = None
+    max: float | None = None
+    min_exclusive: bool = False
+    max_exclusive: bool = False
+    choices: tuple = ()
+    test_min: float | None = None
+    test_max: float | None = None
+    test_choices: tuple = ()
+    seed_name: str | None = None
+
+    def check(self, value: Any) -> Any:
+        """Return ``value`` coerced to the parameter's type, or raise ``ValueError``."""
+        n = self.name
+        if self.type == "bool":
+            if not isinstance(value, (bool, int)) or value not in (0, 1):
+                raise ValueError(f"{n} must be a bool, got {value!r}")
+            return bool(value)
+        if self.type == "choice":
+            if value not in self.choices:
+                allowed = ", ".join(repr(c) for c in self.choices)
+                raise ValueError(f"{n}={value!r} is not one of {allowed}")
+            return value
+        if self.type == "int":
+            if isinstance(value, bool) or not isinstance(value, int):
+                if isinstance(value, float) and value.is_integer():
+                    value = int(value)
+                else:
+                    raise ValueError(f"{n} must be an integer, got {value!r}")
+        else:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{n} must be a number, got {value!r}")
+            value = float(value)
+            if not math.isfinite(value):
+                raise ValueError(f"{n} must be finite, got {value!r}")
+        if self.min is not None:
+            if value < self.min or (self.min_exclusive and value == self.min):
+                op = ">" if self.min_exclusive else ">="
+                raise ValueError(f"{n}={value!r} is out of range: must be {op} {_fmt(self.min)}")
+        if self.max is not None:
+            if value > self.max or (self.max_exclusive and value == self.max):
+                op = "<" if self.max_exclusive else "<="
+                raise ValueError(f"{n}={value!r} is out of range: must be {op} {_fmt(self.max)}")
+        return value
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Everything the library and its tests know about one method, read from its TOML file."""
+
+    key: str
+    name: str
+    title: str
+    arxiv: str
+    venue: str
+    family: str
+    phases: str
+    queries: str
+    summary: str
+    params: Mapping[str, Param]
+    constraints: tuple[str, ...]
+    contract: Mapping[str, Any]
+    tolerance: Mapping[str, Any]
+    deviations: tuple[str, ...]
+    backends: tuple[str, ...] = field(default=("reference", "mlx"))
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return {p.name: p.default for p in self.params.values()}
+
+    def capacity(self, params: Mapping[str, Any]) -> int | None:
+        """Stored-token bound for these parameters, or ``None`` for unbounded methods."""
+        expr = self.contract.get("capacity")
+        return None if expr is None else int(evaluate(expr, params))
+
+
+def _fmt(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(x)
+
+
+# --- tiny safe expression evaluator for constraints ("budget > n_sink + grace") ---
+
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.FloorDiv: operator.floordiv, ast.Div: operator.truediv, ast.Mod: operator.mod}
+_CMPOPS = {ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Lt: operator.lt,
+           ast.LtE: operator.le, ast.Eq: operator.eq, ast.NotEq: operator.ne}
+_CMPSYM = {ast.Gt: ">", ast.GtE: ">=", ast.Lt: "<", ast.LtE: "<=", ast.Eq: "==", ast.NotEq: "!="}
+
+
+def _eval(node: ast.AST, env: Mapping[str, Any]) -> Any:
+    if isinstance(node, ast.Expression):
+        return _eval(node.body, env)
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+        return node.value
+    if isinstance(node, ast.Name):
+        return env[node.id]
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+        return _BINOPS[type(node.op)](_eval(node.left, env), _eval(node.right, env))
+    if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _CMPOPS:
+        return _CMPOPS[type(node.ops[0])](_eval(node.left, env), _eval(node.comparators[0], env))
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("min", "max"):
+        fn = min if node.func.id == "min" else max
+        return fn(*(_eval(a, env) for a in node.args))
+    if isinstance(node, ast.BoolOp):
+        vals = [_eval(v, env) for v in node.values]
+        return all(vals) if isinstance(node.op, ast.And) else any(vals)
+    raise ValueError(f"unsupported expression element: {ast.dump(node)}")
+
+
+def evaluate(expr: str, env: Mapping[str, Any]) -> Any:
+    """Evaluate an arithmetic/comparison expression over parameter names."""
+    return _eval(ast.parse(expr, mode="eval"), env)
+
+
+def _check_constraint(expr: str, env: Mapping[str, Any]) -> None:
+    if evaluate(expr, env):
+        return
+    tree = ast.parse(expr, mode="eval").body
+    if isinstance(tree, ast.Compare) and len(tree.ops) == 1:
+        left, right = tree.left, tree.comparators[0]
+        sym = _CMPSYM[type(tree.ops[0])]
+
+        def show(node: ast.AST) -> str:
+            text = ast.unparse(node)
+            value = _eval(node, env)
+            if isinstance(node, ast.Name):
+                return f"{text}={value!r}"
+            if isinstance(node, ast.Constant):
+                return text
+            names = sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name)})
+            parts = ", ".join(f"{k}={env[k]!r}" for k in names if k not in ("min", "max"))
+            return f"{text} = {value!r} ({parts})"
+
+        raise ValueError(f"{show(left)} must be {sym} {show(right)}")
+    raise ValueError(f"parameters violate {expr!r}: " + ", ".join(f"{k}={v!r}" for k, v in env.items()))
+
+
+def validate_params(spec: Spec, given: Mapping[str, Any],
+                    dims: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """Fill defaults, check types, ranges and constraints; return the full parameter dict.
+
+    ``dims`` (``batch``, ``kv_heads``, ``head_dim``) may appear in constraints; constraints
+    naming a dim are skipped when ``dims`` is not given.
+    """
+    unknown = sorted(set(given) - set(spec.params))
+    if unknown:
+        valid = ", ".join(spec.params)
+        raise ValueError(f"{spec.key} got unknown parameter(s) {', '.join(unknown)}; valid: {valid}")
+    out = {}
+    for name, p in spec.params.items():
+        out[name] = p.check(given[name]) if name in given else p.default
+    env = {**out, **(dims or {})}
+    for expr in spec.constraints:
+        names = {n.id for n in ast.walk(ast.parse(expr, mode="eval")) if isinstance(n, ast.Name)}
+        if names <= set(env) | {"min", "max"}:
+            _check_constraint(expr, env)
+    return out
+
+
+def _param(name: str, raw: Mapping[str, Any]) -> Param:
+    kind = raw.get("type")
+    if kind not in _TYPES:
+        raise ValueError(f"parameter {name}: type must be one of {_TYPES}, got {kind!r}")
+    return Param(
+        name=name, type=kind, default=raw["default"], doc=raw.get("doc", ""),
+        min=raw.get("min"), max=raw.get("max"),
+        min_exclusive=raw.get("min_exclusive", False), max_exclusive=raw.get("max_exclusive", False),
+        choices=tuple(raw.get("choices", ())), test_min=raw.get("test_min"),
+        test_max=raw.get("test_max"), test_choices=tuple(raw.get("test_choices", ())),
+        seed_name=raw.get("seed_name"),
+    )
+
+
+def parse_spec(data: Mapping[str, Any]) -> Spec:
+    """Build a :class:`Spec` from parsed TOML data."""
+    paper = data.get("paper", {})
+    return Spec(
+        key=data["key"], name=data["name"], title=paper.get("title", ""),
+        arxiv=paper.get("arxiv", ""), venue=paper.get("venue", ""), family=data["family"],
+        phases=data["phases"], queries=data.get("queries", "no"), summary=data.get("summary", ""),
+        params={k: _param(k, v) for k, v in data.get("params", {}).items()},
+        constraints=tuple(data.get("constraints", ())), contract=dict(data.get("contract", {})),
+        tolerance=dict(data.get("tolerance", {})), deviations=tuple(data.get("deviations", ())),
+        backends=tuple(data.get("backends", ("reference", "mlx"))),
+    )
+
+
+def spec_keys() -> tuple[str, ...]:
+    """Keys of every spec file shipped with the package."""
+    files = resources.files("velox.specs").iterdir()
+    return tuple(sorted(f.name[:-5] for f in files if f.name.endswith(".toml")))
+
+
+@lru_cache(maxsize=None)
+def load_spec(key: str) -> Spec:
+    """Read and parse ``velox/specs/<key>.toml``."""
+    path = resources.files("velox.specs") / f"{key}.toml"
+    if not path.is_file():
+        raise ValueError(f"no spec file for method {key!r}")
+    spec = parse_spec(tomllib.loads(path.read_text(encoding="utf-8")))
+    if spec.key != key:
+        raise ValueError(f"spec file {key}.toml declares key {spec.key!r}")
+    for p in spec.params.values():
+        p.check(p.default)
+    validate_params(spec, {})
+    return spec
