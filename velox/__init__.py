@@ -8,7 +8,7 @@ method key to its functions and spec; :func:`init`, :func:`update`, :func:`get_k
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import mlx.core as mx
 
@@ -21,40 +21,45 @@ from .methods.snapkv import SnapKVState, snapkv_bytes, snapkv_get_kv, snapkv_ini
 from .methods.streaming_llm import (StreamingLLMState, streaming_llm_bytes, streaming_llm_get_kv,
                                     streaming_llm_init, streaming_llm_update)
 from .methods.tova import TovaState, tova_bytes, tova_get_kv, tova_init, tova_update
-from .registry import Method, get_method, method_keys, method_of
+from .registry import Method, State, get_method, method_keys, method_of
 from .spec import Spec, load_spec
 
 __version__ = "0.1.0"
 
 
 def init(key: str, batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-         backend: str = "auto", **params: Any) -> NamedTuple:
-    """``<key>_init`` by method key."""
-    return get_method(key).init(batch, kv_heads, head_dim, dtype=dtype, backend=backend, **params)
+         backend: str = "auto", **params: Any) -> State:
+    """``<key>_init`` by method key; unknown parameter names raise ``ValueError``."""
+    method = get_method(key)
+    unknown = sorted(set(params) - set(method.spec.params))
+    if unknown:
+        raise ValueError(f"{key} got unknown parameter(s) {', '.join(unknown)}; "
+                         f"valid: {', '.join(method.spec.params)}")
+    return method.init(batch, kv_heads, head_dim, dtype=dtype, backend=backend, **params)
 
 
-def update(state: NamedTuple, keys: mx.array, values: mx.array, *,
-           queries: mx.array | None = None) -> NamedTuple:
+def update(state: State, keys: mx.array, values: mx.array, *,
+           queries: mx.array | None = None) -> State:
     """``<key>_update`` for whichever method ``state`` belongs to."""
     return method_of(state).update(state, keys, values, queries=queries)
 
 
-def get_kv(state: NamedTuple) -> tuple[mx.array, mx.array]:
+def get_kv(state: State) -> tuple[mx.array, mx.array]:
     """``<key>_get_kv`` for whichever method ``state`` belongs to."""
     return method_of(state).get_kv(state)
 
 
-def nbytes(state: NamedTuple) -> int:
+def nbytes(state: State) -> int:
     """``<key>_bytes`` for whichever method ``state`` belongs to."""
     return method_of(state).nbytes(state)
 
 
-def positions(state: NamedTuple) -> mx.array:
+def positions(state: State) -> mx.array:
     """Absolute positions ``[b, h, n]`` of the tokens ``get_kv`` returns."""
     return method_of(state).positions(state)
 
 
-def tokens_seen(state: NamedTuple) -> int:
+def tokens_seen(state: State) -> int:
     """Tokens absorbed so far (the absolute position of the next token)."""
     return int(state.next_pos[0, 0].item())
 

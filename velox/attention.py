@@ -11,7 +11,8 @@ import mlx.core as mx
 
 from ._typing import Array, Bool, Float, Int
 
-__all__ = ["group_queries", "scoring_queries", "causal_mask", "attention_weights", "attention_mass"]
+__all__ = ["group_queries", "scoring_queries", "causal_mask", "chunk_mask", "candidate_logits",
+           "candidate_weights", "candidate_mass"]
 
 
 def group_queries(queries: Float[Array, "b q s d"], kv_heads: int) -> Float[Array, "b h g s d"]:
@@ -34,42 +35,64 @@ def causal_mask(key_positions: Int[Array, "b h n"],
     return key_positions[:, :, None, :] <= query_positions[:, :, :, None]
 
 
-def attention_weights(queries: Float[Array, "b h g m d"], keys: Float[Array, "b h n d"],
-                      key_positions: Int[Array, "b h n"] | None = None,
-                      query_positions: Int[Array, "b h m"] | None = None,
-                      scale: float | None = None) -> Float[Array, "b h g m n"]:
-    """Softmax attention weights (float32) of grouped queries over keys.
+def chunk_mask(n: int, s: int, m: int) -> Bool[Array, "m n_plus_s"]:
+    """Visibility of ``n`` stored + ``s`` new keys for the chunk's last ``m`` queries.
 
-    With positions given, a query attends only keys at or before its own position; without,
-    every key is visible (right for a single newest query).
+    Stored keys precede the chunk, so every query sees them; query ``i`` (the chunk's token
+    ``s - m + i``) sees the new keys up to itself. Static, so compiled updates need no
+    position arithmetic; it equals :func:`causal_mask` on absolute positions.
+    """
+    q = mx.arange(s - m, s)[:, None]
+    j = mx.arange(n + s)[None, :] - n
+    return j <= q
+
+
+def candidate_logits(queries: Float[Array, "b h g m d"], stored: Float[Array, "b h n d"],
+                     new: Float[Array, "b h s d"], scale: float | None = None) -> Float[Array, "b h g m ns"]:
+    """Scaled float32 logits of the chunk's last ``m`` queries over stored + new keys, causal.
+
+    The two key sets are scored separately, so no concatenated key array is built.
     """
     b, h, g, m, d = queries.shape
-    n = keys.shape[2]
+    n, s = stored.shape[2], new.shape[2]
     scale = d ** -0.5 if scale is None else scale
-    logits = (queries.reshape(b, h, g * m, d) @ keys.swapaxes(-1, -2)).astype(mx.float32)
-    logits = logits.reshape(b, h, g, m, n) * scale
-    if key_positions is not None and query_positions is not None and m > 1:
-        mask = causal_mask(key_positions, query_positions)[:, :, None]
-        logits = mx.where(mask, logits, -mx.inf)
-    return mx.softmax(logits, axis=-1, precise=True)
+    q = queries.reshape(b, h, g * m, d).astype(mx.float32) * scale
+    parts = [q @ new.astype(mx.float32).swapaxes(-1, -2)]
+    if n:
+        parts.insert(0, q @ stored.astype(mx.float32).swapaxes(-1, -2))
+    logits = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+    logits = logits.reshape(b, h, g, m, n + s)
+    if m > 1 or s > 1:
+        logits = mx.where(chunk_mask(n, s, m), logits, -mx.inf)
+    return logits
 
 
-def attention_mass(queries: Float[Array, "b h g m d"], keys: Float[Array, "b h n d"],
-                   key_positions: Int[Array, "b h n"], query_positions: Int[Array, "b h m"],
-                   coef: Float[Array, "m"] | None = None, block: int = 256) -> Float[Array, "b h n"]:
-    """Attention each key receives, summed over queries (weighted by ``coef``), mean over ``g``.
+def candidate_weights(queries: Float[Array, "b h g m d"], stored: Float[Array, "b h n d"],
+                      new: Float[Array, "b h s d"]) -> Float[Array, "b h g m ns"]:
+    """Softmax attention weights of the chunk's last ``m`` queries over stored + new keys."""
+    return mx.softmax(candidate_logits(queries, stored, new), axis=-1, precise=True)
 
-    Queries are processed in blocks of ``block`` so a long prefill chunk never materialises
-    the full ``[m, n]`` weight matrix of every head at once.
+
+def candidate_mass(queries: Float[Array, "b h g m d"], stored: Float[Array, "b h n d"],
+                   new: Float[Array, "b h s d"], coef: Float[Array, "m"] | None = None,
+                   block: int = 256) -> Float[Array, "b h ns"]:
+    """Attention each candidate receives from the chunk's last ``m`` queries.
+
+    Summed over queries (weighted by ``coef``), averaged over the ``g`` query heads of a kv
+    head. Queries go in blocks of ``block`` so long chunks never hold every weight at once.
     """
-    m = queries.shape[3]
+    m, s = queries.shape[3], new.shape[2]
     total = None
     for start in range(0, m, block):
         stop = min(start + block, m)
-        w = attention_weights(queries[:, :, :, start:stop], keys, key_positions,
-                              query_positions[:, :, start:stop])
+        # the block's queries are the chunk's tokens s-m+start .. s-m+stop-1: only the new
+        # keys up to the block's last query can be visible
+        visible = s - m + stop
+        w = candidate_weights(queries[:, :, :, start:stop], stored, new[:, :, :visible])
         if coef is not None:
             w = w * coef[start:stop, None]
         part = w.sum(axis=3).mean(axis=2)
+        if visible < s:
+            part = mx.concatenate([part, mx.zeros(part.shape[:2] + (s - visible,), part.dtype)], axis=2)
         total = part if total is None else total + part
     return total

@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from ._typing import Array, Bool, Float, Int, Shaped
 
-__all__ = ["empty_rows", "append", "new_positions", "protected", "top_budget", "take_rows"]
+__all__ = ["empty_rows", "new_positions", "protected", "top_budget", "take_rows", "keep_rows", "dims"]
 
 
 def empty_rows(batch: int, heads: int, head_dim: int, dtype: mx.Dtype):
@@ -27,21 +27,18 @@ def new_positions(next_pos: Int[Array, "b h"], s: int) -> Int[Array, "b h s"]:
     return next_pos[:, :, None] + mx.arange(s, dtype=mx.int32)
 
 
-def append(keys: Float[Array, "b h n d"], values: Float[Array, "b h n d"],
-           positions: Int[Array, "b h n"], next_pos: Int[Array, "b h"],
-           new_keys: Float[Array, "b h s d"], new_values: Float[Array, "b h s d"]):
-    """Candidates = stored rows followed by the new ones (still sorted by position)."""
-    s = new_keys.shape[2]
-    return (mx.concatenate([keys, new_keys], axis=2), mx.concatenate([values, new_values], axis=2),
-            mx.concatenate([positions, new_positions(next_pos, s)], axis=2))
+def protected(n: int, n_sink: int, recent: int = 0) -> Bool[Array, "n"]:
+    """Candidate slots never evicted: the first ``n_sink`` and the last ``recent`` of ``n``.
 
-
-def protected(positions: Int[Array, "b h n"], total: Int[Array, "b h"], n_sink: int,
-              recent: int = 0) -> Bool[Array, "b h n"]:
-    """Sinks (the first ``n_sink`` positions) and the ``recent`` newest of ``total`` tokens."""
-    keep = positions < n_sink
+    Slots stand for positions because stored rows are position-sorted and protected tokens
+    are never evicted: the sinks always occupy the first slots and the ``recent`` newest
+    tokens the last ones (the reference backends test the same rule on positions). A static
+    mask also keeps dynamic integer arithmetic out of compiled updates.
+    """
+    i = mx.arange(n)
+    keep = i < n_sink
     if recent:
-        keep = keep | (positions >= (total - recent)[:, :, None])
+        keep = keep | (i >= n - recent)
     return keep
 
 
@@ -54,7 +51,7 @@ def _order_key(scores: Float[Array, "b h n"]) -> Int[Array, "b h n"]:
 
 
 def top_budget(scores: Float[Array, "b h n"], budget: int,
-               protect: Bool[Array, "b h n"] | None = None) -> Int[Array, "b h k"] | None:
+               protect: Bool[Array, "... n"] | None = None) -> Int[Array, "b h k"] | None:
     """Indices of the ``budget`` highest-scoring candidates, ascending; ``None`` keeps all.
 
     Protected candidates score ``+inf``; callers guarantee they number fewer than ``budget``.
@@ -85,3 +82,27 @@ def dims(state) -> tuple[int, int, int, mx.Dtype]:
     """``(batch, kv_heads, head_dim, dtype)`` of a state that stores ``keys [b, h, n, d]``."""
     b, h, _, d = state.keys.shape
     return b, h, d, state.keys.dtype
+
+
+def keep_rows(stored: tuple, new: tuple, idx: Int[Array, "b h k"] | None) -> tuple:
+    """Rows ``idx`` of each ``stored ++ new`` pair (token axis 2); ``None`` keeps all.
+
+    A decode step (one new token) gathers from the stored rows alone and writes the new row
+    into the last slot when it is kept (the newest kept token is always last), so the
+    candidates are never concatenated; chunks concatenate, then gather.
+    """
+    n, s = stored[0].shape[2], new[0].shape[2]
+    if idx is None:
+        return tuple(mx.concatenate([a, x], axis=2) for a, x in zip(stored, new))
+    if s > 1 or n == 0:
+        return tuple(take_rows(mx.concatenate([a, x], axis=2), idx) for a, x in zip(stored, new))
+    k = idx.shape[-1]
+    new_kept = idx[:, :, -1:] == n
+    out = []
+    for a, x in zip(stored, new):
+        kept = take_rows(a, mx.minimum(idx, n - 1))
+        cond = new_kept.reshape(new_kept.shape + (1,) * (a.ndim - 3))
+        last = mx.where(cond, x, kept[:, :, k - 1:])
+        start = mx.array([0, 0, k - 1] + [0] * (a.ndim - 3))
+        out.append(mx.slice_update(kept, last, start, axes=tuple(range(a.ndim))))
+    return tuple(out)

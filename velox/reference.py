@@ -53,7 +53,7 @@ def attention_weights(q: np.ndarray, k: np.ndarray, key_pos: np.ndarray,
     return softmax(np.where(visible, logits, -np.inf))
 
 
-def protected(positions: np.ndarray, total: int, n_sink: int, recent: int = 0) -> np.ndarray:
+def protected(positions: np.ndarray, total: int | np.integer, n_sink: int, recent: int = 0) -> np.ndarray:
     """Sinks (the first ``n_sink`` positions) and the ``recent`` newest of ``total`` tokens."""
     return (positions < n_sink) | (positions >= total - recent if recent else False)
 

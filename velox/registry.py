@@ -8,7 +8,10 @@ per-method branches. Kernel modules add backends to a registered method with
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any
+
+State = tuple  # every state record is a typing.NamedTuple
 
 import mlx.core as mx
 
@@ -23,13 +26,13 @@ class Method:
 
     key: str
     state_type: type
-    init: Callable[..., NamedTuple]
-    update: Callable[..., NamedTuple]
-    get_kv: Callable[[NamedTuple], tuple[mx.array, mx.array]]
-    nbytes: Callable[[NamedTuple], int]
-    positions: Callable[[NamedTuple], mx.array]
-    backends: dict[str, Callable[..., NamedTuple]] = field(default_factory=dict)
-    error_bound: Callable[[NamedTuple], tuple[mx.array, mx.array]] | None = None
+    init: Callable[..., State]
+    update: Callable[..., State]
+    get_kv: Callable[[State], tuple[mx.array, mx.array]]
+    nbytes: Callable[[State], int]
+    positions: Callable[[State], mx.array]
+    backends: dict[str, Callable[..., State]] = field(default_factory=dict)
+    error_bound: Callable[[State], tuple[mx.array, mx.array]] | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -41,7 +44,7 @@ _REGISTRY: dict[str, Method] = {}
 _BY_STATE: dict[type, Method] = {}
 
 
-def _stored_positions(state: NamedTuple) -> mx.array:
+def _stored_positions(state: State) -> mx.array:
     return state.positions
 
 
@@ -78,7 +81,7 @@ def method_keys() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
-def method_of(state: NamedTuple) -> Method:
+def method_of(state: State) -> Method:
     """The method a state record belongs to."""
     try:
         return _BY_STATE[type(state)]
@@ -104,8 +107,8 @@ def prepare_init(key: str, batch: int, kv_heads: int, head_dim: int, dtype: mx.D
     return full, resolve_backend(backend, key, method.backends)
 
 
-def dispatch(key: str, state: NamedTuple, keys: mx.array, values: mx.array,
-             queries: mx.array | None, dims: tuple[int, int, int, mx.Dtype]) -> NamedTuple:
+def dispatch(key: str, state: State, keys: mx.array, values: mx.array,
+             queries: mx.array | None, dims: tuple[int, int, int, mx.Dtype]) -> State:
     """Validate an ``update`` call against the state's dims and run the state's backend."""
     from .validate import check_update
 

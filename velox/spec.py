@@ -14,14 +14,15 @@ import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["Param", "Spec", "load_spec", "spec_keys", "validate_params", "evaluate"]
+__all__ = ["Param", "Spec", "load_spec", "spec_keys", "validate_params", "evaluate", "method_table"]
 
 _TYPES = ("int", "float", "bool", "choice")
 
@@ -34,13 +35,13 @@ class Param:
     type: str
     default: Any
     doc: str = ""
-    min: float | None = None
-    max: float | None = None
+    min: int | float | None = None
+    max: int | float | None = None
     min_exclusive: bool = False
     max_exclusive: bool = False
     choices: tuple = ()
-    test_min: float | None = None
-    test_max: float | None = None
+    test_min: int | float | None = None
+    test_max: int | float | None = None
     test_choices: tuple = ()
     seed_name: str | None = None
 
@@ -239,3 +240,15 @@ def load_spec(key: str) -> Spec:
         p.check(p.default)
     validate_params(spec, {})
     return spec
+
+
+def method_table(keys: tuple[str, ...] | None = None) -> str:
+    """Markdown table of the methods: key, name, family, phases, queries, paper, parameters."""
+    lines = ["| key | method | family | phases | queries | paper | parameters (defaults) |",
+             "|---|---|---|---|---|---|---|"]
+    for key in keys or spec_keys():
+        s = load_spec(key)
+        params = ", ".join(f"`{p.name}={p.default!r}`" for p in s.params.values())
+        paper = f"[{s.arxiv}](https://arxiv.org/abs/{s.arxiv})" if s.arxiv else s.venue
+        lines.append(f"| `{s.key}` | {s.name} | {s.family} | {s.phases} | {s.queries} | {paper} | {params} |")
+    return "\n".join(lines) + "\n"

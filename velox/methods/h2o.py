@@ -27,7 +27,7 @@ from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
 from ..accounting import state_nbytes
-from ..attention import attention_mass, scoring_queries
+from ..attention import candidate_mass, scoring_queries
 from ..registry import dispatch, prepare_init, register
 
 __all__ = ["H2OState", "h2o_init", "h2o_update", "h2o_get_kv", "h2o_bytes"]
@@ -62,18 +62,16 @@ def h2o_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.f
 
 
 def _update_mlx(state: H2OState, keys, values, queries) -> H2OState:
-    s = keys.shape[2]
-    k, v, p = evict.append(state.keys, state.values, state.positions, state.next_pos, keys, values)
-    total = state.next_pos + s
+    n, s = state.keys.shape[2], keys.shape[2]
     coef = state.decay ** mx.arange(s - 1, -1, -1, dtype=mx.float32)
-    mass = attention_mass(scoring_queries(keys, queries), k, p, p[:, :, -s:], coef)
-    old = state.scores * (state.decay ** s)
-    acc = mx.concatenate([old, mx.zeros(old.shape[:2] + (s,), mx.float32)], axis=2) + mass
-    idx = evict.top_budget(acc, state.budget,
-                           evict.protected(p, total, state.n_sink, state.grace))
-    return state._replace(keys=evict.take_rows(k, idx), values=evict.take_rows(v, idx),
-                          positions=evict.take_rows(p, idx), scores=evict.take_rows(acc, idx),
-                          next_pos=total)
+    mass = candidate_mass(scoring_queries(keys, queries), state.keys, keys, coef)
+    old = state.scores * (state.decay ** s) + mass[:, :, :n]
+    new = mass[:, :, n:]
+    idx = evict.top_budget(mx.concatenate([old, new], axis=2), state.budget,
+                           evict.protected(n + s, state.n_sink, state.grace))
+    k, v, p, sc = evict.keep_rows((state.keys, state.values, state.positions, old),
+                                  (keys, values, evict.new_positions(state.next_pos, s), new), idx)
+    return state._replace(keys=k, values=v, positions=p, scores=sc, next_pos=state.next_pos + s)
 
 
 def _update_reference(state: H2OState, keys, values, queries) -> H2OState:

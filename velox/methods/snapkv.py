@@ -27,7 +27,7 @@ from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
 from ..accounting import state_nbytes
-from ..attention import attention_mass, scoring_queries
+from ..attention import candidate_mass, scoring_queries
 from ..registry import dispatch, prepare_init, register
 
 __all__ = ["SnapKVState", "snapkv_init", "snapkv_update", "snapkv_get_kv", "snapkv_bytes"]
@@ -78,22 +78,20 @@ def _pool_mlx(x: mx.array, kernel: int, pooling: str) -> mx.array:
 
 
 def _update_mlx(state: SnapKVState, keys, values, queries) -> SnapKVState:
-    s = keys.shape[2]
-    k, v, p = evict.append(state.keys, state.values, state.positions, state.next_pos, keys, values)
-    total = state.next_pos + s
-    n = k.shape[2]
+    n, s = state.keys.shape[2], keys.shape[2]
     idx = None
-    if s > 1 and n > state.budget:
+    if s > 1 and n + s > state.budget:
         w = min(state.obs_window, s)
         q = scoring_queries(keys, queries)[:, :, :, s - w:]
-        votes = attention_mass(q, k, p, p[:, :, n - w:])
-        prefix = n - state.obs_window  # the window itself is protected; pool the prefix only
+        votes = candidate_mass(q, state.keys, keys)
+        prefix = n + s - state.obs_window  # the window itself is protected; pool the prefix only
         pooled = _pool_mlx(votes[:, :, :prefix], state.kernel_size, state.pooling)
         votes = mx.concatenate([pooled, votes[:, :, prefix:]], axis=2)
         idx = evict.top_budget(votes, state.budget,
-                               evict.protected(p, total, state.n_sink, state.obs_window))
-    return state._replace(keys=evict.take_rows(k, idx), values=evict.take_rows(v, idx),
-                          positions=evict.take_rows(p, idx), next_pos=total)
+                               evict.protected(n + s, state.n_sink, state.obs_window))
+    k, v, p = evict.keep_rows((state.keys, state.values, state.positions),
+                              (keys, values, evict.new_positions(state.next_pos, s)), idx)
+    return state._replace(keys=k, values=v, positions=p, next_pos=state.next_pos + s)
 
 
 def _pool_reference(x: np.ndarray, kernel: int, pooling: str) -> np.ndarray:

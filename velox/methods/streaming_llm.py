@@ -52,19 +52,12 @@ def streaming_llm_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dt
 def _update_mlx(state: StreamingLLMState, keys, values, queries) -> StreamingLLMState:
     n, s = state.keys.shape[2], keys.shape[2]
     sink, window = state.n_sink, state.window_size
-    new_pos = evict.new_positions(state.next_pos, s)
-    pairs = ((state.keys, keys), (state.values, values), (state.positions, new_pos))
-    if n + s <= sink + window:
-        kept = pairs
-    elif n >= sink:
-        # The first `sink` stored rows are the sinks; the window is the tail of stored + new.
-        tail = max(window - s, 0)
-        fresh = slice(max(s - window, 0), s)
-        kept = [(x[:, :, :sink], x[:, :, n - tail:], y[:, :, fresh]) for x, y in pairs]
-    else:  # some sinks arrive in this chunk
-        both = [mx.concatenate(xy, axis=2) for xy in pairs]
-        kept = [(c[:, :, :sink], c[:, :, n + s - window:]) for c in both]
-    k, v, p = (mx.concatenate(parts, axis=2) for parts in kept)
+    idx = None
+    if n + s > sink + window:  # keep the first `sink` candidates and the last `window`
+        keep = mx.concatenate([mx.arange(sink), mx.arange(n + s - window, n + s)]).astype(mx.int32)
+        idx = mx.broadcast_to(keep, state.positions.shape[:2] + keep.shape)
+    k, v, p = evict.keep_rows((state.keys, state.values, state.positions),
+                              (keys, values, evict.new_positions(state.next_pos, s)), idx)
     return state._replace(keys=k, values=v, positions=p, next_pos=state.next_pos + s)
 
 

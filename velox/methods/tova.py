@@ -24,7 +24,7 @@ from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
 from ..accounting import state_nbytes
-from ..attention import attention_weights, scoring_queries
+from ..attention import candidate_weights, scoring_queries
 from ..registry import dispatch, prepare_init, register
 
 __all__ = ["TovaState", "tova_init", "tova_update", "tova_get_kv", "tova_bytes"]
@@ -55,17 +55,18 @@ def tova_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.
 
 
 def _update_mlx(state: TovaState, keys, values, queries) -> TovaState:
-    k, v, p = evict.append(state.keys, state.values, state.positions, state.next_pos, keys, values)
-    total = state.next_pos + keys.shape[2]
+    n, s = state.keys.shape[2], keys.shape[2]
     idx = None
-    if k.shape[2] > state.budget:
+    if n + s > state.budget:
         last = scoring_queries(keys, queries)[:, :, :, -1:]
-        w = attention_weights(last, k)[:, :, :, 0].mean(axis=2)
-        if not state.per_head:
-            w = mx.broadcast_to(w.mean(axis=1, keepdims=True), w.shape)
-        idx = evict.top_budget(w, state.budget, evict.protected(p, total, state.n_sink))
-    return state._replace(keys=evict.take_rows(k, idx), values=evict.take_rows(v, idx),
-                          positions=evict.take_rows(p, idx), next_pos=total)
+        w = candidate_weights(last, state.keys, keys)[:, :, :, 0].mean(axis=2)
+        if not state.per_head:  # one selection for the layer, shared by every head
+            w = w.mean(axis=1, keepdims=True)
+        idx = evict.top_budget(w, state.budget, evict.protected(n + s, state.n_sink))
+        idx = mx.broadcast_to(idx, state.positions.shape[:2] + idx.shape[2:])
+    k, v, p = evict.keep_rows((state.keys, state.values, state.positions),
+                              (keys, values, evict.new_positions(state.next_pos, s)), idx)
+    return state._replace(keys=k, values=v, positions=p, next_pos=state.next_pos + s)
 
 
 def _update_reference(state: TovaState, keys, values, queries) -> TovaState:

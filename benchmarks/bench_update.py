@@ -1,0 +1,169 @@
+"""Decode-step cost of each method's update, beside one attention over the same cache.
+
+For every registered method: fill a state to its steady size (budget 512 by default), then
+time single-token updates with the ``mlx`` backend (plain and ``mx.compile``d) and with the
+``reference`` backend, and one ``mx.fast.scaled_dot_product_attention`` of a single query over
+the kept cache. Prints times, the ratios the targets are stated in, and whether the compiled
+update retraced between steps. Also prints KIVI's measured bytes beside a hand count.
+
+    python benchmarks/bench_update.py [--steps 50] [--dtype float32] [--budget 512]
+
+Times are per step, median of the measured steps, on whatever device MLX uses by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+
+import velox
+from velox.registry import get_method, method_keys
+
+B, H, D = 1, 8, 128
+
+
+def _params(key: str, budget: int) -> dict:
+    spec = get_method(key).spec
+    p = {}
+    if "budget" in spec.params:
+        p["budget"] = budget
+    if key == "streaming_llm":
+        p["window_size"] = budget - spec.defaults["n_sink"]
+    return p
+
+
+def _timed(fn, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def bench_method(key: str, budget: int, steps: int, ref_steps: int, dtype: mx.Dtype) -> dict:
+    m = get_method(key)
+    params = _params(key, budget)
+    rng = np.random.default_rng(0)
+    prefill = budget + 64
+
+    def tokens(s):
+        return [mx.array(rng.standard_normal((B, H, s, D)).astype(np.float32)).astype(dtype)
+                for _ in range(2)]
+
+    k0, v0 = tokens(prefill)
+    decode = [tokens(1) for _ in range(steps + 2)]
+    mx.eval(k0, v0, decode)
+    row = {"method": key}
+    for backend in ("mlx", "reference"):
+        state = m.init(B, H, D, dtype=dtype, backend=backend, **params)
+        state = m.update(state, k0, v0)
+        mx.eval(state)
+        n = ref_steps if backend == "reference" else steps
+        it = iter(decode)
+
+        def step():
+            nonlocal state
+            k, v = next(it)
+            state = m.update(state, k, v)
+            mx.eval(state)
+
+        step()  # warm-up
+        row[f"{backend}_us"] = statistics.median(_timed(step, n)) * 1e6
+
+    # Compiled mlx update; a Python side effect counts traces.
+    traces = 0
+
+    def traced(state, k, v):
+        nonlocal traces
+        traces += 1
+        return m.update(state, k, v)
+
+    compiled = mx.compile(traced)
+    state = m.update(m.init(B, H, D, dtype=dtype, backend="mlx", **params), k0, v0)
+    mx.eval(state)
+    it = iter(decode)
+
+    def cstep():
+        nonlocal state
+        k, v = next(it)
+        state = compiled(state, k, v)
+        mx.eval(state)
+
+    cstep()
+    cstep()
+    first = traces
+    row["compiled_us"] = statistics.median(_timed(cstep, steps - 2)) * 1e6
+    row["retraces_after_warmup"] = traces - first
+
+    kk, vv = m.get_kv(state)
+    q = mx.array(rng.standard_normal((B, H, 1, D)).astype(np.float32)).astype(dtype)
+    mx.eval(kk, vv, q)
+
+    def attend():
+        mx.eval(mx.fast.scaled_dot_product_attention(q, kk, vv, scale=D ** -0.5))
+
+    for _ in range(5):
+        attend()
+    row["kept"] = int(kk.shape[2])
+    row["sdpa_us"] = statistics.median(_timed(attend, steps)) * 1e6
+    row["mlx/sdpa"] = row["mlx_us"] / row["sdpa_us"]
+    row["compiled/sdpa"] = row["compiled_us"] / row["sdpa_us"]
+    row["reference/mlx"] = row["reference_us"] / row["mlx_us"]
+    return row
+
+
+def kivi_bytes_check(tokens: int = 4096) -> dict:
+    """KIVI 2-bit, group 32, residual 128, fp16: measured bytes vs a hand count."""
+    bits, g, r = 2, 32, 128
+    st = velox.kivi_init(1, 1, D, dtype=mx.float16, bits=bits, group_size=g, residual_length=r)
+    x = mx.random.normal((1, 1, tokens, D)).astype(mx.float16)
+    st = velox.kivi_update(st, x, x)
+    q = g * ((tokens - r) // g)
+    res = tokens - q
+    codes = 2 * q * D * bits // 8                       # keys and values
+    key_scales = (q // g) * D * 2 * 2                    # per channel per group: scale + zero
+    value_scales = q * (D // g) * 2 * 2                  # per token per group: scale + zero
+    residual = res * D * 2 * 2
+    hand = codes + key_scales + value_scales + residual
+    measured = velox.kivi_bytes(st)
+    fp16 = velox.fp16_bytes(tokens, 1, 1, D)
+    return {"tokens": tokens, "measured_bytes": measured, "hand_count_bytes": hand,
+            "measured/hand": measured / hand, "fp16_bytes": fp16, "fp16/measured": fp16 / measured}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--ref-steps", type=int, default=5)
+    ap.add_argument("--budget", type=int, default=512)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--methods", nargs="*", default=None)
+    ap.add_argument("--json", default=None, help="also write the rows to this file")
+    args = ap.parse_args(argv)
+    dtype = getattr(mx, args.dtype)
+    print(f"device {mx.default_device()}, mlx {mx.__version__}, b={B} h={H} d={D}, "
+          f"budget {args.budget}, {args.dtype}")
+    rows = [bench_method(k, args.budget, args.steps, args.ref_steps, dtype)
+            for k in (args.methods or method_keys())]
+    cols = ["method", "kept", "sdpa_us", "mlx_us", "compiled_us", "reference_us", "mlx/sdpa",
+            "compiled/sdpa", "reference/mlx", "retraces_after_warmup"]
+    print(" | ".join(f"{c:>14s}" for c in cols))
+    for r in rows:
+        print(" | ".join(f"{r[c]:>14.1f}" if isinstance(r[c], float) else f"{r[c]!s:>14s}" for c in cols))
+    kb = kivi_bytes_check()
+    print("kivi 2-bit g32 r128 fp16, 4096 tokens, d=128:", json.dumps(kb))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "kivi_bytes": kb, "device": str(mx.default_device())}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

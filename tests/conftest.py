@@ -1,0 +1,23 @@
+import os
+
+from hypothesis import HealthCheck, settings
+
+_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                                     HealthCheck.data_too_large])
+# ci: fixed example count and derandomized, so CI runs are reproducible and bounded in time.
+settings.register_profile("ci", max_examples=12, derandomize=True, print_blob=True, **_common)
+settings.register_profile("dev", max_examples=25, **_common)
+settings.register_profile("thorough", max_examples=300, **_common)
+settings.load_profile(os.environ.get("VELOX_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+import jaxtyping
+import pytest
+
+
+@pytest.fixture
+def no_shape_checks():
+    """Switch off the test-time jaxtyping checks, to see the errors users get."""
+    jaxtyping.config.update("jaxtyping_disable", True)
+    yield
+    jaxtyping.config.update("jaxtyping_disable", False)

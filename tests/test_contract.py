@@ -1,0 +1,230 @@
+"""The method contract, checked on every registered method with spec-driven hypothesis cases."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import velox
+from velox import testing as vt
+from velox.backend import BackendUnavailable
+from velox.registry import get_method, method_keys
+from velox.spec import spec_keys
+
+KEYS = method_keys()
+
+
+def test_every_spec_has_a_method_and_back():
+    assert set(spec_keys()) == set(KEYS)
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_signature_matches_spec(key):
+    vt.check_signature(key)
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_public_names(key):
+    m = get_method(key)
+    assert getattr(velox, f"{key}_init") is m.init
+    assert getattr(velox, f"{key}_update") is m.update
+    assert getattr(velox, f"{key}_get_kv") is m.get_kv
+    assert getattr(velox, f"{key}_bytes") is m.nbytes
+    assert m.state_type.__name__ in velox.__all__
+
+
+def _given_cases(fraction: float = 1.0, **kw):
+    """Parametrise over methods, then draw a case for each with hypothesis.
+
+    ``fraction`` scales the active profile's example count (for slow properties).
+    """
+    def deco(fn):
+        examples = max(3, int(settings.default.max_examples * fraction))
+
+        @pytest.mark.parametrize("key", KEYS)
+        @settings(max_examples=examples)
+        @given(data=st.data())
+        def wrapper(key, data):
+            case = data.draw(vt.cases(key, **kw), label="case")
+            fn(case)
+        wrapper.__name__ = fn.__name__
+        wrapper.__doc__ = fn.__doc__
+        return wrapper
+    return deco
+
+
+@_given_cases()
+def test_invariants(case):
+    """Capacity, sinks, positions (true rows), next position, error bound, real bytes."""
+    steps = vt.make_inputs(case)
+    states = vt.run(case, "mlx", steps=steps)
+    vt.check_capacity(case, states)
+    vt.check_sinks(case, states)
+    vt.check_positions(case, states, steps)
+    vt.check_next_pos(case, states)
+    vt.check_error_bound(case, states, steps)
+    vt.check_bytes(case, states)
+
+
+@_given_cases(contents=vt.CONTINUOUS)
+def test_backend_parity(case):
+    """Every backend that runs here agrees with the reference within the spec's tolerance."""
+    m = get_method(case.key)
+    tol = m.spec.tolerance
+    steps = vt.make_inputs(case)
+    want = vt.run(case, "reference", steps=steps)
+    vt.check_positions(case, want, steps)
+    for backend in m.backends:
+        if backend == "reference" or not velox.backend.device_supports(backend):
+            continue
+        got = vt.run(case, backend, steps=steps)
+        for t, (a, b) in enumerate(zip(got, want)):
+            vt.assert_states_close(case, a, b, atol=tol.get("atol", 0.0), rtol=tol.get("rtol", 0.0),
+                                   what=f"{backend} vs reference after update {t}")
+
+
+@_given_cases(dtypes=("float32",))
+def test_purity(case):
+    """An update leaves its inputs and the previous state untouched."""
+    m = get_method(case.key)
+    steps = vt.make_inputs(case)
+    state = vt.init_state(case)
+    for step in steps:
+        before = [np.array(x) for x in vt._leaves(state)] + [np.array(x) for x in step if x is not None]
+        new = m.update(state, step.keys, step.values, queries=step.queries)
+        mx.eval(new)
+        after = [np.array(x) for x in vt._leaves(state)] + [np.array(x) for x in step if x is not None]
+        assert all(np.array_equal(a, b) for a, b in zip(before, after))
+        state = new
+
+
+@_given_cases(fraction=0.3, dtypes=("float32",), contents=vt.CONTINUOUS)
+def test_compiled_update_equals_plain(case):
+    """``mx.compile`` of the update gives the same states as the plain update."""
+    m = get_method(case.key)
+    steps = vt.make_inputs(case)
+    plain = vt.run(case, "mlx", steps=steps)
+    with_q = mx.compile(lambda s, k, v, q: m.update(s, k, v, queries=q))
+    without_q = mx.compile(lambda s, k, v: m.update(s, k, v))
+    compiled = vt.run(case, "mlx", steps=steps,
+                      update=lambda s, k, v, q: without_q(s, k, v) if q is None else with_q(s, k, v, q))
+    tol = m.spec.tolerance
+    for t, (a, b) in enumerate(zip(compiled, plain)):
+        vt.assert_states_close(case, a, b, atol=tol.get("atol", 0.0) + 1e-6, rtol=tol.get("rtol", 0.0) + 1e-6,
+                               what=f"compiled vs plain after update {t}")
+
+
+@_given_cases(dtypes=("float32",), contents=vt.CONTINUOUS)
+def test_batch_and_head_independence(case):
+    """Updating stacked rows equals updating each row alone (heads too, where the spec says so)."""
+    m = get_method(case.key)
+    full = vt.run(case, "mlx")[-1]
+    per_head = vt.head_independent(m.spec, case.params)
+    tol = m.spec.tolerance
+    for i in range(case.batch):
+        for j in (range(case.heads) if per_head else [None]):
+            sub_case, sub_steps = vt.row_case(case, i, j)
+            alone = vt.run(sub_case, "mlx", steps=sub_steps)[-1]
+            hs = slice(None) if j is None else slice(j, j + 1)
+            pos_full = np.array(m.positions(full))[i:i + 1, hs]
+            assert np.array_equal(pos_full, np.array(m.positions(alone))), f"row {i}, head {j}: positions"
+            for x, y in zip(m.get_kv(full), m.get_kv(alone)):
+                x = np.array(x[i:i + 1, hs].astype(mx.float32))
+                y = np.array(y.astype(mx.float32))
+                assert np.allclose(x, y, atol=tol.get("atol", 0.0) + 1e-6, rtol=tol.get("rtol", 0.0) + 1e-6)
+
+
+# --- bad input ------------------------------------------------------------------------
+
+def _small_state(key, **over):
+    m = get_method(key)
+    d = 32 if "head_dim" in " ".join(m.spec.constraints) else 8
+    return m, m.init(1, 2, d, **over), d
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_bad_update_inputs(key, no_shape_checks):
+    m, state, d = _small_state(key)
+    ok = mx.zeros((1, 2, 3, d))
+    cases = [
+        (mx.zeros((2, 3, d)), ok, None, "rank 4"),
+        (mx.zeros((1, 3, 3, d)), mx.zeros((1, 3, 3, d)), None, "kv heads"),
+        (mx.zeros((1, 2, 3, d + 1)), mx.zeros((1, 2, 3, d + 1)), None, "head_dim"),
+        (mx.zeros((2, 2, 3, d)), mx.zeros((2, 2, 3, d)), None, "batch"),
+        (mx.zeros((1, 2, 0, d)), mx.zeros((1, 2, 0, d)), None, "s=0"),
+        (mx.zeros((1, 2, 3, d), mx.int32), mx.zeros((1, 2, 3, d), mx.int32), None, "not floating"),
+        (ok, mx.zeros((1, 2, 4, d)), None, "values shape"),
+        (ok.astype(mx.float16), ok.astype(mx.float16), None, "dtype"),
+        (ok, ok, mx.zeros((1, 3, 3, d)), "multiple"),
+        (ok, ok, mx.zeros((1, 2, 2, d)), "queries shape"),
+    ]
+    for k, v, q, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            m.update(state, k, v, queries=q)
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_bad_init_arguments(key, no_shape_checks):
+    m = get_method(key)
+    with pytest.raises(ValueError, match="unknown backend"):
+        m.init(1, 1, 32, backend="gpu")
+    with pytest.raises(BackendUnavailable, match="cuda"):
+        if velox.backend.device_supports("cuda"):
+            raise BackendUnavailable("cuda runs here; nothing to test")
+        m.init(1, 1, 32, backend="cuda")
+    with pytest.raises(ValueError, match="head_dim"):
+        m.init(1, 1, 0)
+    with pytest.raises(ValueError, match="dtype"):
+        m.init(1, 1, 32, dtype=mx.int32)
+    with pytest.raises(TypeError):
+        m.init(1, 1, 32, not_a_parameter=3)
+    with pytest.raises(ValueError, match="unknown parameter.*valid"):
+        velox.init(key, 1, 1, 32, not_a_parameter=3)
+    for name, p in m.spec.params.items():
+        if p.min is not None:
+            bad = p.min - (0 if p.min_exclusive else 1)
+            with pytest.raises(ValueError, match=name):
+                m.init(1, 1, 32, **{name: int(bad) if p.type == "int" else bad})
+        if p.max is not None:
+            bad = p.max + (0 if p.max_exclusive else 1)
+            with pytest.raises(ValueError, match=name):
+                m.init(1, 1, 32, **{name: int(bad) if p.type == "int" else bad})
+        if p.type == "choice":
+            with pytest.raises(ValueError, match=name):
+                m.init(1, 1, 32, **{name: "no-such-choice"})
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_constraint_violations_name_the_parameters(key, no_shape_checks):
+    """Each spec constraint, when violated, raises a ValueError naming its parameters."""
+    import ast
+    import itertools
+
+    m = get_method(key)
+    dim_values = dict(batch=[1, 2], kv_heads=[1, 2], head_dim=[8, 16, 24, 32, 40, 48, 96])
+    for expr in m.spec.constraints:
+        names = sorted({n.id for n in ast.walk(ast.parse(expr, mode="eval"))
+                        if isinstance(n, ast.Name) and (n.id in m.spec.params or n.id in dim_values)})
+        candidates = [dim_values[n] if n in dim_values else
+                      (m.spec.params[n].choices or range(0, 9)) for n in names]
+        found = False
+        for combo in itertools.product(*candidates):
+            chosen = dict(zip(names, combo))
+            params = {k: v for k, v in chosen.items() if k in m.spec.params}
+            dims = {k: chosen.get(k, 1 if k != "head_dim" else 32) for k in dim_values}
+            env = {**m.spec.defaults, **params, **dims}
+            try:
+                for name in params:
+                    m.spec.params[name].check(params[name])
+            except ValueError:
+                continue
+            if vt.evaluate_expr(expr, env):
+                continue
+            with pytest.raises(ValueError) as err:
+                m.init(dims["batch"], dims["kv_heads"], dims["head_dim"], **params)
+            for name in names:
+                assert name in str(err.value), f"{expr}: message {err.value!s} lacks {name}"
+            found = True
+            break
+        assert found, f"no small violation of {expr} found"

@@ -1,0 +1,110 @@
+"""The shared mechanics: causal-mask rule, selection tie rule, bit packing, spec parsing."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from velox import evict, quant
+from velox import reference as ref
+from velox.attention import causal_mask
+from velox.spec import evaluate
+
+
+@given(st.lists(st.integers(0, 200), min_size=0, max_size=40, unique=True), st.integers(1, 12),
+       st.integers(0, 30))
+def test_causal_mask_matches_mlx_causal_alignment(stored, s, gap):
+    """A chunk of s queries over stored + new keys: the absolute-position mask equals MLX's
+    "causal" mask aligned to the last keys (what mlx-lm's make_mask answers)."""
+    stored = sorted(stored)
+    start = (stored[-1] + 1 if stored else 0) + gap  # evictions may leave gaps before the chunk
+    keys_pos = np.array(stored + list(range(start, start + s)), np.int32)
+    q_pos = np.arange(start, start + s, dtype=np.int32)
+    got = causal_mask(mx.array(keys_pos)[None, None], mx.array(q_pos)[None, None])[0, 0]
+    n = len(keys_pos)
+    aligned = np.arange(n - s, n)[:, None] >= np.arange(n)[None, :]
+    assert np.array_equal(np.array(got), aligned)
+
+
+@given(st.lists(st.sampled_from([0.0, 0.5, 1.0, -1.0, 2.0, float("inf")]), min_size=2, max_size=30),
+       st.data())
+def test_top_budget_ties_keep_newer_in_both_backends(scores, data):
+    budget = data.draw(st.integers(1, len(scores) - 1))
+    x = np.array(scores, np.float32)
+    got = np.array(evict.top_budget(mx.array(x)[None, None], budget))[0, 0]
+    want = ref.top_budget(x.astype(np.float64), budget)
+    assert np.array_equal(got, want)
+    order = sorted(range(len(x)), key=lambda i: (x[i], i))
+    assert sorted(order[-budget:]) == list(got)
+
+
+def test_top_budget_protects():
+    scores = mx.array([[[5.0, 1.0, 0.0, 3.0]]])
+    protect = mx.array([[[False, False, True, False]]])
+    assert np.array(evict.top_budget(scores, 2, protect)).tolist() == [[[0, 2]]]
+
+
+@pytest.mark.parametrize("bits", quant.SUPPORTED_BITS)
+@given(st.integers(0, 2 ** 31), st.integers(1, 4))
+def test_pack_roundtrip_and_mlx_layout(bits, seed, units):
+    rng = np.random.default_rng(seed)
+    m = 32 * units
+    codes = rng.integers(0, 2 ** bits, size=(2, m), dtype=np.uint32)
+    words = quant.pack(mx.array(codes), bits)
+    assert words.dtype == mx.uint32 and words.shape == (2, m * bits // 32)
+    assert np.array_equal(np.array(quant.unpack(words, bits)), codes)
+    # The NumPy reference packs with np.packbits; both layouts must agree.
+    from velox.methods.kivi import _np_pack
+    assert np.array_equal(np.array(words), _np_pack(codes, bits))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_packed_codes_feed_mlx_dequantize(bits):
+    x = mx.random.normal((4, 64), key=mx.random.key(bits))
+    codes, scales, zeros = quant.quantize(x, bits, 32)
+    ours = quant.dequantize(codes, scales, zeros, bits, 32)
+    theirs = mx.dequantize(codes, scales, zeros, group_size=32, bits=bits)
+    assert mx.array_equal(ours, theirs).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@given(seed=st.integers(0, 2 ** 31), scale=st.sampled_from([1e-3, 1.0, 30.0, 1e3]),
+       offset=st.sampled_from([0.0, 5.0, -200.0]))
+def test_quantization_error_bound(dtype, bits, seed, scale, offset):
+    rng = np.random.default_rng(seed)
+    x = mx.array((rng.standard_normal((3, 64)) * scale + offset).astype(np.float32)).astype(dtype)
+    codes, scales, zeros = quant.quantize(x, bits, 32)
+    codes_u = np.array(quant.unpack(codes, bits))
+    assert codes_u.max() <= 2 ** bits - 1
+    xh = quant.dequantize(codes, scales, zeros, bits, 32)
+    err = np.array(mx.abs(xh.astype(mx.float32) - x.astype(mx.float32)))
+    bound = np.array(quant.error_bound(scales, zeros, bits, 32))
+    assert (err <= bound).all()
+    # The rounding terms stay small beside the quantization step itself.
+    s = np.repeat(np.array(scales.astype(mx.float32)), 32, -1)
+    z = np.repeat(np.abs(np.array(zeros.astype(mx.float32))), 32, -1)
+    u = quant.unit_roundoff(dtype)
+    assert (bound - 0.5 * s <= 4 * u * (z + (2 ** bits) * s) + 1e-6 * (z + 2 ** bits * s)).all()
+
+
+def test_constant_group_reconstructs_exactly():
+    x = mx.full((2, 32), 3.25)
+    codes, scales, zeros = quant.quantize(x, 2, 32)
+    assert mx.array_equal(quant.dequantize(codes, scales, zeros, 2, 32), x).item()
+    assert not mx.isnan(quant.dequantize(codes, scales, zeros, 2, 32)).any().item()
+
+
+def test_requantizing_dequantized_values_keeps_codes():
+    x = mx.random.normal((2, 64), key=mx.random.key(3))
+    c1, s1, z1 = quant.quantize(x, 4, 32)
+    c2, _, _ = quant.quantize(quant.dequantize(c1, s1, z1, 4, 32), 4, 32)
+    assert mx.array_equal(c1, c2).item()
+
+
+def test_expression_evaluator():
+    assert evaluate("budget > n_sink + grace", dict(budget=21, n_sink=4, grace=16))
+    assert not evaluate("head_dim % group_size == 0", dict(head_dim=48, group_size=32))
+    with pytest.raises(ValueError):
+        evaluate("__import__('os')", {})

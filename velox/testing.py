@@ -1,0 +1,331 @@
+"""Property-test support: hypothesis strategies drawn from each method's spec, and the checks
+of the method contract. ``tests/test_contract.py`` runs them over every registered method;
+a new method gets the whole suite by registering itself and shipping a spec.
+
+Requires the ``test`` extra (hypothesis).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import mlx.core as mx
+import numpy as np
+from hypothesis import assume
+from hypothesis import strategies as st
+
+from .accounting import state_nbytes
+from .registry import Method, get_method
+from .spec import Param, Spec, evaluate, validate_params
+
+__all__ = ["Case", "cases", "param_strategy", "make_inputs", "run", "DTYPES",
+           "check_capacity", "check_sinks", "check_positions", "check_next_pos",
+           "check_error_bound", "check_bytes", "check_signature", "head_independent",
+           "row_case", "assert_states_close"]
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+CONTENTS = ("normal", "peaky", "zeros", "repeat")
+CONTINUOUS = ("normal", "peaky")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One drawn scenario: dims, parameters, chunk sizes and how the data is generated."""
+
+    key: str
+    batch: int
+    heads: int
+    head_dim: int
+    groups: int          # query heads per kv head; 0 = no real queries (key-as-query proxy)
+    dtype: str
+    params: dict = field(hash=False)
+    chunks: tuple[int, ...] = ()
+    seed: int = 0
+    content: str = "normal"
+
+    @property
+    def mx_dtype(self) -> mx.Dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.chunks)
+
+
+def _param_values(p: Param) -> st.SearchStrategy:
+    if p.type == "bool":
+        return st.booleans()
+    if p.type == "choice":
+        return st.sampled_from(p.test_choices or p.choices)
+    lo = p.test_min if p.test_min is not None else p.min
+    hi = p.test_max if p.test_max is not None else p.max
+    if p.type == "int":
+        lo = 0 if lo is None else int(lo) + (1 if p.min_exclusive and lo == p.min else 0)
+        hi = lo + 64 if hi is None else int(hi) - (1 if p.max_exclusive and hi == p.max else 0)
+        return st.integers(lo, hi)
+    lo = -1e3 if lo is None else lo
+    hi = 1e3 if hi is None else hi
+    return st.floats(lo, hi, exclude_min=p.min_exclusive and lo == p.min,
+                     exclude_max=p.max_exclusive and hi == p.max, allow_nan=False)
+
+
+@st.composite
+def param_strategy(draw, spec: Spec, dims: dict[str, int] | None = None) -> dict[str, Any]:
+    """Parameters within each parameter's test range that satisfy the spec's constraints."""
+    params = {name: draw(_param_values(p)) for name, p in spec.params.items()}
+    try:
+        return validate_params(spec, params, dims=dims)
+    except ValueError:
+        assume(False)
+
+
+@st.composite
+def cases(draw, key: str, *, dtypes: tuple[str, ...] = tuple(DTYPES), max_chunk: int = 24,
+          max_updates: int = 7, contents: tuple[str, ...] = CONTENTS) -> Case:
+    """A scenario for method ``key``: dims, spec-drawn params and a sequence of chunk sizes.
+
+    Chunk sizes mix prefill chunks and single-token decode steps, and the total usually
+    exceeds the method's capacity so eviction and flushing are exercised. ``contents``
+    picks how keys are generated: ``normal``/``peaky`` Gaussian, or the degenerate
+    ``zeros``/``repeat`` (exact ties). Comparisons of two computations of the same scores
+    (backends, compiled, batched) use continuous contents only: with exact ties in the
+    data, rounding differences legitimately reorder tied candidates.
+    """
+    spec = get_method(key).spec
+    batch = draw(st.integers(1, 2))
+    heads = draw(st.integers(1, 3))
+    head_dim = draw(st.sampled_from([8, 16, 32, 64]))
+    dims = dict(batch=batch, kv_heads=heads, head_dim=head_dim)
+    params = draw(param_strategy(spec, dims))
+    cap = spec.capacity(params) or 48
+    first = draw(st.integers(1, max(2, min(3 * cap, 96))))
+    rest = draw(st.lists(st.one_of(st.just(1), st.integers(1, max_chunk)), max_size=max_updates - 1))
+    return Case(key=key, batch=batch, heads=heads, head_dim=head_dim,
+                groups=draw(st.sampled_from([0, 1, 2])), dtype=draw(st.sampled_from(dtypes)),
+                params=params, chunks=(first, *rest), seed=draw(st.integers(0, 2 ** 16)),
+                content=draw(st.sampled_from(contents)))
+
+
+class Step(NamedTuple):
+    keys: mx.array
+    values: mx.array
+    queries: mx.array | None
+
+
+def _content(rng: np.random.Generator, shape: tuple[int, ...], content: str,
+             pool: np.ndarray | None) -> np.ndarray:
+    if content == "zeros":
+        return np.zeros(shape, np.float32)
+    if content == "repeat":  # rows drawn from a few distinct vectors: many exact ties
+        rows = pool[rng.integers(0, len(pool), size=shape[:-1])]
+        return rows.astype(np.float32)
+    x = rng.standard_normal(shape).astype(np.float32)
+    return x * 2.0 if content == "peaky" else x
+
+
+def make_inputs(case: Case) -> list[Step]:
+    """The keys, values (and queries) of every update of ``case``, from its seed."""
+    rng = np.random.default_rng(case.seed)
+    pool = rng.standard_normal((3, case.head_dim)).astype(np.float32)
+    steps = []
+    for s in case.chunks:
+        shape = (case.batch, case.heads, s, case.head_dim)
+        k = _content(rng, shape, case.content, pool)
+        v = rng.standard_normal(shape).astype(np.float32)
+        q = None
+        if case.groups:
+            q = rng.standard_normal((case.batch, case.heads * case.groups, s, case.head_dim))
+        cast = lambda x: mx.array(x.astype(np.float32)).astype(case.mx_dtype)  # noqa: E731
+        steps.append(Step(cast(k), cast(v), None if q is None else cast(q)))
+    return steps
+
+
+def init_state(case: Case, backend: str = "mlx") -> tuple:
+    m = get_method(case.key)
+    return m.init(case.batch, case.heads, case.head_dim, dtype=case.mx_dtype, backend=backend,
+                  **case.params)
+
+
+def run(case: Case, backend: str = "mlx", update: Callable | None = None,
+        steps: list[Step] | None = None) -> list[tuple]:
+    """States after each update of ``case`` (``update`` defaults to the method's)."""
+    m = get_method(case.key)
+    update = update or (lambda s, k, v, q: m.update(s, k, v, queries=q))
+    state = init_state(case, backend)
+    out = []
+    for step in steps if steps is not None else make_inputs(case):
+        state = update(state, step.keys, step.values, step.queries)
+        mx.eval(state)
+        out.append(state)
+    return out
+
+
+def history(steps: list[Step]) -> tuple[mx.array, mx.array]:
+    """All keys and values fed so far, ``[b, h, T, d]``, indexed by absolute position."""
+    return (mx.concatenate([s.keys for s in steps], axis=2),
+            mx.concatenate([s.values for s in steps], axis=2))
+
+
+def head_independent(spec: Spec, params: dict[str, Any]) -> bool:
+    """Whether the spec says kv heads are updated independently under ``params``."""
+    flag = spec.contract.get("head_independent", True)
+    return bool(params[flag]) if isinstance(flag, str) else bool(flag)
+
+
+def row_case(case: Case, i: int, j: int | None) -> tuple[Case, list[Step]]:
+    """The sub-case of batch row ``i`` (and kv head ``j``, or every head when ``None``)."""
+    steps = make_inputs(case)
+    hs = slice(None) if j is None else slice(j, j + 1)
+    qs = slice(None) if j is None else slice(j * case.groups, (j + 1) * case.groups)
+    sub = [Step(s.keys[i:i + 1, hs], s.values[i:i + 1, hs],
+                None if s.queries is None else s.queries[i:i + 1, qs]) for s in steps]
+    heads = case.heads if j is None else 1
+    return Case(**{**case.__dict__, "batch": 1, "heads": heads}), sub
+
+
+# --- checks -------------------------------------------------------------------------
+
+def _kept(m: Method, state) -> int:
+    return int(m.positions(state).shape[2])
+
+
+def check_capacity(case: Case, states: list) -> None:
+    """Stored count after each update: ``min(capacity, seen)`` (prefill-bounded: decode appends)."""
+    m = get_method(case.key)
+    spec = m.spec
+    cap = spec.capacity(case.params)
+    seen, prev = 0, 0
+    for s, state in zip(case.chunks, states):
+        seen += s
+        n = _kept(m, state)
+        if cap is None:
+            assert n == seen, f"unbounded method keeps {n} of {seen} tokens"
+        elif spec.contract.get("bound_phase", "all") == "prefill" and s == 1:
+            assert n == prev + 1, f"decode step changed the count {prev} -> {n}"
+        elif spec.contract.get("bound_phase", "all") == "prefill":
+            assert n == min(cap, prev + s), f"kept {n}, expected min({cap}, {prev}+{s})"
+        else:
+            assert n == min(cap, seen), f"kept {n} after {seen} tokens, capacity {cap}"
+        prev = n
+
+
+def check_sinks(case: Case, states: list) -> None:
+    """The first ``n_sink`` positions are present once seen."""
+    m = get_method(case.key)
+    name = m.spec.contract.get("sinks")
+    if not name:
+        return
+    seen = 0
+    for s, state in zip(case.chunks, states):
+        seen += s
+        pos = np.array(m.positions(state))
+        need = np.arange(min(case.params[name], seen))
+        for row in pos.reshape(-1, pos.shape[-1]):
+            assert np.isin(need, row).all(), f"sinks {need} missing from {row}"
+
+
+def check_positions(case: Case, states: list, steps: list[Step]) -> None:
+    """Positions strictly increase, lie below ``seen``, and index the rows ``get_kv`` returns.
+
+    Pure-eviction methods must return the input rows bit for bit; others within their
+    declared error bound (checked by :func:`check_error_bound`).
+    """
+    m = get_method(case.key)
+    for t, state in enumerate(states):
+        seen = sum(case.chunks[:t + 1])
+        pos = np.array(m.positions(state))
+        assert pos.dtype == np.int32
+        if pos.shape[-1]:
+            assert (np.diff(pos, axis=-1) > 0).all(), "positions not strictly increasing"
+            assert pos.min() >= 0 and pos.max() < seen
+        k, v = m.get_kv(state)
+        assert k.shape[2] == pos.shape[-1] and v.shape[2] == pos.shape[-1]
+        assert k.dtype == case.mx_dtype and v.dtype == case.mx_dtype
+        if m.spec.contract.get("exact_rows", False):
+            hk, hv = history(steps[:t + 1])
+            idx = mx.array(pos)
+            want_k = mx.take_along_axis(hk, idx[..., None], axis=2)
+            want_v = mx.take_along_axis(hv, idx[..., None], axis=2)
+            assert mx.array_equal(k, want_k).item(), "kept keys differ from the input rows"
+            assert mx.array_equal(v, want_v).item(), "kept values differ from the input rows"
+
+
+def check_next_pos(case: Case, states: list) -> None:
+    seen = 0
+    for s, state in zip(case.chunks, states):
+        seen += s
+        assert np.array(state.next_pos).tolist() == [[seen] * case.heads] * case.batch
+
+
+def check_error_bound(case: Case, states: list, steps: list[Step]) -> None:
+    """``|x - x_hat| <= bound`` elementwise for methods that declare an error bound."""
+    m = get_method(case.key)
+    if m.error_bound is None:
+        return
+    for t, state in enumerate(states):
+        hk, hv = history(steps[:t + 1])
+        idx = mx.array(np.array(m.positions(state)))
+        k, v = m.get_kv(state)
+        bk, bv = m.error_bound(state)
+        for got, hist, bound, name in ((k, hk, bk, "keys"), (v, hv, bv, "values")):
+            want = mx.take_along_axis(hist, idx[..., None], axis=2).astype(mx.float32)
+            err = np.array(mx.abs(got.astype(mx.float32) - want))
+            lim = np.array(bound)
+            worst = float((err - lim).max()) if err.size else 0.0
+            assert (err <= lim).all(), f"{name}: error exceeds bound by {worst}"
+
+
+def check_bytes(case: Case, states: list) -> None:
+    """Reported bytes equal the bytes of the state's arrays, counted independently."""
+    m = get_method(case.key)
+    for state in states:
+        arrays = [x for x in _leaves(state) if isinstance(x, mx.array)]
+        assert m.nbytes(state) == sum(x.nbytes for x in arrays) == state_nbytes(state)
+
+
+def _leaves(x: Any):
+    if isinstance(x, mx.array):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _leaves(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _leaves(y)
+
+
+def check_signature(key: str) -> None:
+    """``<key>_init`` takes every spec parameter as a keyword with the spec's default."""
+    m = get_method(key)
+    sig = inspect.signature(m.init)
+    for name, p in m.spec.params.items():
+        assert name in sig.parameters, f"{key}_init lacks parameter {name}"
+        assert sig.parameters[name].default == p.default, (
+            f"{key}_init default {name}={sig.parameters[name].default!r}, spec says {p.default!r}")
+    extra = set(sig.parameters) - set(m.spec.params) - {"batch", "kv_heads", "head_dim", "dtype", "backend"}
+    assert not extra, f"{key}_init has parameters missing from its spec: {sorted(extra)}"
+
+
+def assert_states_close(case: Case, a, b, *, atol: float, rtol: float, what: str) -> None:
+    """Same positions exactly, ``get_kv`` within tolerance, same byte count."""
+    m = get_method(case.key)
+    pa, pb = np.array(m.positions(a)), np.array(m.positions(b))
+    assert pa.shape == pb.shape and (pa == pb).all(), f"{what}: kept positions differ"
+    for x, y, name in zip(m.get_kv(a), m.get_kv(b), ("keys", "values")):
+        x = np.array(x.astype(mx.float32))
+        y = np.array(y.astype(mx.float32))
+        assert np.allclose(x, y, atol=atol, rtol=rtol), (
+            f"{what}: {name} differ by up to {np.abs(x - y).max()}")
+    assert m.nbytes(a) == m.nbytes(b), f"{what}: byte counts differ"
+    assert np.array_equal(np.array(a.next_pos), np.array(b.next_pos))
+
+
+def capacity(case: Case) -> int | None:
+    return get_method(case.key).spec.capacity(case.params)
+
+
+def evaluate_expr(expr: str, env: dict[str, Any]) -> Any:
+    return evaluate(expr, env)
