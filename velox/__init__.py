@@ -15,12 +15,6 @@ import mlx.core as mx
 from . import methods as _methods  # noqa: F401  (registers every method)
 from .accounting import fp16_bytes, state_nbytes
 from .backend import BACKENDS, BackendUnavailable
-from .methods.h2o import H2OState, h2o_bytes, h2o_get_kv, h2o_init, h2o_update
-from .methods.kivi import KiviState, kivi_bytes, kivi_get_kv, kivi_init, kivi_update
-from .methods.snapkv import SnapKVState, snapkv_bytes, snapkv_get_kv, snapkv_init, snapkv_update
-from .methods.streaming_llm import (StreamingLLMState, streaming_llm_bytes, streaming_llm_get_kv,
-                                    streaming_llm_init, streaming_llm_update)
-from .methods.tova import TovaState, tova_bytes, tova_get_kv, tova_init, tova_update
 from .registry import Method, State, get_method, method_keys, method_of
 from .spec import Spec, load_spec
 
@@ -68,10 +62,17 @@ __all__ = [
     "BACKENDS", "BackendUnavailable", "Method", "Spec", "fp16_bytes", "get_kv", "get_method",
     "init", "load_spec", "method_keys", "method_of", "nbytes", "positions", "state_nbytes",
     "tokens_seen", "update",
-    "H2OState", "h2o_init", "h2o_update", "h2o_get_kv", "h2o_bytes",
-    "KiviState", "kivi_init", "kivi_update", "kivi_get_kv", "kivi_bytes",
-    "SnapKVState", "snapkv_init", "snapkv_update", "snapkv_get_kv", "snapkv_bytes",
-    "StreamingLLMState", "streaming_llm_init", "streaming_llm_update", "streaming_llm_get_kv",
-    "streaming_llm_bytes",
-    "TovaState", "tova_init", "tova_update", "tova_get_kv", "tova_bytes",
 ]
+
+
+def _export_methods() -> None:
+    """Expose each method's ``<key>_init/_update/_get_kv/_bytes`` and state type here."""
+    for key in method_keys():
+        m = get_method(key)
+        names = {f"{key}_init": m.init, f"{key}_update": m.update, f"{key}_get_kv": m.get_kv,
+                 f"{key}_bytes": m.nbytes, m.state_type.__name__: m.state_type}
+        globals().update(names)
+        __all__.extend(names)
+
+
+_export_methods()

@@ -33,7 +33,19 @@ class Method:
     positions: Callable[[State], mx.array]
     backends: dict[str, Callable[..., State]] = field(default_factory=dict)
     error_bound: Callable[[State], tuple[mx.array, mx.array]] | None = None
+    dims: Callable[[State], tuple[int, int, int, mx.Dtype]] | None = None
+    # Cross-layer hooks (see docs/adding-a-method.md):
+    layer_params: Callable[[int, dict[str, Any]], list[dict[str, Any]]] | None = None
+    model_init: Callable[[list[dict[str, Any]]], tuple] | None = None
+    layer_update: Callable[..., tuple[tuple, State]] | None = None
+    attend: Callable[..., mx.array] | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+
+    def per_layer_params(self, n_layers: int, params: dict[str, Any]) -> list[dict[str, Any]]:
+        """Parameters of each of ``n_layers`` layers (a schedule where the method has one)."""
+        if self.layer_params is None:
+            return [dict(params) for _ in range(n_layers)]
+        return self.layer_params(n_layers, dict(params))
 
     @property
     def spec(self) -> Spec:
@@ -51,13 +63,35 @@ def _stored_positions(state: State) -> mx.array:
 def register(key: str, *, state_type: type, init: Callable, update: Callable,
              get_kv: Callable, nbytes: Callable, backends: dict[str, Callable],
              positions: Callable | None = None, error_bound: Callable | None = None,
-             **extras: Any) -> Method:
-    """Add a method to the registry (called once by each method module)."""
+             dims: Callable | None = None, layer_params: Callable | None = None,
+             model_init: Callable | None = None, layer_update: Callable | None = None,
+             attend: Callable | None = None, **extras: Any) -> Method:
+    """Add a method to the registry (called once by each method module).
+
+    Args:
+        positions: absolute positions ``[b, h, n]`` of what ``get_kv`` returns (default: the
+            state's ``positions`` field).
+        error_bound: per-element bound ``(keys, values)`` on ``|get_kv - input|`` (lossy methods).
+        dims: ``(batch, kv_heads, head_dim, dtype)`` of a state (default: from ``state.keys``).
+        layer_params: ``(n_layers, params) -> [params per layer]``: a static per-layer schedule.
+        model_init, layer_update: cross-layer methods. ``model_init(per_layer_params)`` returns
+            a model-level record; ``layer_update(record, layer, state, keys, values, *,
+            queries=None) -> (record, state)`` is called for layers 0..L-1 in order within
+            one forward, threading the record.
+        attend: ``attend(state, queries, keys, values, *, scale, mask) -> out``: attention of
+            ``queries [b, q, s, d]`` over the stored tokens plus ``s`` new ones, for methods
+            whose attention is not plain attention over ``get_kv`` (sparse page selection,
+            attention on packed quantized codes). ``mask`` is ``None`` or ``"causal"``.
+    """
     if key in _REGISTRY:
         raise ValueError(f"method {key!r} is already registered")
+    if (model_init is None) != (layer_update is None):
+        raise ValueError(f"{key}: model_init and layer_update come together")
     m = Method(key=key, state_type=state_type, init=init, update=update, get_kv=get_kv,
                nbytes=nbytes, positions=positions or _stored_positions,
-               backends=dict(backends), error_bound=error_bound, extras=extras)
+               backends=dict(backends), error_bound=error_bound, dims=dims,
+               layer_params=layer_params, model_init=model_init, layer_update=layer_update,
+               attend=attend, extras=extras)
     _REGISTRY[key] = m
     _BY_STATE[state_type] = m
     return m
