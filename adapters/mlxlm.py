@@ -1,0 +1,417 @@
+"""mlx-lm adapter: one generic cache class that wraps any velox method's state.
+
+``make_cache(model, "tova", budget=256)`` returns one :class:`VeloxCache` per layer for
+``mlx_lm.generate``, ``stream_generate`` and ``generate_step`` (``prompt_cache=``). The class
+holds no per-method code: it calls the method's functions through the registry.
+
+Protocol facts this class honours:
+
+* ``offset`` is the absolute position of the next token (the model reads it for RoPE);
+  ``size()`` is the number of stored tokens.
+* Deferred eviction: ``update_and_fetch`` returns stored + new tokens, and the method's
+  update (eviction, quantization) applies after this step's attention.
+* ``make_mask`` answers ``None`` for one query and ``"causal"`` for a chunk (every kept token
+  precedes the chunk, so MLX's causal mask aligned to the last keys is right).
+* No ``bits`` attribute and no ``to_quantized``: mlx-lm cannot route around or replace it.
+* ``is_trimmable()`` is ``False`` and ``trim`` refuses: an evicting or quantizing state
+  cannot forget tokens exactly.
+* Real queries: while velox caches exist, mlx-lm's ``scaled_dot_product_attention`` is
+  wrapped (for velox caches only; other caches take the original path). The wrapper runs the
+  attention (or the method's ``attend`` hook) and then the method's update with this step's
+  real queries. Models whose attention does not go through that function still work: the
+  update then runs at the next call with the key-as-query proxy.
+* Every array of the state is scheduled for evaluation after each update, so lazy graphs
+  never accumulate over a long decode.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models import base as _mlx_base
+from mlx_lm.models.cache import KVCache, _BaseCache, make_prompt_cache
+
+import velox
+from velox.registry import Method, get_method
+from velox.spec import validate_params
+
+__all__ = ["VeloxCache", "make_cache", "save_cache", "load_cache", "cache_nbytes",
+           "cache_fp16_bytes", "install_query_capture", "uninstall_query_capture"]
+
+
+# --- shared model-level record for cross-layer methods --------------------------------
+
+@dataclass
+class _Model:
+    """What the caches of one model share: the method and its cross-layer record."""
+
+    method: Method
+    layer_params: list[dict[str, Any]]
+    record: tuple | None = None
+    n_layers: int = 0
+
+
+# --- the cache ------------------------------------------------------------------------
+
+class VeloxCache(_BaseCache):
+    """mlx-lm cache protocol around one layer's velox state (any registered method)."""
+
+    def __init__(self, method: str, params: dict[str, Any] | None = None, *,
+                 backend: str = "auto", layer: int = 0, model: _Model | None = None,
+                 compile: bool = True, real_queries: bool = True):
+        self.method = get_method(method)
+        self.params = dict(params or {})
+        self._full_params = validate_params(self.method.spec, self.params)
+        self.backend = backend
+        self.layer = layer
+        self._model = model
+        self._compile = compile
+        self._real_queries = real_queries
+        self._state: tuple | None = None
+        self._pending: tuple[mx.array, mx.array] | None = None
+        self._offset = 0
+
+    # -- protocol ------------------------------------------------------------------
+    @property
+    def offset(self) -> int:
+        """Absolute position of the next token (RoPE offset), never the stored count."""
+        return self._offset
+
+    @offset.setter
+    def offset(self, value: int) -> None:
+        raise AttributeError("the offset of a velox cache follows the tokens it absorbed")
+
+    def size(self) -> int:
+        """Stored tokens (after the last eviction)."""
+        self._flush()
+        return 0 if self._state is None else int(self.method.positions(self._state).shape[2])
+
+    def empty(self) -> bool:
+        return self._state is None and self._pending is None
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def trim(self, n: int) -> int:
+        """Refused: evicted or quantized tokens cannot be restored exactly. Returns 0."""
+        return 0
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        if window_size is not None:
+            raise ValueError("velox caches do not support sliding-window attention layers")
+        if N == 1:
+            return None
+        if return_array:
+            return _mlx_base.create_causal_mask(N, offset=self._stored_count())
+        return "causal"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the velox state really holds (plus new tokens not yet absorbed)."""
+        total = 0 if self._state is None else self.method.nbytes(self._state)
+        if self._pending is not None:
+            total += sum(x.nbytes for x in self._pending)
+        return total
+
+    @property
+    def state(self) -> list[mx.array]:
+        """Every array of the velox state (mlx-lm evaluates these)."""
+        self._flush()
+        if self._state is None:
+            return []
+        return [x for _, x in tree_flatten(self._state) if isinstance(x, mx.array)]
+
+    @state.setter
+    def state(self, v) -> None:
+        raise AttributeError("set a velox cache's state with load_cache")
+
+    @property
+    def velox_state(self) -> tuple | None:
+        """The method's state record (after absorbing any pending tokens)."""
+        self._flush()
+        return self._state
+
+    # -- updates -------------------------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Take this step's keys/values; return what its attention reads (stored + new)."""
+        if self._pending is not None and self.method.attend is not None:
+            raise RuntimeError(
+                f"{self.method.key} attends through mlx-lm's scaled_dot_product_attention, "
+                "but the last forward did not call it for this layer")
+        self._flush()
+        if self._state is None:
+            b, h, _, d = keys.shape
+            self._state = self.method.init(b, h, d, dtype=keys.dtype, backend=self.backend,
+                                           **self.params)
+        self._pending = (keys, values)
+        self._offset += keys.shape[2]
+        capture = _capture_installed() and (self._real_queries or self.method.attend is not None)
+        if capture and self.method.attend is not None:
+            return keys, values  # the wrapper attends through the method's own hook
+        k, v = self.method.get_kv(self._state)
+        out = mx.concatenate([k, keys], axis=2), mx.concatenate([v, values], axis=2)
+        if not capture:
+            self._absorb(None)
+        return out
+
+    def attention(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
+                  mask, sinks=None) -> mx.array:
+        """This step's attention (plain, or the method's ``attend``), then the update."""
+        if self._pending is None:  # proxy mode: the update already ran in update_and_fetch
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
+                                                        mask=mask, sinks=sinks)
+        new_k, new_v = self._pending
+        if self.method.attend is not None:
+            if sinks is not None:
+                raise ValueError(f"{self.method.key} does not support attention sinks")
+            out = self.method.attend(self._state, queries, new_k, new_v, scale=scale, mask=mask)
+        else:
+            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
+                                                       mask=mask, sinks=sinks)
+        self._absorb(queries)
+        return out
+
+    def _absorb(self, queries: mx.array | None) -> None:
+        keys, values = self._pending
+        self._pending = None
+        m = self.method
+        if m.layer_update is not None and self._model is not None:
+            model = self._model
+            if model.record is None:
+                model.record = m.model_init(model.layer_params)
+            model.record, self._state = m.layer_update(model.record, self.layer, self._state,
+                                                       keys, values, queries=queries)
+            mx.async_eval([x for _, x in tree_flatten(model.record) if isinstance(x, mx.array)])
+        else:
+            self._state = self._update_fn(keys)(self._state, keys, values, queries)
+        mx.async_eval([x for _, x in tree_flatten(self._state) if isinstance(x, mx.array)])
+
+    def _flush(self) -> None:
+        """Absorb tokens whose attention did not go through the wrapper (proxy queries)."""
+        if self._pending is not None:
+            self._absorb(None)
+
+    def _update_fn(self, keys: mx.array):
+        """The method's update; compiled for single-token steps at a bounded, full cache."""
+        m = self.method
+        if not self._compile or keys.shape[2] != 1 or self._state.backend == "reference":
+            return _plain_update(m)
+        contract = m.spec.contract
+        cap = m.spec.capacity(self._full_params)
+        if (cap is None or contract.get("bound_phase", "all") != "all"
+                or not contract.get("compilable", True) or self._stored_count() != cap):
+            return _plain_update(m)
+        return _compiled_update(m)
+
+    def _stored_count(self) -> int:
+        return 0 if self._state is None else int(self.method.positions(self._state).shape[2])
+
+
+_PLAIN: dict[str, Any] = {}
+_COMPILED: dict[str, Any] = {}
+
+
+def _plain_update(m: Method):
+    fn = _PLAIN.get(m.key)
+    if fn is None:
+        fn = _PLAIN[m.key] = lambda s, k, v, q: m.update(s, k, v, queries=q)
+    return fn
+
+
+def _compiled_update(m: Method):
+    fn = _COMPILED.get(m.key)
+    if fn is None:
+        with_q = mx.compile(lambda s, k, v, q: m.update(s, k, v, queries=q))
+        without_q = mx.compile(lambda s, k, v: m.update(s, k, v))
+        fn = _COMPILED[m.key] = (lambda s, k, v, q: without_q(s, k, v) if q is None
+                                 else with_q(s, k, v, q))
+    return fn
+
+
+# --- real-query capture: wrap mlx-lm's attention for velox caches only --------------------
+
+_ORIGINAL_SDPA = _mlx_base.scaled_dot_product_attention
+
+
+def _velox_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
+    if isinstance(cache, VeloxCache):
+        return cache.attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    return _ORIGINAL_SDPA(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def _capture_installed() -> bool:
+    return _mlx_base.scaled_dot_product_attention is _velox_sdpa
+
+
+def install_query_capture() -> None:
+    """Route mlx-lm's attention through velox caches (others keep the original path).
+
+    Patches ``scaled_dot_product_attention`` in ``mlx_lm.models.base`` and in every loaded
+    ``mlx_lm.models.*`` module that imported it. Idempotent.
+    """
+    for name, mod in list(sys.modules.items()):
+        if name == "mlx_lm.models.base" or name.startswith("mlx_lm.models."):
+            if getattr(mod, "scaled_dot_product_attention", None) is _ORIGINAL_SDPA:
+                mod.scaled_dot_product_attention = _velox_sdpa
+
+
+def uninstall_query_capture() -> None:
+    """Restore mlx-lm's original attention function everywhere it was patched."""
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models"):
+            if getattr(mod, "scaled_dot_product_attention", None) is _velox_sdpa:
+                mod.scaled_dot_product_attention = _ORIGINAL_SDPA
+
+
+# --- construction ---------------------------------------------------------------------
+
+def _expand(params: dict[str, Any], n_layers: int) -> list[dict[str, Any]] | None:
+    """Per-layer dicts when some parameter is a list (one value per layer), else ``None``."""
+    lists = {k: v for k, v in params.items() if isinstance(v, (list, tuple))}
+    if not lists:
+        return None
+    for k, v in lists.items():
+        if len(v) != n_layers:
+            raise ValueError(f"{k} has {len(v)} values for a model with {n_layers} attention layers")
+    return [{k: (v[i] if k in lists else v) for k, v in params.items()} for i in range(n_layers)]
+
+
+def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool = True,
+               compile: bool = True, **params: Any) -> list:
+    """One cache per layer of ``model``: velox caches where the model keeps a plain KV cache.
+
+    Args:
+        model: an mlx-lm model.
+        method: a registered method key (``velox.method_keys()``).
+        backend: ``auto`` or a backend name, resolved per layer at the first token.
+        real_queries: capture the model's real queries (wraps mlx-lm's attention for velox
+            caches); ``False`` uses the key-as-query proxy.
+        compile: compile single-token updates once the cache is full.
+        **params: the method's parameters; a list gives one value per attention layer.
+            Methods with a schedule (``layer_params``) derive per-layer values themselves.
+    Returns:
+        A list for ``prompt_cache=`` (layers whose default cache is not a plain ``KVCache``,
+        e.g. recurrent or sliding-window layers, keep their default cache).
+    """
+    m = get_method(method)
+    base = make_prompt_cache(model)
+    slots = [i for i, c in enumerate(base) if type(c) is KVCache]
+    n = len(slots)
+    per_layer = _expand(params, n)
+    if per_layer is None:
+        validate_params(m.spec, params)
+        per_layer = m.per_layer_params(n, params)
+    for p in per_layer:
+        validate_params(m.spec, p)
+    shared = _Model(method=m, layer_params=per_layer, n_layers=n) if m.layer_update else None
+    if real_queries or m.attend is not None:
+        install_query_capture()
+        module = sys.modules.get(type(model).__module__)
+        if m.attend is not None and getattr(module, "scaled_dot_product_attention", None) \
+                is not _velox_sdpa:
+            raise ValueError(f"{method} needs a model whose attention calls mlx-lm's "
+                             f"scaled_dot_product_attention; {type(model).__module__} does not")
+    caches = list(base)
+    for layer, slot in enumerate(slots):
+        caches[slot] = VeloxCache(method, per_layer[layer], backend=backend, layer=layer,
+                                  model=shared, compile=compile, real_queries=real_queries)
+    return caches
+
+
+def cache_nbytes(caches: list) -> int:
+    """Total bytes held by a prompt cache (velox caches report their real state bytes)."""
+    return int(sum(c.nbytes for c in caches))
+
+
+def cache_fp16_bytes(caches: list) -> int:
+    """Bytes an uncompressed fp16 cache would need for the tokens the velox caches saw."""
+    total = 0
+    for c in caches:
+        if isinstance(c, VeloxCache) and c.velox_state is not None:
+            b, h, d, _ = _dims(c)
+            total += velox.fp16_bytes(c.offset, b, h, d)
+    return total
+
+
+def _dims(c: VeloxCache) -> tuple[int, int, int, mx.Dtype]:
+    st = c.velox_state
+    if c.method.dims is not None:
+        return c.method.dims(st)
+    b, h, _, d = st.keys.shape
+    return b, h, d, st.keys.dtype
+
+
+# --- save / load ----------------------------------------------------------------------
+
+_FORMAT = "velox-prompt-cache-1"
+
+
+def _static_fields(state: tuple) -> dict[str, Any]:
+    return {k: v for k, v in state._asdict().items() if not isinstance(v, mx.array)}
+
+
+def save_cache(path: str | Path, caches: list, metadata: dict[str, str] | None = None) -> None:
+    """Save velox caches (every array and static field) to one ``.safetensors`` file."""
+    arrays: dict[str, mx.array] = {}
+    layers = []
+    shared = None
+    for i, c in enumerate(caches):
+        if not isinstance(c, VeloxCache):
+            raise ValueError(f"layer {i} holds a {type(c).__name__}; save_cache stores velox caches only")
+        st = c.velox_state
+        entry = {"method": c.method.key, "params": c.params, "backend": c.backend,
+                 "layer": c.layer, "offset": c.offset, "compile": c._compile,
+                 "real_queries": c._real_queries,
+                 "state": None if st is None else _static_fields(st)}
+        if st is not None:
+            for k, v in st._asdict().items():
+                if isinstance(v, mx.array):
+                    arrays[f"{i}.{k}"] = v
+        layers.append(entry)
+        if c._model is not None and shared is None:
+            shared = c._model
+    record = None
+    if shared is not None and shared.record is not None:
+        record = {"type": type(shared.record).__name__, "static": _static_fields(shared.record)}
+        for k, v in shared.record._asdict().items():
+            if isinstance(v, mx.array):
+                arrays[f"record.{k}"] = v
+    meta = {"format": _FORMAT, "layers": json.dumps(layers),
+            "layer_params": json.dumps(shared.layer_params if shared else None),
+            "record": json.dumps(record), "user": json.dumps(metadata or {})}
+    mx.save_safetensors(str(path), arrays, metadata=meta)
+
+
+def load_cache(path: str | Path) -> tuple[list, dict[str, str]]:
+    """Load caches saved by :func:`save_cache`: ``(caches, user_metadata)``."""
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    if meta.get("format") != _FORMAT:
+        raise ValueError(f"{path} is not a velox prompt cache")
+    layers = json.loads(meta["layers"])
+    layer_params = json.loads(meta["layer_params"])
+    record_meta = json.loads(meta["record"])
+    shared = None
+    caches = []
+    for i, entry in enumerate(layers):
+        m = get_method(entry["method"])
+        if m.layer_update is not None and shared is None:
+            shared = _Model(method=m, layer_params=layer_params, n_layers=len(layers))
+        c = VeloxCache(entry["method"], entry["params"], backend=entry["backend"],
+                       layer=entry["layer"], model=shared, compile=entry["compile"],
+                       real_queries=entry["real_queries"])
+        if entry["state"] is not None:
+            fields = {k: arrays[f"{i}.{k}"] for k in m.state_type._fields if f"{i}.{k}" in arrays}
+            c._state = m.state_type(**fields, **entry["state"])
+        c._offset = entry["offset"]
+        caches.append(c)
+    if shared is not None and record_meta is not None:
+        rec_type = type(shared.method.model_init(layer_params))
+        fields = {k: arrays[f"record.{k}"] for k in rec_type._fields if f"record.{k}" in arrays}
+        shared.record = rec_type(**fields, **record_meta["static"])
+    return caches, json.loads(meta["user"])
