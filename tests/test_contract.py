@@ -139,6 +139,30 @@ def test_batch_and_head_independence(case):
                 assert np.allclose(x, y, atol=tol.get("atol", 0.0) + 1e-6, rtol=tol.get("rtol", 0.0) + 1e-6)
 
 
+@_given_cases(fraction=0.5, dtypes=("float32",))
+def test_attend_equals_dense_attention(case):
+    """Where a method attends itself (``attend``), the result equals attention over ``get_kv``
+    plus the new tokens (unless its spec says what attention reads differs by design)."""
+    m = get_method(case.key)
+    if m.attend is None or not m.spec.contract.get("attend_dense", True):
+        return
+    steps = vt.make_inputs(case)
+    state = vt.run(case, "mlx", steps=steps[:-1])[-1] if len(steps) > 1 else vt.init_state(case)
+    new = steps[-1]
+    s = new.keys.shape[2]
+    q = new.queries if new.queries is not None else mx.repeat(new.keys, 2, axis=1)
+    scale = case.head_dim ** -0.5
+    mask = "causal" if s > 1 else None
+    got = m.attend(state, q, new.keys, new.values, scale=scale, mask=mask)
+    k, v = m.get_kv(state)
+    k = mx.concatenate([k, new.keys], axis=2)
+    v = mx.concatenate([v, new.values], axis=2)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    tol = 1e-4 if case.mx_dtype == mx.float32 else 3e-2
+    assert np.allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
+                       atol=tol, rtol=tol)
+
+
 # --- bad input ------------------------------------------------------------------------
 
 def _small_state(key, **over):

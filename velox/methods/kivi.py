@@ -29,6 +29,7 @@ from .. import quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..accounting import state_nbytes
+from ..qattention import Affine, Dense, attend_segments
 from ..registry import dispatch, prepare_init, register
 
 __all__ = ["KiviState", "kivi_init", "kivi_update", "kivi_get_kv", "kivi_bytes"]
@@ -189,6 +190,16 @@ def kivi_bytes(state: KiviState) -> int:
     return state_nbytes(state)
 
 
+def kivi_attend(state: KiviState, queries: Float[Array, "b q s d"], keys: Float[Array, "b h s d"],
+                values: Float[Array, "b h s d"], *, scale: float, mask=None) -> Float[Array, "b q s d"]:
+    """Attention over the packed codes (``mx.quantized_matmul``), the residual window and ``s``
+    new tokens, without dequantizing the cache."""
+    packed = Affine(state.key_codes, state.key_scales, state.key_zeros, state.value_codes,
+                    state.value_scales, state.value_zeros, state.bits, state.group_size)
+    return attend_segments(queries, [packed, Dense(state.residual_keys, state.residual_values)],
+                           keys, values, scale=scale, mask=mask)
+
+
 def kivi_positions(state: KiviState) -> Int[Array, "b h n"]:
     """Absolute positions of the tokens ``kivi_get_kv`` returns (all tokens, in order)."""
     b, h = state.next_pos.shape
@@ -206,4 +217,5 @@ def kivi_error_bound(state: KiviState) -> tuple[Float[Array, "b h n d"], Float[A
 
 register(KEY, state_type=KiviState, init=kivi_init, update=kivi_update, get_kv=kivi_get_kv,
          nbytes=kivi_bytes, positions=kivi_positions, error_bound=kivi_error_bound,
-         dims=_dims, backends={"reference": _update_reference, "mlx": _update_mlx})
+         dims=_dims, attend=kivi_attend,
+         backends={"reference": _update_reference, "mlx": _update_mlx})

@@ -1,0 +1,88 @@
+"""Attention over stored segments without materialising a dense cache.
+
+A state's stored tokens are a list of segments in position order: ``Dense`` rows, or
+``Affine`` rows held as MLX affine codes (keys transposed ``[b, h, d, n]`` with groups along
+the tokens, values ``[b, h, n, d]`` with groups along the channels, the layout of
+``velox.quant`` and of ``mx.quantize``). Scores and outputs of affine segments go through
+``mx.quantized_matmul`` on the packed codes; one softmax spans every segment and the new
+tokens, so the result equals dense attention over ``get_kv`` plus the new tokens.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from ._typing import Array, Float, UInt
+
+__all__ = ["Dense", "Affine", "attend_segments"]
+
+
+class Dense(NamedTuple):
+    """Stored rows kept in the cache dtype."""
+
+    keys: Float[Array, "b h n d"]
+    values: Float[Array, "b h n d"]
+
+
+class Affine(NamedTuple):
+    """Stored rows as affine codes: keys per channel along tokens, values per token."""
+
+    key_codes: UInt[Array, "b h d kw"]
+    key_scales: Float[Array, "b h d kg"]
+    key_zeros: Float[Array, "b h d kg"]
+    value_codes: UInt[Array, "b h n vw"]
+    value_scales: Float[Array, "b h n vg"]
+    value_zeros: Float[Array, "b h n vg"]
+    bits: int
+    group_size: int
+
+
+def _length(seg) -> int:
+    return seg.keys.shape[2] if isinstance(seg, Dense) else seg.value_codes.shape[2]
+
+
+def attend_segments(queries: Float[Array, "b q s d"], segments: list,
+                    keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"], *,
+                    scale: float, mask=None) -> Float[Array, "b q s d"]:
+    """Attention of ``queries`` over the stored ``segments`` followed by ``s`` new tokens.
+
+    ``mask`` is ``None`` (every key visible) or ``"causal"`` (query ``i`` sees the new tokens
+    up to ``i``; stored tokens precede the chunk and are always visible).
+    """
+    if mask is not None and not (isinstance(mask, str) and mask == "causal"):
+        raise ValueError("attend_segments takes mask=None or 'causal'")
+    b, hq, s, d = queries.shape
+    h = keys.shape[1]
+    g = hq // h
+    q = (queries * scale).reshape(b, h, g * s, d)
+    segs = [x for x in segments if _length(x) > 0]
+    logits = []
+    for seg in segs:
+        if isinstance(seg, Dense):
+            logits.append(q @ seg.keys.swapaxes(-1, -2))
+        else:
+            logits.append(mx.quantized_matmul(q, seg.key_codes, seg.key_scales, seg.key_zeros,
+                                              transpose=False, group_size=seg.group_size,
+                                              bits=seg.bits))
+    new = q @ keys.swapaxes(-1, -2)
+    if mask is not None and s > 1:
+        i = mx.arange(g * s)[:, None] % s
+        new = mx.where(mx.arange(s)[None, :] <= i, new, mx.array(-mx.inf, new.dtype))
+    logits.append(new)
+    p = mx.softmax(mx.concatenate(logits, axis=-1).astype(mx.float32), axis=-1, precise=True)
+    p = p.astype(queries.dtype)
+    out = None
+    start = 0
+    for seg in segs + [Dense(keys, values)]:
+        n = _length(seg)
+        part = p[..., start:start + n]
+        start += n
+        if isinstance(seg, Dense):
+            o = part @ seg.values
+        else:
+            o = mx.quantized_matmul(part, seg.value_codes, seg.value_scales, seg.value_zeros,
+                                    transpose=False, group_size=seg.group_size, bits=seg.bits)
+        out = o if out is None else out + o
+    return out.reshape(b, hq, s, d)
