@@ -21,3 +21,11 @@ def no_shape_checks():
     jaxtyping.config.update("jaxtyping_disable", True)
     yield
     jaxtyping.config.update("jaxtyping_disable", False)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded SmolLM2-135M-Instruct (converted once into the user cache directory)."""
+    from velox.adapters.smollm2 import load_default_model
+
+    return load_default_model()
