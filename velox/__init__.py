@@ -13,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 
 from . import methods as _methods  # noqa: F401  (registers every method)
+from . import compose
 from .accounting import fp16_bytes, state_nbytes
 from .backend import BACKENDS, BackendUnavailable
 from .registry import Method, State, get_method, method_keys, method_of
@@ -59,7 +60,7 @@ def tokens_seen(state: State) -> int:
 
 
 __all__ = [
-    "BACKENDS", "BackendUnavailable", "Method", "Spec", "fp16_bytes", "get_kv", "get_method",
+    "BACKENDS", "BackendUnavailable", "Method", "Spec", "compose", "fp16_bytes", "get_kv", "get_method",
     "init", "load_spec", "method_keys", "method_of", "nbytes", "positions", "state_nbytes",
     "tokens_seen", "update",
 ]
@@ -68,6 +69,8 @@ __all__ = [
 def _export_methods() -> None:
     """Expose each method's ``<key>_init/_update/_get_kv/_bytes`` and state type here."""
     for key in method_keys():
+        if not key.isidentifier():  # compositions such as "tova+affine": use velox.init(key)
+            continue
         m = get_method(key)
         names = {f"{key}_init": m.init, f"{key}_update": m.update, f"{key}_get_kv": m.get_kv,
                  f"{key}_bytes": m.nbytes, m.state_type.__name__: m.state_type}
@@ -75,4 +78,5 @@ def _export_methods() -> None:
         __all__.extend(names)
 
 
+compose.evict_then_store("tova")  # TOVA survivors as per-token affine codes: "tova+affine"
 _export_methods()

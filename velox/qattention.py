@@ -1,9 +1,10 @@
 """Attention over stored segments without materialising a dense cache.
 
-A state's stored tokens are a list of segments in position order: ``Dense`` rows, or
-``Affine`` rows held as MLX affine codes (keys transposed ``[b, h, d, n]`` with groups along
-the tokens, values ``[b, h, n, d]`` with groups along the channels, the layout of
-``velox.quant`` and of ``mx.quantize``). Scores and outputs of affine segments go through
+A state's stored tokens are a list of segments in position order: ``Dense`` rows, ``Affine``
+rows held as MLX affine codes with keys transposed ``[b, h, d, n]`` (groups along the tokens,
+KIVI's per-channel keys) and values ``[b, h, n, d]`` (groups along the channels), or
+``AffineRows`` with keys and values both per token (the layout of ``velox.quant`` and of
+``mx.quantize``). Scores and outputs of affine segments go through
 ``mx.quantized_matmul`` on the packed codes; one softmax spans every segment and the new
 tokens, so the result equals dense attention over ``get_kv`` plus the new tokens.
 """
@@ -16,7 +17,7 @@ import mlx.core as mx
 
 from ._typing import Array, Float, UInt
 
-__all__ = ["Dense", "Affine", "attend_segments"]
+__all__ = ["Dense", "Affine", "AffineRows", "attend_segments"]
 
 
 class Dense(NamedTuple):
@@ -32,6 +33,19 @@ class Affine(NamedTuple):
     key_codes: UInt[Array, "b h d kw"]
     key_scales: Float[Array, "b h d kg"]
     key_zeros: Float[Array, "b h d kg"]
+    value_codes: UInt[Array, "b h n vw"]
+    value_scales: Float[Array, "b h n vg"]
+    value_zeros: Float[Array, "b h n vg"]
+    bits: int
+    group_size: int
+
+
+class AffineRows(NamedTuple):
+    """Stored rows as affine codes, keys and values both per token (groups along channels)."""
+
+    key_codes: UInt[Array, "b h n kw"]
+    key_scales: Float[Array, "b h n kg"]
+    key_zeros: Float[Array, "b h n kg"]
     value_codes: UInt[Array, "b h n vw"]
     value_scales: Float[Array, "b h n vg"]
     value_zeros: Float[Array, "b h n vg"]
@@ -62,6 +76,10 @@ def attend_segments(queries: Float[Array, "b q s d"], segments: list,
     for seg in segs:
         if isinstance(seg, Dense):
             logits.append(q @ seg.keys.swapaxes(-1, -2))
+        elif isinstance(seg, AffineRows):
+            logits.append(mx.quantized_matmul(q, seg.key_codes, seg.key_scales, seg.key_zeros,
+                                              transpose=True, group_size=seg.group_size,
+                                              bits=seg.bits))
         else:
             logits.append(mx.quantized_matmul(q, seg.key_codes, seg.key_scales, seg.key_zeros,
                                               transpose=False, group_size=seg.group_size,

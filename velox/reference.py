@@ -111,3 +111,60 @@ def keep(state, cand: Candidates, chosen, **extra: np.ndarray):
     for name, x in extra.items():
         fields[name] = to_mx(gather(x), getattr(state, name).dtype)
     return state._replace(**fields)
+
+
+# --- group quantization, written out with NumPy (float32, the formula of velox.quant) ---
+
+def round_to(x: np.ndarray, dtype: mx.Dtype) -> np.ndarray:
+    """Round float32 values to ``dtype`` and back (the stored precision of scales/zeros)."""
+    return to_np(to_mx(x, dtype), np.float32)
+
+
+def quantize_group(x: np.ndarray, bits: int, dtype: mx.Dtype):
+    """One group (1-D float32): codes, stored scale, stored zero (scale 0 -> codes 0)."""
+    levels = 2 ** bits - 1
+    scale = round_to(np.array([(x.max() - x.min()) / np.float32(levels)], np.float32), dtype)[0]
+    zero = round_to(np.array([x.min()], np.float32), dtype)[0]
+    if scale == 0:
+        return np.zeros(x.shape, np.uint32), scale, zero
+    q = np.clip(np.round((x - zero) / scale), 0, levels)
+    return q.astype(np.uint32), scale, zero
+
+
+def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Little-endian bit stream of ``bits``-bit codes along the last axis, as uint32 words."""
+    lead = codes.shape[:-1]
+    bitplanes = (codes[..., None] >> np.arange(bits, dtype=np.uint32)) & 1  # [..., m, bits]
+    stream = np.packbits(bitplanes.reshape(*lead, -1).astype(np.uint8), axis=-1, bitorder="little")
+    return np.ascontiguousarray(stream).view("<u4").reshape(*lead, -1)
+
+
+def unpack_codes(words: np.ndarray, bits: int) -> np.ndarray:
+    """Inverse of :func:`pack_codes`."""
+    lead = words.shape[:-1]
+    stream = np.unpackbits(np.ascontiguousarray(words.astype("<u4")).view(np.uint8), axis=-1,
+                           bitorder="little").reshape(*lead, -1, bits)
+    return (stream.astype(np.uint32) << np.arange(bits, dtype=np.uint32)).sum(-1).astype(np.uint32)
+
+
+def quantize(x: np.ndarray, bits: int, group_size: int, dtype: mx.Dtype):
+    """Groups of ``group_size`` along the last axis: packed codes, scales, zeros (float32)."""
+    lead, m = x.shape[:-1], x.shape[-1]
+    groups = x.reshape(-1, m // group_size, group_size)
+    codes = np.zeros(groups.shape, np.uint32)
+    scales = np.zeros(groups.shape[:2], np.float32)
+    zeros = np.zeros(groups.shape[:2], np.float32)
+    for r in range(groups.shape[0]):
+        for g in range(groups.shape[1]):
+            codes[r, g], scales[r, g], zeros[r, g] = quantize_group(groups[r, g], bits, dtype)
+    return (pack_codes(codes.reshape(*lead, m), bits), scales.reshape(*lead, -1),
+            zeros.reshape(*lead, -1))
+
+
+def dequantize(words: np.ndarray, scales: np.ndarray, zeros: np.ndarray, bits: int,
+               group_size: int) -> np.ndarray:
+    """``q * scale + zero`` in float32."""
+    q = unpack_codes(words, bits).astype(np.float32)
+    lead, m = q.shape[:-1], q.shape[-1]
+    q = q.reshape(*lead, m // group_size, group_size)
+    return (q * scales[..., None] + zeros[..., None]).reshape(*lead, m)

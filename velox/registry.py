@@ -7,15 +7,15 @@ per-method branches. Kernel modules add backends to a registered method with
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
-
-State = tuple  # every state record is a typing.NamedTuple
 
 import mlx.core as mx
 
 from .spec import Spec, load_spec
+
+State = tuple  # every state record is a typing.NamedTuple
 
 __all__ = ["Method", "register", "register_backend", "get_method", "method_keys", "method_of"]
 
@@ -39,6 +39,7 @@ class Method:
     model_init: Callable[[list[dict[str, Any]]], tuple] | None = None
     layer_update: Callable[..., tuple[tuple, State]] | None = None
     attend: Callable[..., mx.array] | None = None
+    spec_override: Spec | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
     def per_layer_params(self, n_layers: int, params: dict[str, Any]) -> list[dict[str, Any]]:
@@ -49,7 +50,8 @@ class Method:
 
     @property
     def spec(self) -> Spec:
-        return load_spec(self.key)
+        """The method's spec (its file in ``velox/specs``, or a generated one for compositions)."""
+        return self.spec_override if self.spec_override is not None else load_spec(self.key)
 
 
 _REGISTRY: dict[str, Method] = {}

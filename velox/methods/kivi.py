@@ -104,43 +104,10 @@ def _update_mlx(state: KiviState, keys, values, queries) -> KiviState:
     return state._replace(**fields)
 
 
-# --- reference: per-group arithmetic and bit packing written out with NumPy -------------
+# --- reference: NumPy group quantization (velox.reference) ------------------------------
 
-def _np_round_to(x: np.ndarray, dtype: mx.Dtype) -> np.ndarray:
-    """Round float32 values to ``dtype`` and back (the stored precision of scales/zeros)."""
-    return ref.to_np(ref.to_mx(x, dtype), np.float32)
-
-
-def _np_quantize_group(x: np.ndarray, bits: int, dtype: mx.Dtype):
-    """One group (1-D float32): codes, stored scale, stored zero."""
-    levels = 2 ** bits - 1
-    scale = _np_round_to(np.array([(x.max() - x.min()) / np.float32(levels)], np.float32), dtype)[0]
-    zero = _np_round_to(np.array([x.min()], np.float32), dtype)[0]
-    if scale == 0:
-        return np.zeros(x.shape, np.uint32), scale, zero
-    q = np.clip(np.round((x - zero) / scale), 0, levels)
-    return q.astype(np.uint32), scale, zero
-
-
-def _np_pack(codes: np.ndarray, bits: int) -> np.ndarray:
-    """Little-endian bit stream of ``bits``-bit codes along the last axis, as uint32 words."""
-    lead = codes.shape[:-1]
-    bitplanes = (codes[..., None] >> np.arange(bits, dtype=np.uint32)) & 1  # [..., m, bits]
-    stream = np.packbits(bitplanes.reshape(*lead, -1).astype(np.uint8), axis=-1, bitorder="little")
-    return np.ascontiguousarray(stream).view("<u4").reshape(*lead, -1)
-
-
-def _np_quantize(x: np.ndarray, bits: int, group_size: int, dtype: mx.Dtype):
-    lead, m = x.shape[:-1], x.shape[-1]
-    groups = x.reshape(-1, m // group_size, group_size)
-    codes = np.zeros(groups.shape, np.uint32)
-    scales = np.zeros(groups.shape[:2], np.float32)
-    zeros = np.zeros(groups.shape[:2], np.float32)
-    for r in range(groups.shape[0]):
-        for g in range(groups.shape[1]):
-            codes[r, g], scales[r, g], zeros[r, g] = _np_quantize_group(groups[r, g], bits, dtype)
-    return (_np_pack(codes.reshape(*lead, m), bits), scales.reshape(*lead, -1),
-            zeros.reshape(*lead, -1))
+_np_pack = ref.pack_codes
+_np_quantize = ref.quantize
 
 
 def _update_reference(state: KiviState, keys, values, queries) -> KiviState:

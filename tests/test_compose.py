@@ -1,0 +1,66 @@
+"""Composition: an eviction policy over survivors held as per-token affine codes."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import velox
+from velox import compose
+
+
+def _run(key, chunks, **params):
+    rng = np.random.default_rng(0)
+    st = velox.init(key, 1, 2, 32, **params)
+    states, fed = [], []
+    for s in chunks:
+        k = mx.array(rng.standard_normal((1, 2, s, 32)).astype(np.float32))
+        v = mx.array(rng.standard_normal((1, 2, s, 32)).astype(np.float32))
+        st = velox.update(st, k, v)
+        states.append(st)
+        fed.append((k, v))
+    return states, fed
+
+
+def test_one_line_composition_and_real_bytes():
+    m = compose.evict_then_store("tova")
+    assert m.key == "tova+affine" and velox.get_method("tova+affine") is m
+    states, _ = _run("tova+affine", [40, 1, 1], budget=16, n_sink=2, bits=2)
+    st = states[-1]
+    assert velox.positions(st).shape == (1, 2, 16)
+    # Per kept token and head: keys and values 32 ch x 2 bits = 8 B each, one group each with
+    # a float32 scale and zero (8 B each), plus the policy's int32 position (4 B);
+    # next_pos 4 B per head.
+    assert velox.nbytes(st) == 2 * 16 * (8 + 8 + 8 + 8 + 4) + 2 * 4
+    plain, _ = _run("tova", [40, 1, 1], budget=16, n_sink=2)
+    assert velox.nbytes(plain[-1]) == 2 * 16 * (32 * 4 * 2 + 4) + 2 * 4
+    assert velox.nbytes(st) < velox.nbytes(plain[-1]) / 7  # 8328 / 1160 = 7.2x at d=32
+
+
+def test_survivor_codes_are_never_reencoded():
+    states, _ = _run("tova+affine", [30, 1, 1, 1, 1], budget=20, n_sink=2, bits=4)
+    first, last = states[0], states[-1]
+    p0 = np.array(velox.positions(first))[0, 0].tolist()
+    p1 = np.array(velox.positions(last))[0, 0].tolist()
+    for j, p in enumerate(p1):
+        if p in p0:
+            i = p0.index(p)
+            assert mx.array_equal(last.key_codes[0, 0, j], first.key_codes[0, 0, i]).item()
+            assert mx.array_equal(last.value_scales[0, 0, j], first.value_scales[0, 0, i]).item()
+
+
+def test_survivors_are_within_the_codec_bound_of_their_inputs():
+    states, fed = _run("tova+affine", [30, 1, 1, 1], budget=20, n_sink=2, bits=3)
+    hk = mx.concatenate([k for k, _ in fed], axis=2)
+    st = states[-1]
+    pos = velox.positions(st)
+    k, _ = velox.get_kv(st)
+    want = mx.take_along_axis(hk, pos[..., None], axis=2)
+    bound, _ = velox.get_method("tova+affine").error_bound(st)
+    assert bool((mx.abs(k - want) <= bound).all())
+
+
+def test_policies_that_cannot_be_composed_are_refused():
+    with pytest.raises(ValueError, match="cannot be composed"):
+        compose.evict_then_store("kivi")
+    with pytest.raises(ValueError, match="unknown method"):
+        compose.evict_then_store("nope")

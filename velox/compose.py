@@ -1,0 +1,160 @@
+"""Composition: an eviction policy decides which tokens live, a codec how they are held.
+
+    tova_q = velox.compose.evict_then_store("tova")          # a registered method, key "tova+affine"
+    state = tova_q.init(1, 8, 128, budget=256, n_sink=4, bits=2)
+
+The composed state keeps the policy's own bookkeeping (positions, scores, ...) and holds the
+survivors only as per-token affine codes (keys and values grouped along channels, packed in
+MLX's layout); its bytes are those arrays. At each update the policy scores the candidates
+with the dequantized stored keys, then the codec keeps the survivors' codes as they are
+(pure eviction) or re-encodes what the policy keeps (merging policies change kept values).
+Per-token groups make rows independent, so dropping a token never touches another's codes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from . import evict, quant
+from . import reference as ref
+from .accounting import state_nbytes
+from .qattention import AffineRows, attend_segments
+from .registry import Method, _REGISTRY, dispatch, get_method, register
+from .spec import Param, Spec, validate_params
+
+__all__ = ["evict_then_store"]
+
+_CODEC_FIELDS = ("key_codes", "key_scales", "key_zeros", "value_codes", "value_scales", "value_zeros")
+_PARAMS = {
+    "bits": Param("bits", "choice", 4, doc="bits per stored element (per-token affine codes)",
+                  choices=(2, 3, 4, 8)),
+    "group_size": Param("group_size", "choice", 32, doc="channels per quantization group",
+                        choices=(32, 64, 128), test_choices=(32,)),
+}
+
+
+def _encode(keys: mx.array, values: mx.array, bits: int, group_size: int, backend: str):
+    """Per-token affine codes of keys and values (groups along channels)."""
+    if backend == "reference":
+        dtype = keys.dtype
+        out = []
+        for x in (keys, values):
+            c, s, z = ref.quantize(ref.to_np(x, np.float32), bits, group_size, dtype)
+            out += [mx.array(c), ref.to_mx(s, dtype), ref.to_mx(z, dtype)]
+        return tuple(out)
+    return quant.quantize(keys, bits, group_size) + quant.quantize(values, bits, group_size)
+
+
+def _decode(state) -> tuple[mx.array, mx.array]:
+    g, bits = state.group_size, state.bits
+    k = quant.dequantize(state.key_codes, state.key_scales, state.key_zeros, bits, g)
+    v = quant.dequantize(state.value_codes, state.value_scales, state.value_zeros, bits, g)
+    return k, v
+
+
+def _spec(policy: Spec, key: str) -> Spec:
+    contract = dict(policy.contract, exact_rows=False)
+    return Spec(
+        key=key, name=f"{policy.name} + per-token affine codes", title=policy.title,
+        arxiv=policy.arxiv, venue=policy.venue, family="composed", phases=policy.phases,
+        queries=policy.queries,
+        summary=f"{policy.summary}; survivors stored as per-token affine codes",
+        params={**policy.params, **_PARAMS},
+        constraints=policy.constraints + ("head_dim % group_size == 0",),
+        contract=contract, tolerance=dict(policy.tolerance, atol=1e-6, rtol=1e-6),
+        deviations=policy.deviations + (
+            "Survivors are stored as per-token affine codes; the policy scores candidates "
+            "with the dequantized stored keys.",),
+        backends=policy.backends)
+
+
+def evict_then_store(policy: str) -> Method:
+    """The method ``"<policy>+affine"``: ``policy`` decides, per-token affine codes store.
+
+    Registered on first use (so ``velox.init("<policy>+affine", ...)``, the adapter and the
+    contract suite all accept it). Its parameters are the policy's plus ``bits`` and
+    ``group_size``.
+    """
+    key = f"{policy}+affine"
+    if key in _REGISTRY:
+        return _REGISTRY[key]
+    P = get_method(policy)
+    if P.layer_update is not None or P.attend is not None:
+        raise ValueError(f"{policy} threads cross-layer state or attends itself; it cannot be composed")
+    if not {"keys", "values", "next_pos"} <= set(P.state_type._fields):
+        raise ValueError(f"{policy} does not store keys and values rows; it cannot be composed")
+    spec = _spec(P.spec, key)
+    pure = bool(P.spec.contract.get("exact_rows", False))
+    aux_fields = tuple(f for f in P.state_type._fields if f not in ("keys", "values", "next_pos"))
+    State = NamedTuple(f"{P.state_type.__name__}Affine",
+                       [("policy", dict)] + [(f, mx.array) for f in _CODEC_FIELDS]
+                       + [("next_pos", mx.array), ("bits", int), ("group_size", int),
+                          ("backend", str)])
+
+    def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+             backend: str = "auto", **params: Any):
+        """Empty composed state; ``params`` are the policy's plus ``bits`` and ``group_size``."""
+        full = validate_params(spec, params, dims=dict(batch=batch, kv_heads=kv_heads,
+                                                       head_dim=head_dim))
+        bits, group = full.pop("bits"), full.pop("group_size")
+        pstate = P.init(batch, kv_heads, head_dim, dtype=dtype, backend=backend, **full)
+        empty = mx.zeros((batch, kv_heads, 0, head_dim), dtype)
+        codec = _encode(empty, empty, bits, group, "mlx")
+        return State({f: getattr(pstate, f) for f in aux_fields}, *codec, pstate.next_pos, bits,
+                     group, pstate.backend)
+
+    def _policy_state(state, k_hat, v_hat):
+        return P.state_type(**state.policy, keys=k_hat, values=v_hat, next_pos=state.next_pos)
+
+    def _update(state, keys, values, queries):
+        k_hat, v_hat = _decode(state)
+        pstate = _policy_state(state, k_hat, v_hat)
+        new = P.backends[state.backend](pstate, keys, values, queries)
+        n, s = k_hat.shape[2], keys.shape[2]
+        if pure:
+            kept = new.positions
+            if kept.shape[2] == n + s:
+                idx = None
+            else:  # candidate index of each kept position (both sorted)
+                cand = mx.concatenate([pstate.positions, evict.new_positions(state.next_pos, s)], 2)
+                idx = (cand[:, :, None, :] < kept[:, :, :, None]).sum(-1).astype(mx.int32)
+            fresh = _encode(keys, values, state.bits, state.group_size, state.backend)
+            old = tuple(getattr(state, f) for f in _CODEC_FIELDS)
+            codec = evict.keep_rows(old, fresh, idx)
+        else:
+            codec = _encode(new.keys, new.values, state.bits, state.group_size, state.backend)
+        return State({f: getattr(new, f) for f in aux_fields}, *codec, new.next_pos,
+                     state.bits, state.group_size, state.backend)
+
+    def update(state, keys, values, *, queries=None):
+        """The policy's update on dequantized candidates; survivors kept as codes."""
+        return dispatch(key, state, keys, values, queries, dims(state))
+
+    def get_kv(state):
+        """Dequantized survivors, in increasing absolute position."""
+        return _decode(state)
+
+    def dims(state):
+        b, h, _, groups = state.key_scales.shape
+        return b, h, groups * state.group_size, state.key_scales.dtype
+
+    def error_bound(state):
+        bk = quant.error_bound(state.key_scales, state.key_zeros, state.bits, state.group_size)
+        bv = quant.error_bound(state.value_scales, state.value_zeros, state.bits, state.group_size)
+        return bk, bv
+
+    def attend(state, queries, keys, values, *, scale, mask=None):
+        """Attention on the packed codes (``mx.quantized_matmul``) plus ``s`` new tokens."""
+        seg = AffineRows(*(getattr(state, f) for f in _CODEC_FIELDS), state.bits, state.group_size)
+        return attend_segments(queries, [seg], keys, values, scale=scale, mask=mask)
+
+    m = register(key, state_type=State, init=init, update=update, get_kv=get_kv,
+                 nbytes=state_nbytes, positions=lambda st: st.policy["positions"],
+                 error_bound=error_bound, dims=dims, attend=attend,
+                 backends={b: _update for b in P.backends})
+    m.spec_override = spec
+    return m
