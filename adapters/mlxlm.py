@@ -73,6 +73,8 @@ class VeloxCache(_BaseCache):
         self._model = model
         self._compile = compile
         self._real_queries = real_queries
+        self._routed = False  # set by make_cache: the model's attention goes through the wrapper
+        self._fused = False
         self._state: tuple | None = None
         self._pending: tuple[mx.array, mx.array] | None = None
         self._offset = 0
@@ -139,8 +141,13 @@ class VeloxCache(_BaseCache):
 
     # -- updates -------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Take this step's keys/values; return what its attention reads (stored + new)."""
-        if self._pending is not None and self.method.attend is not None:
+        """Take this step's keys/values; return what its attention reads (stored + new).
+
+        When the attention wrapper will run for this cache and does the work itself (the
+        method's ``attend`` hook, or the fused compiled decode step), only the new tokens are
+        returned: the wrapper ignores what it is handed.
+        """
+        if self._pending is not None and self._wrapped_only():
             raise RuntimeError(
                 f"{self.method.key} attends through mlx-lm's scaled_dot_product_attention, "
                 "but the last forward did not call it for this layer")
@@ -151,27 +158,36 @@ class VeloxCache(_BaseCache):
                                            **self.params)
         self._pending = (keys, values)
         self._offset += keys.shape[2]
-        capture = _capture_installed() and (self._real_queries or self.method.attend is not None)
-        if capture and self.method.attend is not None:
-            return keys, values  # the wrapper attends through the method's own hook
+        deferred = _capture_installed() and (self._real_queries or self.method.attend is not None)
+        self._fused = deferred and self._routed and self._steady(keys)
+        if deferred and (self.method.attend is not None or self._fused):
+            return keys, values
         k, v = self.method.get_kv(self._state)
         out = mx.concatenate([k, keys], axis=2), mx.concatenate([v, values], axis=2)
-        if not capture:
+        if not deferred:
             self._absorb(None)
         return out
 
     def attention(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
                   mask, sinks=None) -> mx.array:
-        """This step's attention (plain, or the method's ``attend``), then the update."""
+        """This step's attention (plain, fused, or the method's ``attend``), then the update."""
         if self._pending is None:  # proxy mode: the update already ran in update_and_fetch
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                         mask=mask, sinks=sinks)
         new_k, new_v = self._pending
+        if self._fused and sinks is None and mask is None:
+            self._pending = None
+            out, self._state = _fused_step(self.method)(self._state, queries, new_k, new_v, scale)
+            mx.async_eval([x for _, x in tree_flatten(self._state) if isinstance(x, mx.array)])
+            return out
         if self.method.attend is not None:
             if sinks is not None:
                 raise ValueError(f"{self.method.key} does not support attention sinks")
             out = self.method.attend(self._state, queries, new_k, new_v, scale=scale, mask=mask)
         else:
+            if self._fused:  # handed the new tokens only; rebuild what attention reads
+                k, v = self.method.get_kv(self._state)
+                keys, values = mx.concatenate([k, new_k], axis=2), mx.concatenate([v, new_v], axis=2)
             out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                        mask=mask, sinks=sinks)
         self._absorb(queries)
@@ -189,7 +205,8 @@ class VeloxCache(_BaseCache):
                                                        keys, values, queries=queries)
             mx.async_eval([x for _, x in tree_flatten(model.record) if isinstance(x, mx.array)])
         else:
-            self._state = self._update_fn(keys)(self._state, keys, values, queries)
+            update = _compiled_update(m) if self._steady(keys) else _plain_update(m)
+            self._state = update(self._state, keys, values, queries)
         mx.async_eval([x for _, x in tree_flatten(self._state) if isinstance(x, mx.array)])
 
     def _flush(self) -> None:
@@ -197,17 +214,20 @@ class VeloxCache(_BaseCache):
         if self._pending is not None:
             self._absorb(None)
 
-    def _update_fn(self, keys: mx.array):
-        """The method's update; compiled for single-token steps at a bounded, full cache."""
+    def _wrapped_only(self) -> bool:
+        """Whether the last update_and_fetch returned only the new tokens."""
+        return self.method.attend is not None or getattr(self, "_fused", False)
+
+    def _steady(self, keys: mx.array) -> bool:
+        """A single-token step at a full bounded cache: shapes repeat, so compiling pays."""
         m = self.method
-        if not self._compile or keys.shape[2] != 1 or self._state.backend == "reference":
-            return _plain_update(m)
+        if (not self._compile or keys.shape[2] != 1 or self._state.backend == "reference"
+                or m.layer_update is not None):
+            return False
         contract = m.spec.contract
         cap = m.spec.capacity(self._full_params)
-        if (cap is None or contract.get("bound_phase", "all") != "all"
-                or not contract.get("compilable", True) or self._stored_count() != cap):
-            return _plain_update(m)
-        return _compiled_update(m)
+        return (cap is not None and contract.get("bound_phase", "all") == "all"
+                and contract.get("compilable", True) and self._stored_count() == cap)
 
     def _stored_count(self) -> int:
         return 0 if self._state is None else int(self.method.positions(self._state).shape[2])
@@ -221,6 +241,27 @@ def _plain_update(m: Method):
     fn = _PLAIN.get(m.key)
     if fn is None:
         fn = _PLAIN[m.key] = lambda s, k, v, q: m.update(s, k, v, queries=q)
+    return fn
+
+
+_FUSED: dict[str, Any] = {}
+
+
+def _fused_step(m: Method):
+    """Compiled decode step: this token's attention over stored + new, then the update."""
+    fn = _FUSED.get(m.key)
+    if fn is None:
+        def step(state, queries, keys, values, scale):
+            if m.attend is not None:
+                out = m.attend(state, queries, keys, values, scale=scale, mask=None)
+            else:
+                k, v = m.get_kv(state)
+                out = mx.fast.scaled_dot_product_attention(
+                    queries, mx.concatenate([k, keys], axis=2),
+                    mx.concatenate([v, values], axis=2), scale=scale)
+            return out, m.update(state, keys, values, queries=queries)
+
+        fn = _FUSED[m.key] = mx.compile(step)
     return fn
 
 
@@ -312,16 +353,24 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
     shared = _Model(method=m, layer_params=per_layer, n_layers=n) if m.layer_update else None
     if real_queries or m.attend is not None:
         install_query_capture()
-        module = sys.modules.get(type(model).__module__)
-        if m.attend is not None and getattr(module, "scaled_dot_product_attention", None) \
-                is not _velox_sdpa:
-            raise ValueError(f"{method} needs a model whose attention calls mlx-lm's "
-                             f"scaled_dot_product_attention; {type(model).__module__} does not")
+    routed = _routes_attention(model)
+    if m.attend is not None and not routed:
+        raise ValueError(f"{method} needs a model whose attention calls mlx-lm's "
+                         f"scaled_dot_product_attention; {type(model).__name__} does not")
     caches = list(base)
     for layer, slot in enumerate(slots):
         caches[slot] = VeloxCache(method, per_layer[layer], backend=backend, layer=layer,
                                   model=shared, compile=compile, real_queries=real_queries)
+        caches[slot]._routed = routed
     return caches
+
+
+def _routes_attention(model) -> bool:
+    """Whether every module class in ``model`` that uses mlx-lm's attention function uses the
+    wrapped one (so velox caches see their queries)."""
+    modules = {sys.modules.get(type(mod).__module__) for _, mod in model.named_modules()}
+    users = [mod for mod in modules if mod is not None and hasattr(mod, "scaled_dot_product_attention")]
+    return bool(users) and all(mod.scaled_dot_product_attention is _velox_sdpa for mod in users)
 
 
 def cache_nbytes(caches: list) -> int:
@@ -352,8 +401,26 @@ def _dims(c: VeloxCache) -> tuple[int, int, int, mx.Dtype]:
 _FORMAT = "velox-prompt-cache-1"
 
 
-def _static_fields(state: tuple) -> dict[str, Any]:
-    return {k: v for k, v in state._asdict().items() if not isinstance(v, mx.array)}
+def _split(value: Any, name: str, arrays: dict[str, mx.array]) -> Any:
+    """JSON-able description of a state field; arrays go to ``arrays`` under ``name``."""
+    if isinstance(value, mx.array):
+        arrays[name] = value
+        return {"__array__": name}
+    if isinstance(value, dict):
+        return {"__dict__": {k: _split(v, f"{name}.{k}", arrays) for k, v in value.items()}}
+    return value
+
+
+def _join(desc: Any, arrays: dict[str, mx.array]) -> Any:
+    if isinstance(desc, dict) and "__array__" in desc:
+        return arrays[desc["__array__"]]
+    if isinstance(desc, dict) and "__dict__" in desc:
+        return {k: _join(v, arrays) for k, v in desc["__dict__"].items()}
+    return desc
+
+
+def _save_record(record: tuple, prefix: str, arrays: dict[str, mx.array]) -> dict[str, Any]:
+    return {k: _split(v, f"{prefix}.{k}", arrays) for k, v in record._asdict().items()}
 
 
 def save_cache(path: str | Path, caches: list, metadata: dict[str, str] | None = None) -> None:
@@ -368,20 +435,13 @@ def save_cache(path: str | Path, caches: list, metadata: dict[str, str] | None =
         entry = {"method": c.method.key, "params": c.params, "backend": c.backend,
                  "layer": c.layer, "offset": c.offset, "compile": c._compile,
                  "real_queries": c._real_queries,
-                 "state": None if st is None else _static_fields(st)}
-        if st is not None:
-            for k, v in st._asdict().items():
-                if isinstance(v, mx.array):
-                    arrays[f"{i}.{k}"] = v
+                 "state": None if st is None else _save_record(st, str(i), arrays)}
         layers.append(entry)
         if c._model is not None and shared is None:
             shared = c._model
     record = None
     if shared is not None and shared.record is not None:
-        record = {"type": type(shared.record).__name__, "static": _static_fields(shared.record)}
-        for k, v in shared.record._asdict().items():
-            if isinstance(v, mx.array):
-                arrays[f"record.{k}"] = v
+        record = _save_record(shared.record, "record", arrays)
     meta = {"format": _FORMAT, "layers": json.dumps(layers),
             "layer_params": json.dumps(shared.layer_params if shared else None),
             "record": json.dumps(record), "user": json.dumps(metadata or {})}
@@ -406,12 +466,10 @@ def load_cache(path: str | Path) -> tuple[list, dict[str, str]]:
                        layer=entry["layer"], model=shared, compile=entry["compile"],
                        real_queries=entry["real_queries"])
         if entry["state"] is not None:
-            fields = {k: arrays[f"{i}.{k}"] for k in m.state_type._fields if f"{i}.{k}" in arrays}
-            c._state = m.state_type(**fields, **entry["state"])
+            c._state = m.state_type(**{k: _join(v, arrays) for k, v in entry["state"].items()})
         c._offset = entry["offset"]
         caches.append(c)
     if shared is not None and record_meta is not None:
         rec_type = type(shared.method.model_init(layer_params))
-        fields = {k: arrays[f"record.{k}"] for k in rec_type._fields if f"record.{k}" in arrays}
-        shared.record = rec_type(**fields, **record_meta["static"])
+        shared.record = rec_type(**{k: _join(v, arrays) for k, v in record_meta.items()})
     return caches, json.loads(meta["user"])

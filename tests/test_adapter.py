@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
@@ -91,7 +91,11 @@ def test_every_method_prefills_in_chunks_and_decodes(model, key):
     assert cache_nbytes(caches) == sum(c.nbytes for c in caches)
 
 
-@pytest.mark.parametrize("key", [k for k in method_keys() if get_method(k).spec.contract.get("capacity")])
+EVICTION = [k for k in method_keys() if get_method(k).spec.family in ("eviction", "merging")
+            and get_method(k).spec.contract.get("capacity")]
+
+
+@pytest.mark.parametrize("key", EVICTION)
 def test_budget_above_the_text_matches_kvcache_exactly(model, key):
     params = large_params(key, len(PROMPT) + 16)
     want = greedy(model, make_prompt_cache(model), n=16)
@@ -187,7 +191,9 @@ def test_save_load_round_trip(model, key, tmp_path):
     for a, b in zip(caches, loaded):
         sa, sb = a.velox_state, b.velox_state
         assert type(sa) is type(sb) and a.offset == b.offset
-        for x, y in zip(sa, sb):
+        fa, fb = tree_flatten(sa), tree_flatten(sb)
+        assert [k for k, _ in fa] == [k for k, _ in fb]
+        for (_, x), (_, y) in zip(fa, fb):
             if isinstance(x, mx.array):
                 assert x.dtype == y.dtype and mx.array_equal(x, y).item()
             else:
@@ -250,3 +256,18 @@ def test_fp16_reference_bytes(model):
     greedy(model, caches, n=3)
     # 3 layers x 2 kv heads x head_dim 32 x (k + v) x 2 bytes per token seen
     assert cache_fp16_bytes(caches) == (len(PROMPT) + 3) * 3 * 2 * 32 * 2 * 2
+
+
+def test_fused_compiled_decode_step_matches_the_plain_path(model):
+    """At a full cache, decode runs one compiled graph (attention + update); same result."""
+    fused = make_cache(model, "h2o", budget=24, grace=4)
+    plain = make_cache(model, "h2o", budget=24, grace=4, compile=False)
+    assert all(c._routed for c in fused)
+    a = greedy(model, fused, n=10)
+    b = greedy(model, plain, n=10)
+    assert fused[0]._fused  # the last steps took the fused path
+    assert a == b
+    for x, y in zip(fused, plain):
+        assert np.array_equal(np.array(velox.positions(x.velox_state)),
+                              np.array(velox.positions(y.velox_state)))
+        assert np.allclose(np.array(x.velox_state.scores), np.array(y.velox_state.scores), atol=1e-5)
