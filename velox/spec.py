@@ -99,6 +99,7 @@ class Spec:
     tolerance: Mapping[str, Any]
     deviations: tuple[str, ...]
     backends: tuple[str, ...] = field(default=("reference", "mlx"))
+    presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -218,6 +219,7 @@ def parse_spec(data: Mapping[str, Any]) -> Spec:
         constraints=tuple(data.get("constraints", ())), contract=dict(data.get("contract", {})),
         tolerance=dict(data.get("tolerance", {})), deviations=tuple(data.get("deviations", ())),
         backends=tuple(data.get("backends", ("reference", "mlx"))),
+        presets={k: dict(v) for k, v in data.get("presets", {}).items()},
     )
 
 
@@ -239,6 +241,11 @@ def load_spec(key: str) -> Spec:
     for p in spec.params.values():
         p.check(p.default)
     validate_params(spec, {})
+    for name, preset in spec.presets.items():
+        try:
+            validate_params(spec, preset)
+        except ValueError as e:
+            raise ValueError(f"{key}.toml preset {name!r}: {e}") from None
     return spec
 
 
