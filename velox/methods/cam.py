@@ -1,0 +1,245 @@
+"""CaM: H2O eviction whose losers are merged into the kept tokens instead of dropped.
+
+The eviction choice is H2O's (accumulated attention, ``grace``, ``decay``, sinks). Each loser
+``e`` of a selection then merges into kept, non-sink targets, gated as in the paper by a
+Bernoulli draw with probability ``min(1, A_e / mean A over its targets)`` (``A``: accumulated
+scores; the draw is a counter-based hash of ``(seed, position of e)``; ``merge_gate=False``
+merges every loser):
+
+* ``sim_weighted``: the target is the kept token whose key is most cosine-similar; it becomes
+  the weighted mean ``(x + sum w_e x_e) / (1 + sum w_e)`` of itself and its losers, with
+  ``w_e = clip(cos, 0, 1)``;
+* ``mean``: the same with ``w_e = 1`` (the plain mean);
+* ``window``: the paper's rule: ``x_e / m`` is added to each of the ``m <= merge_window``
+  kept tokens that follow ``e``;
+* ``drop``: no merge: H2O exactly.
+
+Values always merge, keys too with ``merge_keys``; a merged loser's score moves to its targets
+(split evenly in ``window``). A multi-token chunk is one selection whose losers merge at once.
+
+References:
+    Zhang, Du, Luo, Zhong, Zhang, Liu, Ji. CaM: Cache Merging for Memory-efficient LLMs
+    Inference. ICML 2024 (PMLR 235:58840-58850).
+
+Deviations from the paper:
+    * ``sim_weighted`` and ``mean`` (the seed's rules, a convex weighted mean here) merge into
+      one similar token; the paper's ``window`` rule adds to the following tokens.
+    * Scores move with a merge (the seed's conservation rule); the paper keeps them.
+    * The gate is a deterministic hash draw, shared by the heads, not ``torch.bernoulli``.
+    * H2O's deviations for the eviction choice (grace, decay, sinks, chunk rule, proxy queries).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from .. import evict
+from .. import reference as ref
+from .._typing import Array, Float, Int
+from ..accounting import state_nbytes
+from ..attention import candidate_mass, scoring_queries
+from ..registry import dispatch, prepare_init, register
+from .keyformer import hash_uniform, hash_uniform_np
+
+__all__ = ["CaMState", "cam_init", "cam_update", "cam_get_kv", "cam_bytes"]
+
+KEY = "cam"
+
+
+class CaMState(NamedTuple):
+    """Kept (possibly merged) rows, their absolute positions and accumulated ``scores``."""
+
+    keys: Float[Array, "b h n d"]
+    values: Float[Array, "b h n d"]
+    positions: Int[Array, "b h n"]
+    scores: Float[Array, "b h n"]
+    next_pos: Int[Array, "b h"]
+    budget: int
+    n_sink: int
+    merge: str
+    merge_keys: bool
+    merge_gate: bool
+    merge_window: int
+    grace: int
+    decay: float
+    seed: int
+    backend: str
+
+
+def cam_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+             budget: int = 512, n_sink: int = 4, merge: str = "sim_weighted", merge_keys: bool = False,
+             merge_gate: bool = True, merge_window: int = 32, grace: int = 16, decay: float = 0.98,
+             seed: int = 42, backend: str = "auto") -> CaMState:
+    """Empty CaM state holding at most ``budget`` tokens per head (sinks included)."""
+    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
+                              dict(budget=budget, n_sink=n_sink, merge=merge, merge_keys=merge_keys,
+                                   merge_gate=merge_gate, merge_window=merge_window, grace=grace,
+                                   decay=decay, seed=seed))
+    k, v, pos, nxt = evict.empty_rows(batch, kv_heads, head_dim, dtype)
+    return CaMState(k, v, pos, mx.zeros((batch, kv_heads, 0), mx.float32), nxt, **p, backend=backend)
+
+
+def _unit(x: mx.array) -> mx.array:
+    norm = mx.sqrt((x * x).sum(axis=-1, keepdims=True))
+    return x / mx.maximum(norm, 1e-30)
+
+
+def _merge_mlx(state: CaMState, cand: tuple, acc: mx.array, idx: mx.array) -> tuple:
+    """Survivors ``idx`` of the candidates ``(keys, values, positions)`` with the losers merged."""
+    ck, cv, cpos = cand
+    b, h, N, d = ck.shape
+    B, E = idx.shape[2], N - idx.shape[2]
+    kept = mx.put_along_axis(mx.zeros((b, h, N), mx.int32), idx, mx.ones(idx.shape, mx.int32), axis=2)
+    order = mx.argsort(kept * N + mx.arange(N, dtype=mx.int32), axis=2)
+    lose = order[:, :, :E].astype(mx.int32)                                # losers, ascending
+    sk, sv = evict.take_rows(ck, idx).astype(mx.float32), evict.take_rows(cv, idx).astype(mx.float32)
+    lk, lv = evict.take_rows(ck, lose).astype(mx.float32), evict.take_rows(cv, lose).astype(mx.float32)
+    s_acc, l_acc = mx.take_along_axis(acc, idx, axis=2), mx.take_along_axis(acc, lose, axis=2)
+    if state.merge == "window":
+        width = state.merge_window
+        first = mx.take_along_axis(mx.cumsum(kept, axis=2), lose, axis=2)  # kept tokens before e
+        tgt = first[..., None] + mx.arange(width, dtype=mx.int32)          # [b, h, E, width]
+        valid = tgt < B
+        tgt = mx.minimum(tgt, B - 1)
+        size = valid.astype(mx.float32).sum(axis=-1)                        # [b, h, E]
+        t_acc = mx.take_along_axis(s_acc[:, :, None, :], tgt, axis=3)
+        den = mx.where(valid, t_acc, 0.0).sum(axis=-1) / mx.maximum(size, 1.0)
+        weight = valid.astype(mx.float32) / mx.maximum(size, 1.0)[..., None]
+        has_target = size > 0
+    else:
+        cos = _unit(lk) @ _unit(sk).swapaxes(-1, -2)                        # [b, h, E, B]
+        cos = mx.where(mx.arange(B) >= state.n_sink, cos, -mx.inf)          # sinks: first slots
+        tgt = mx.argmax(cos, axis=-1).astype(mx.int32)[..., None]           # [b, h, E, 1]
+        den = mx.take_along_axis(s_acc, tgt[..., 0], axis=2)
+        sim = mx.take_along_axis(cos, tgt, axis=3)
+        weight = mx.clip(sim, 0.0, 1.0) if state.merge == "sim_weighted" else mx.ones_like(sim)
+        has_target = mx.ones(den.shape, mx.bool_)
+    on = has_target
+    if state.merge_gate:
+        u = hash_uniform(state.seed, mx.take_along_axis(cpos, lose, axis=2))
+        prob = mx.where(l_acc >= den, 1.0, l_acc / mx.maximum(den, 1e-30))
+        on = on & (u < prob)
+    weight = weight * on[..., None].astype(mx.float32)                      # [b, h, E, t]
+    base = (mx.arange(b * h, dtype=mx.int32) * B).reshape(b, h, 1, 1)
+    flat = (tgt + base).reshape(-1)
+
+    def scatter(x_surv, x_lose):  # add weight * loser rows into their targets
+        add = (weight[..., None] * x_lose[:, :, :, None, :]).reshape(-1, d)
+        return x_surv.reshape(-1, d).at[flat].add(add).reshape(b, h, B, d)
+
+    if state.merge == "window":  # the paper: add x_e / m to each of its m targets
+        sv = scatter(sv, lv)
+        sk = scatter(sk, lk) if state.merge_keys else sk
+        share = weight
+    else:  # the weighted mean of each target and the losers merged into it
+        mass = mx.zeros((b * h * B,), mx.float32).at[flat].add(weight.reshape(-1)).reshape(b, h, B, 1)
+        sv = scatter(sv, lv) / (1.0 + mass)
+        sk = scatter(sk, lk) / (1.0 + mass) if state.merge_keys else sk
+        share = (weight > 0).astype(mx.float32)
+    moved = (share * l_acc[..., None]).reshape(-1)                          # scores follow merges
+    s_acc = (s_acc.reshape(-1).at[flat].add(moved)).reshape(b, h, B)
+    return (sk.astype(ck.dtype), sv.astype(cv.dtype), mx.take_along_axis(cpos, idx, axis=2), s_acc)
+
+
+def _update_mlx(state: CaMState, keys, values, queries) -> CaMState:
+    n, s = state.keys.shape[2], keys.shape[2]
+    coef = state.decay ** mx.arange(s - 1, -1, -1, dtype=mx.float32)
+    mass = candidate_mass(scoring_queries(keys, queries), state.keys, keys, coef)
+    old = state.scores * (state.decay ** s) + mass[:, :, :n]
+    new = mass[:, :, n:]
+    acc = mx.concatenate([old, new], axis=2)
+    idx = evict.top_budget(acc, state.budget, evict.protected(n + s, state.n_sink, state.grace))
+    stored = (state.keys, state.values, state.positions, old)
+    fresh = (keys, values, evict.new_positions(state.next_pos, s), new)
+    if idx is None or state.merge == "drop":
+        k, v, p, sc = evict.keep_rows(stored, fresh, idx)
+    else:
+        cand = tuple(mx.concatenate([a, x], axis=2) for a, x in zip(stored[:3], fresh[:3]))
+        k, v, p, sc = _merge_mlx(state, cand, acc, idx)
+    return state._replace(keys=k, values=v, positions=p, scores=sc, next_pos=state.next_pos + s)
+
+
+def _merge_reference(state: CaMState, keys, values, pos, acc, chosen):
+    """One row: survivors ``chosen`` with the losers merged in (float64)."""
+    keys, values, acc = keys.astype(np.float64), values.astype(np.float64), acc.copy()
+    lose = np.setdiff1d(np.arange(len(pos)), chosen)
+    sk, sv, s_acc = keys[chosen], values[chosen], acc[chosen]
+    add_k, add_v = np.zeros_like(sk), np.zeros_like(sv)
+    mass, moved = np.zeros(len(chosen)), np.zeros(len(chosen))
+    for e in lose:
+        if state.merge == "window":
+            first = np.searchsorted(chosen, e)           # kept tokens before e
+            targets = np.arange(first, min(first + state.merge_window, len(chosen)))
+            if len(targets) == 0:
+                continue
+            weights = np.full(len(targets), 1.0 / len(targets))
+        else:
+            cos = [keys[e] @ sk[j] / max(np.linalg.norm(keys[e]) * np.linalg.norm(sk[j]), 1e-30)
+                   for j in range(len(chosen))]
+            j = max(range(state.n_sink, len(chosen)), key=lambda t: (cos[t], -t))
+            targets = np.array([j])
+            weights = np.array([min(max(cos[j], 0.0), 1.0) if state.merge == "sim_weighted" else 1.0])
+            if weights[0] == 0:  # orthogonal or opposed: nothing to merge
+                continue
+        den = s_acc[targets].mean()
+        prob = 1.0 if acc[e] >= den else acc[e] / den
+        if state.merge_gate and not hash_uniform_np(state.seed, pos[e:e + 1])[0] < prob:
+            continue
+        add_k[targets] += weights[:, None] * keys[e]
+        add_v[targets] += weights[:, None] * values[e]
+        mass[targets] += weights
+        moved[targets] += acc[e] * (weights if state.merge == "window" else 1.0)
+    if state.merge == "window":
+        sv = sv + add_v
+        sk = sk + add_k if state.merge_keys else sk
+    else:
+        sv = (sv + add_v) / (1.0 + mass[:, None])
+        sk = (sk + add_k) / (1.0 + mass[:, None]) if state.merge_keys else sk
+    return sk, sv, s_acc + moved
+
+
+def _update_reference(state: CaMState, keys, values, queries) -> CaMState:
+    c = ref.candidates(state, keys, values, queries)
+    b, h, N = c.positions.shape
+    s = keys.shape[2]
+    q = ref.scoring_queries(c.new_keys, c.queries)
+    acc = np.zeros((b, h, N))
+    acc[:, :, : N - s] = ref.to_np(state.scores)
+    chosen = [[None] * h for _ in range(b)]
+    merged_k, merged_v = c.keys.astype(np.float64), c.values.astype(np.float64)
+    for i in range(b):
+        for j in range(h):
+            pos = c.positions[i, j]
+            for t in range(s):  # token by token: decay, then add this query's attention
+                w = ref.attention_weights(q[i, j, :, t:t + 1], c.keys[i, j], pos, pos[N - s + t:][:1])
+                acc[i, j] = acc[i, j] * state.decay + w[:, 0].mean(0)
+            keep = ref.protected(pos, c.total[i, j], state.n_sink, state.grace)
+            chosen[i][j] = ref.top_budget(acc[i, j], state.budget, keep)
+            if chosen[i][j] is not None and state.merge != "drop":
+                sel = chosen[i][j]
+                sk, sv, sacc = _merge_reference(state, c.keys[i, j], c.values[i, j], pos, acc[i, j], sel)
+                merged_k[i, j, sel], merged_v[i, j, sel], acc[i, j, sel] = sk, sv, sacc
+    return ref.keep(state, c._replace(keys=merged_k, values=merged_v), chosen, scores=acc)
+
+
+def cam_update(state: CaMState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
+               *, queries: Float[Array, "b q s d"] | None = None) -> CaMState:
+    """Append ``s`` tokens; evict as H2O down to ``budget``, merging the losers into survivors."""
+    return dispatch(KEY, state, keys, values, queries, evict.dims(state))
+
+
+def cam_get_kv(state: CaMState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+    """Kept (merged) keys and values, in increasing absolute position."""
+    return state.keys, state.values
+
+
+def cam_bytes(state: CaMState) -> int:
+    """Bytes of every array the state holds (scores included)."""
+    return state_nbytes(state)
+
+
+register(KEY, state_type=CaMState, init=cam_init, update=cam_update, get_kv=cam_get_kv,
+         nbytes=cam_bytes, backends={"reference": _update_reference, "mlx": _update_mlx})

@@ -1,0 +1,210 @@
+"""SqueezeAttention: H2O eviction per layer, with layer budgets reallocated once by importance.
+
+Within a layer the update is H2O's (accumulated attention, ``grace``, ``decay``, sinks), with
+the layer's own ``budget``. Across layers (``model_init`` / ``layer_update``): in the first
+forward every layer measures its *concentration* ``c`` (mean pairwise cosine of the chunk's
+keys, averaged over batch and heads) and evicts with the average budget; after the last layer
+of that forward the budgets are reallocated once, ``share_l = avg * ((1 - strength) +
+strength * w_l)`` with ``w_l = (1 - c_l) / mean(1 - c)`` (concentrated layers count as less
+important), raised to the floor ``n_sink + grace + 1`` by taking from the layers above it,
+and rounded so they sum to exactly the total. Every later forward runs each layer with its
+budget (a layer given less shrinks at its next update, one given more grows into it).
+``strength = 0`` keeps the uniform budget: every layer is H2O.
+
+References:
+    Wang, Cui, Gan. SqueezeAttention: 2D Management of KV-Cache in LLM Inference via
+    Layer-wise Optimal Budget. ICLR 2025. arXiv:2404.04793.
+
+Deviations from the paper:
+    * Layer importance is the keys' concentration, a proxy: the paper's cosine similarity of
+      the hidden states before and after attention is not visible to a cache.
+    * Budgets follow importance continuously (``strength`` interpolates from uniform); the
+      paper clusters layers into groups and moves budget from the least important group.
+    * The reallocation reads the layers' concentrations once, after the first forward, and
+      takes effect from the next one; the paper compresses the prompt with the new budgets
+      right after prefill. One budget per layer is shared by the batch.
+    * Within a layer, H2O's deviations (grace, decay, sinks, chunk rule, key-as-query proxy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from fractions import Fraction
+from typing import Any, NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from .. import evict
+from .._typing import Array, Float, Int
+from ..accounting import state_nbytes
+from ..crosslayer import checked_update, round_to_total
+from ..registry import dispatch, get_method, prepare_init, register
+from ..spec import load_spec, validate_params
+from .h2o import H2OState
+from .h2o import _update_mlx as _h2o_mlx
+from .h2o import _update_reference as _h2o_reference
+
+__all__ = ["SqueezeState", "SqueezeRecord", "squeeze_init", "squeeze_update", "squeeze_get_kv",
+           "squeeze_bytes", "squeeze_budgets", "concentration"]
+
+KEY = "squeeze"
+
+
+class SqueezeState(NamedTuple):
+    """One layer: kept rows, positions and accumulated attention ``scores`` (as H2O)."""
+
+    keys: Float[Array, "b h n d"]
+    values: Float[Array, "b h n d"]
+    positions: Int[Array, "b h n"]
+    scores: Float[Array, "b h n"]
+    next_pos: Int[Array, "b h"]
+    budget: int
+    n_sink: int
+    strength: float
+    grace: int
+    decay: float
+    backend: str
+
+
+class SqueezeRecord(NamedTuple):
+    """Model-level record threaded through ``layer_update`` (layers ``0..L-1`` per forward)."""
+
+    concentration: Float[Array, "L"]  # measured in the first forward
+    budgets: tuple[int, ...]          # each layer's budget in force
+    resolved: bool                    # budgets reallocated (after the first forward)
+    strength: float
+    floor: int                        # smallest budget a layer may get
+
+
+def squeeze_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+                 budget: int = 512, n_sink: int = 4, strength: float = 1.0, grace: int = 16,
+                 decay: float = 0.98, backend: str = "auto") -> SqueezeState:
+    """Empty state of one layer keeping at most ``budget`` tokens per head (sinks included)."""
+    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
+                              dict(budget=budget, n_sink=n_sink, strength=strength, grace=grace,
+                                   decay=decay))
+    k, v, pos, nxt = evict.empty_rows(batch, kv_heads, head_dim, dtype)
+    return SqueezeState(k, v, pos, mx.zeros((batch, kv_heads, 0), mx.float32), nxt, **p,
+                        backend=backend)
+
+
+def concentration(keys: Float[Array, "b h s d"]) -> Float[Array, "b h"]:
+    """Mean cosine similarity over the ``s * (s - 1)`` ordered pairs of distinct keys (0 if s < 2).
+
+    ``||sum u||^2 - sum ||u||^2`` over the unit keys ``u`` (zero keys count as zero vectors):
+    1 for identical directions, 0 for orthogonal keys, invariant to each key's scale.
+    """
+    s = keys.shape[2]
+    if s < 2:
+        return mx.zeros(keys.shape[:2], mx.float32)
+    x = keys.astype(mx.float32)
+    norm = mx.sqrt((x * x).sum(axis=-1, keepdims=True))
+    u = mx.where(norm > 0, x / mx.maximum(norm, 1e-30), 0.0)
+    total = u.sum(axis=2)
+    return ((total * total).sum(axis=-1) - (u * u).sum(axis=(2, 3))) / (s * (s - 1))
+
+
+def squeeze_budgets(concentrations: Sequence[float], budget: int | Sequence[int], strength: float,
+                    *, floor: int = 1) -> list[int]:
+    """Reallocated per-layer budgets, summing to exactly the total of the average budgets.
+
+    ``share_l = avg * ((1 - strength) + strength * w_l)``, ``w_l = (1 - c_l) / mean(1 - c)``
+    (uniform when every ``c_l = 1``); shares under ``floor`` are raised to it and the excess
+    over ``floor`` of the others scaled down to pay for it; largest-remainder rounding.
+    """
+    L = len(concentrations)
+    budgets = [budget] * L if isinstance(budget, int) else list(budget)
+    if len(budgets) != L:
+        raise ValueError(f"{len(budgets)} budgets for {L} layers")
+    total = sum(budgets)
+    if total < L * floor:
+        raise ValueError(f"total budget {total} cannot give {L} layers floor={floor} each")
+    avg, s = Fraction(total, L), Fraction(strength)
+    imp = [1 - Fraction(c) for c in concentrations]
+    mean = sum(imp) / L
+    w = [x / mean for x in imp] if mean > 0 else [Fraction(1)] * L
+    shares = [avg * ((1 - s) + s * wi) for wi in w]
+    excess = [max(x - floor, Fraction(0)) for x in shares]
+    spare = sum(excess)
+    if spare > 0:
+        shares = [floor + (total - L * floor) * e / spare for e in excess]
+    return round_to_total(shares, total)
+
+
+def _as_h2o(state: SqueezeState) -> H2OState:
+    return H2OState(state.keys, state.values, state.positions, state.scores, state.next_pos,
+                    state.budget, state.n_sink, state.grace, state.decay, state.backend)
+
+
+def _from_h2o(state: SqueezeState, new: H2OState) -> SqueezeState:
+    return state._replace(keys=new.keys, values=new.values, positions=new.positions,
+                          scores=new.scores, next_pos=new.next_pos)
+
+
+# Within a layer the rule is H2O's, run on an H2O view of this layer's state.
+def _update_mlx(state: SqueezeState, keys, values, queries) -> SqueezeState:
+    return _from_h2o(state, _h2o_mlx(_as_h2o(state), keys, values, queries))
+
+
+def _update_reference(state: SqueezeState, keys, values, queries) -> SqueezeState:
+    return _from_h2o(state, _h2o_reference(_as_h2o(state), keys, values, queries))
+
+
+def squeeze_update(state: SqueezeState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
+                   *, queries: Float[Array, "b q s d"] | None = None) -> SqueezeState:
+    """One layer alone: H2O with this layer's ``budget`` (no reallocation)."""
+    return dispatch(KEY, state, keys, values, queries, evict.dims(state))
+
+
+def squeeze_get_kv(state: SqueezeState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+    """Kept keys and values, in increasing absolute position."""
+    return state.keys, state.values
+
+
+def squeeze_bytes(state: SqueezeState) -> int:
+    """Bytes of every array the state holds (scores included)."""
+    return state_nbytes(state)
+
+
+def _model_init(per_layer_params: list[dict[str, Any]]) -> SqueezeRecord:
+    """The ``model_init`` hook: a record holding every layer's average budget, not yet resolved."""
+    if not per_layer_params:
+        raise ValueError("squeeze needs at least one layer")
+    per_layer_params = [validate_params(load_spec(KEY), p) for p in per_layer_params]
+    strengths = {p["strength"] for p in per_layer_params}
+    if len(strengths) > 1:
+        raise ValueError(f"layers disagree on strength: {sorted(strengths)}")
+    return SqueezeRecord(
+        concentration=mx.zeros((len(per_layer_params),), mx.float32),
+        budgets=tuple(int(p["budget"]) for p in per_layer_params), resolved=False,
+        strength=float(strengths.pop()),
+        floor=max(p["n_sink"] + p["grace"] + 1 for p in per_layer_params))
+
+
+def _layer_update(record: SqueezeRecord, layer: int, state: SqueezeState,
+                  keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"], *,
+                  queries: Float[Array, "b q s d"] | None = None) -> tuple[SqueezeRecord, SqueezeState]:
+    """The ``layer_update`` hook: measure (first forward) or apply the layer's budget, then update."""
+    checked_update(state, keys, values, queries)
+    n_layers = len(record.budgets)
+    if not 0 <= layer < n_layers:
+        raise ValueError(f"layer={layer} is outside the record's {n_layers} layers")
+    if record.resolved and state.budget != record.budgets[layer]:
+        state = state._replace(budget=record.budgets[layer])
+    state = get_method(KEY).backends[state.backend](state, keys, values, queries)
+    if not record.resolved:
+        c = concentration(keys).mean()
+        conc = mx.where(mx.arange(n_layers) == layer, c, record.concentration)
+        record = record._replace(concentration=conc)
+        if layer == n_layers - 1:  # every layer has reported: reallocate once (host read)
+            budgets = squeeze_budgets(np.array(conc, dtype=np.float64).tolist(), list(record.budgets),
+                                      record.strength, floor=record.floor)
+            record = record._replace(budgets=tuple(budgets), resolved=True)
+    return record, state
+
+
+register(KEY, state_type=SqueezeState, init=squeeze_init, update=squeeze_update,
+         get_kv=squeeze_get_kv, nbytes=squeeze_bytes,
+         backends={"reference": _update_reference, "mlx": _update_mlx},
+         model_init=_model_init, layer_update=_layer_update)
