@@ -348,8 +348,7 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
     if per_layer is None:
         validate_params(m.spec, params)
         per_layer = m.per_layer_params(n, params)
-    for p in per_layer:
-        validate_params(m.spec, p)
+    per_layer = [validate_params(m.spec, p) for p in per_layer]  # full, validated dicts
     shared = _Model(method=m, layer_params=per_layer, n_layers=n) if m.layer_update else None
     if real_queries or m.attend is not None:
         install_query_capture()

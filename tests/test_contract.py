@@ -74,7 +74,7 @@ def test_invariants(case):
 def test_backend_parity(case):
     """Every backend that runs here agrees with the reference within the spec's tolerance."""
     m = get_method(case.key)
-    tol = m.spec.tolerance
+    atol, rtol = vt.tolerance(case)
     steps = vt.make_inputs(case)
     want = vt.run(case, "reference", steps=steps)
     vt.check_positions(case, want, steps)
@@ -83,7 +83,7 @@ def test_backend_parity(case):
             continue
         got = vt.run(case, backend, steps=steps)
         for t, (a, b) in enumerate(zip(got, want)):
-            vt.assert_states_close(case, a, b, atol=tol.get("atol", 0.0), rtol=tol.get("rtol", 0.0),
+            vt.assert_states_close(case, a, b, atol=atol, rtol=rtol,
                                    what=f"{backend} vs reference after update {t}")
 
 
@@ -116,9 +116,9 @@ def test_compiled_update_equals_plain(case):
     without_q = mx.compile(lambda s, k, v: m.update(s, k, v))
     compiled = vt.run(case, "mlx", steps=steps,
                       update=lambda s, k, v, q: without_q(s, k, v) if q is None else with_q(s, k, v, q))
-    tol = m.spec.tolerance
+    atol, rtol = vt.tolerance(case)
     for t, (a, b) in enumerate(zip(compiled, plain)):
-        vt.assert_states_close(case, a, b, atol=tol.get("atol", 0.0) + 1e-6, rtol=tol.get("rtol", 0.0) + 1e-6,
+        vt.assert_states_close(case, a, b, atol=atol + 1e-6, rtol=rtol + 1e-6,
                                what=f"compiled vs plain after update {t}")
 
 
@@ -128,7 +128,7 @@ def test_batch_and_head_independence(case):
     m = get_method(case.key)
     full = vt.run(case, "mlx")[-1]
     per_head = vt.head_independent(m.spec, case.params)
-    tol = m.spec.tolerance
+    atol, rtol = vt.tolerance(case)
     for i in range(case.batch):
         for j in (range(case.heads) if per_head else [None]):
             sub_case, sub_steps = vt.row_case(case, i, j)
@@ -139,7 +139,7 @@ def test_batch_and_head_independence(case):
             for x, y in zip(m.get_kv(full), m.get_kv(alone)):
                 x = np.array(x[i:i + 1, hs].astype(mx.float32))
                 y = np.array(y.astype(mx.float32))
-                assert np.allclose(x, y, atol=tol.get("atol", 0.0) + 1e-6, rtol=tol.get("rtol", 0.0) + 1e-6)
+                assert np.allclose(x, y, atol=atol + 1e-6, rtol=rtol + 1e-6)
 
 
 @_given_cases(fraction=0.5, dtypes=("float32",))

@@ -328,6 +328,13 @@ def assert_states_close(case: Case, a, b, *, atol: float, rtol: float, what: str
     assert np.array_equal(np.array(a.next_pos), np.array(b.next_pos))
 
 
+def tolerance(case: Case) -> tuple[float, float]:
+    """``(atol, rtol)`` of the spec for the case's dtype (``[tolerance.<dtype>]`` overrides)."""
+    tol = dict(get_method(case.key).spec.tolerance)
+    tol.update(tol.get(case.dtype, {}) if isinstance(tol.get(case.dtype), dict) else {})
+    return float(tol.get("atol", 0.0)), float(tol.get("rtol", 0.0))
+
+
 def capacity(case: Case) -> int | None:
     return get_method(case.key).spec.capacity(case.params)
 
