@@ -56,8 +56,8 @@ def small_params(key: str, tokens: int) -> dict:
     for name, param in spec.params.items():
         if param.test_max is not None and param.type == "int" and name in ("budget", "window_size"):
             p[name] = min(param.default, max(24, tokens // 3))
-    if key == "snapkv":
-        p.update(obs_window=8)
+    if "obs_window" in spec.params:
+        p["obs_window"] = min(8, spec.defaults["obs_window"])
     if "residual_length" in spec.params:
         p["residual_length"] = 8
     return p

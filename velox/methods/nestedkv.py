@@ -1,0 +1,219 @@
+"""NestedKV: keep the keys that are anomalous at three memory time scales; key-only, at prefill.
+
+References:
+    Chen, Liu, Gao, Fan, Wang, Chu, Lin, Hu. NestedKV: Nested Memory Routing for Long-Context
+    KV Cache Compression. arXiv:2605.26678 (preprint, 2026).
+
+Score of the ``N`` candidates of a kv head (stored + new, in slot order), from their unit keys
+``k_i``:
+
+1. Anchors: stable ``mu_s`` (mean of all), episodic ``mu_e(i)`` (mean of the block of ``B =
+   clip(N // 32, 128, 256)`` slots holding ``i``), current ``mu_c(i)`` (mean of the ``window``
+   slots ending at ``i``).
+2. Cosine anomaly ``a_x(i) = 1 - cos(k_i, mu_x)``, min-max normalised over the head (a
+   scale spread below ``1e-5``, rounding noise, counts as constant: 0).
+3. Head-adaptive mixing: ``Delta_x`` = mean of the top 10% of ``a_x`` minus mean of the bottom
+   10%; weights ``softmax(log(0.4, 0.4, 0.2) + beta * Delta)``; ``blend = sum_x w_x a_x``.
+4. Surprise gate: ``s(i)`` = std of the three scales at ``i``, min-max normalised over the head
+   and mean-centred; ``g(i) = sigmoid(kappa * (s(i) - tau))``; score ``(1 - g) blend + g max_x a_x``.
+
+A chunk of ``s > 1`` tokens (prefill) keeps sinks and the ``budget`` best of stored + new; a
+single token (decode) is appended, never scored.
+
+Deviations from the paper:
+    * Every kv head keeps ``budget`` tokens. The paper pools the layer's ``budget * heads``
+      slots over (head, position) scores with a per-head floor of ``safeguard_alpha *
+      budget``, so heads keep different counts; a state stores one count for all heads
+      (``[b, h, n, d]``). A uniform budget meets every floor, so ``safeguard_alpha`` does not
+      change the selection here.
+    * A prompt may arrive in several chunks; each re-scores stored + new, and the blocks and
+      windows run over stored slots (evicted tokens leave no gap). The paper scores one prompt.
+    * ``n_sink`` protects the first tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from .. import evict
+from .. import reference as ref
+from .._typing import Array, Float, Int
+from ..accounting import state_nbytes
+from ..registry import dispatch, prepare_init, register
+
+__all__ = ["NestedKVState", "nestedkv_init", "nestedkv_update", "nestedkv_get_kv",
+           "nestedkv_bytes", "nestedkv_score"]
+
+KEY = "nestedkv"
+
+PRIOR = (0.4, 0.4, 0.2)  # stable, episodic, current (the paper's log-prior)
+_EPS = 1e-12
+# Anomalies lie in [0, 2]: a spread below this is rounding noise (a window of 1 gives the key
+# itself as anchor, cos = 1 up to rounding), so the scale counts as constant (all zeros).
+_FLAT = 1e-5
+
+
+class NestedKVState(NamedTuple):
+    """Kept rows and their absolute positions."""
+
+    keys: Float[Array, "b h n d"]
+    values: Float[Array, "b h n d"]
+    positions: Int[Array, "b h n"]
+    next_pos: Int[Array, "b h"]
+    budget: int
+    n_sink: int
+    window: int
+    beta: float
+    tau: float
+    kappa: float
+    safeguard_alpha: float
+    backend: str
+
+
+def nestedkv_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+                  budget: int = 512, n_sink: int = 4, window: int = 64, beta: float = 3.0,
+                  tau: float = 0.6, kappa: float = 10.0, safeguard_alpha: float = 0.2,
+                  backend: str = "auto") -> NestedKVState:
+    """Empty NestedKV state; prefill chunks are cut to ``budget`` tokens per head."""
+    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
+                              dict(budget=budget, n_sink=n_sink, window=window, beta=beta,
+                                   tau=tau, kappa=kappa, safeguard_alpha=safeguard_alpha))
+    return NestedKVState(*evict.empty_rows(batch, kv_heads, head_dim, dtype), **p, backend=backend)
+
+
+def block_size(n: int) -> int:
+    """Episodic block length for ``n`` tokens: ``clip(n // 32, 128, 256)``."""
+    return min(256, max(128, n // 32))
+
+
+def tail_count(n: int) -> int:
+    """Tokens in the top (and bottom) 10% of ``n``: at least one."""
+    return max(1, int(math.floor(0.1 * n + 0.5)))
+
+
+def _minmax(x: mx.array) -> mx.array:
+    lo, hi = x.min(axis=-1, keepdims=True), x.max(axis=-1, keepdims=True)
+    span = hi - lo
+    return mx.where(span > _FLAT, (x - lo) / mx.maximum(span, _FLAT), 0.0)
+
+
+def _anomaly(u: mx.array, mu: mx.array) -> mx.array:
+    """``1 - cos(u_i, mu_i)`` for unit rows ``u`` ``[..., n, d]`` and anchors ``mu``."""
+    norm = mx.sqrt((mu * mu).sum(axis=-1))
+    return 1.0 - (u * mu).sum(axis=-1) / mx.maximum(norm, _EPS)
+
+
+def nestedkv_score(keys: Float[Array, "b h n d"], *, window: int = 64, beta: float = 3.0,
+                   tau: float = 0.6, kappa: float = 10.0) -> Float[Array, "b h n"]:
+    """NestedKV score of every row (higher = keep), float32."""
+    k = keys.astype(mx.float32)
+    b, h, n, d = k.shape
+    u = k / mx.maximum(mx.sqrt((k * k).sum(axis=-1, keepdims=True)), _EPS)
+    stable = u.mean(axis=2, keepdims=True)
+    size = block_size(n)
+    nb = -(-n // size)
+    padded = mx.pad(u, [(0, 0), (0, 0), (0, nb * size - n), (0, 0)])
+    counts = mx.array([min(size, n - i * size) for i in range(nb)], mx.float32)[:, None]
+    blocks = padded.reshape(b, h, nb, size, d).sum(axis=3) / counts
+    episodic = mx.repeat(blocks, size, axis=2)[:, :, :n]
+    cs = mx.cumsum(u, axis=2)
+    w = min(window, n)
+    before = mx.concatenate([mx.zeros((b, h, w, d), cs.dtype), cs[:, :, :n - w]], axis=2)
+    current = (cs - before) / mx.minimum(mx.arange(1, n + 1, dtype=mx.float32), w)[:, None]
+    a = mx.stack([_minmax(_anomaly(u, stable)), _minmax(_anomaly(u, episodic)),
+                  _minmax(_anomaly(u, current))], axis=2)  # [b, h, 3, n]
+    t = tail_count(n)
+    srt = mx.sort(a, axis=-1)
+    delta = srt[..., n - t:].mean(axis=-1) - srt[..., :t].mean(axis=-1)  # [b, h, 3]
+    weights = mx.softmax(mx.log(mx.array(PRIOR, mx.float32)) + beta * delta, axis=-1)
+    blend = (weights[..., None] * a).sum(axis=2)
+    surprise = _minmax(mx.sqrt(((a - a.mean(axis=2, keepdims=True)) ** 2).mean(axis=2)))
+    surprise = surprise - surprise.mean(axis=-1, keepdims=True)
+    gate = mx.sigmoid(kappa * (surprise - tau))
+    return (1.0 - gate) * blend + gate * a.max(axis=2)
+
+
+def _update_mlx(state: NestedKVState, keys, values, queries) -> NestedKVState:
+    n, s = state.keys.shape[2], keys.shape[2]
+    idx = None
+    if s > 1 and n + s > state.budget:
+        cand = mx.concatenate([state.keys, keys], axis=2) if n else keys
+        score = nestedkv_score(cand, window=state.window, beta=state.beta, tau=state.tau,
+                               kappa=state.kappa)
+        idx = evict.top_budget(score, state.budget, evict.protected(n + s, state.n_sink))
+    k, v, p = evict.keep_rows((state.keys, state.values, state.positions),
+                              (keys, values, evict.new_positions(state.next_pos, s)), idx)
+    return state._replace(keys=k, values=v, positions=p, next_pos=state.next_pos + s)
+
+
+def _minmax_reference(x: np.ndarray) -> np.ndarray:
+    span = x.max() - x.min()
+    return (x - x.min()) / span if span > _FLAT else np.zeros_like(x)
+
+
+def _score_reference(keys: np.ndarray, state: NestedKVState) -> np.ndarray:
+    """One head: ``[N, d]`` keys -> ``[N]`` scores, anchor by anchor (float64)."""
+    n = len(keys)
+    u = keys / np.maximum(np.linalg.norm(keys, axis=1, keepdims=True), _EPS)
+    size = block_size(n)
+
+    def cos(x, mu):
+        return x @ mu / max(np.linalg.norm(mu), _EPS)
+
+    stable = u.mean(axis=0)
+    scales = np.zeros((3, n))
+    for i in range(n):
+        start = i // size * size
+        episodic = u[start:start + size].mean(axis=0)
+        current = u[max(0, i - state.window + 1):i + 1].mean(axis=0)
+        scales[:, i] = [1 - cos(u[i], stable), 1 - cos(u[i], episodic), 1 - cos(u[i], current)]
+    a = np.stack([_minmax_reference(x) for x in scales])
+    t = tail_count(n)
+    delta = np.array([np.sort(x)[n - t:].mean() - np.sort(x)[:t].mean() for x in a])
+    logits = np.log(PRIOR) + state.beta * delta
+    weights = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    blend = weights @ a
+    surprise = _minmax_reference(a.std(axis=0))
+    surprise -= surprise.mean()
+    gate = 1 / (1 + np.exp(-state.kappa * (surprise - state.tau)))
+    return (1 - gate) * blend + gate * a.max(axis=0)
+
+
+def _update_reference(state: NestedKVState, keys, values, queries) -> NestedKVState:
+    c = ref.candidates(state, keys, values, queries)
+    b, h, N = c.positions.shape
+    s = keys.shape[2]
+    if s == 1 or N <= state.budget:
+        return ref.keep(state, c, [[None] * h for _ in range(b)])
+    chosen = [[ref.top_budget(_score_reference(c.keys[i, j].astype(np.float64), state),
+                              state.budget, c.positions[i, j] < state.n_sink)
+               for j in range(h)] for i in range(b)]
+    return ref.keep(state, c, chosen)
+
+
+def nestedkv_update(state: NestedKVState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
+                    *, queries: Float[Array, "b q s d"] | None = None) -> NestedKVState:
+    """Prefill chunk (``s > 1``): keep the ``budget`` most anomalous; decode token: append.
+
+    ``queries`` are accepted and unused (the score reads keys only).
+    """
+    return dispatch(KEY, state, keys, values, queries, evict.dims(state))
+
+
+def nestedkv_get_kv(state: NestedKVState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+    """Kept keys and values, in increasing absolute position."""
+    return state.keys, state.values
+
+
+def nestedkv_bytes(state: NestedKVState) -> int:
+    """Bytes of every array the state holds."""
+    return state_nbytes(state)
+
+
+register(KEY, state_type=NestedKVState, init=nestedkv_init, update=nestedkv_update,
+         get_kv=nestedkv_get_kv, nbytes=nestedkv_bytes,
+         backends={"reference": _update_reference, "mlx": _update_mlx})

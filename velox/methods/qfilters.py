@@ -1,0 +1,216 @@
+"""Q-Filters: keep the keys with the largest projection on the head's query direction.
+
+References:
+    Godey, Devoto, Zhao, Scardapane, Minervini, de la Clergerie, Sagot. Q-Filters: Leveraging
+    QK Geometry for Efficient KV Cache Compression. arXiv:2503.02812 (SLLM workshop 2025).
+
+Queries of a head share a favoured direction ``u`` (``E<Q, u> > 0``) and ``E_Q <Q, K> ~
+kappa <K, u>`` with ``kappa > 0``, so ``<K, u>`` ranks keys by the attention they can expect
+from any query. The filter ``u`` of a kv head is the top right singular vector of its query
+heads' calibration queries, signed so the queries project positively on it
+(:func:`qfilters_from_queries`). :func:`qfilters_init_calibrated` installs any such filters;
+``calibration="smollm2-135m-instruct"`` loads layer ``layer``'s from the artifact shipped in
+``velox.adapters`` (``make_cache`` numbers the layers through ``layer_params``). Each
+update scores every candidate (stored + new) by ``sign * <k, u>`` and keeps sinks, the
+``recent`` newest tokens and the best of the rest, ``budget`` in all. With calibrated filters
+the kept set is a function of the tokens seen alone (a prompt in one chunk or token by token
+ends the same).
+
+Without calibrated filters (``calibration="none"``), each kv head's direction is the sum of the
+queries of the first ``calib_tokens`` tokens it sees (their keys when no queries are given):
+the paper's ``u = argmax_u E<Q, u>`` is the mean query direction, estimated online. The
+estimate changes while calibration lasts, then freezes.
+
+Deviations from the paper:
+    * Fallback (no calibrated filters): the online mean-query direction above; the paper
+      always calibrates offline.
+    * ``n_sink`` and ``recent`` protect the first and newest tokens; the paper protects none.
+    * A multi-token chunk is one selection.
+    * The seed's ``min_retention`` / ``on_low_retention`` warnings are not parameters: a pure
+      update has no side channel; ``budget / tokens seen`` is the caller's to check.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from importlib import resources
+from typing import Any, NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from .. import evict
+from .. import reference as ref
+from .._typing import Array, Float, Int
+from ..accounting import state_nbytes
+from ..attention import scoring_queries
+from ..registry import dispatch, prepare_init, register
+
+__all__ = ["QFiltersState", "qfilters_init", "qfilters_init_calibrated", "qfilters_update",
+           "qfilters_get_kv", "qfilters_bytes", "qfilters_from_queries"]
+
+KEY = "qfilters"
+
+#: Calibrations shipped in ``velox.adapters/data``: name -> file (``filters [layers, h, d]``).
+ARTIFACTS = {"smollm2-135m-instruct": "qfilters_smollm2.npz"}
+
+
+class QFiltersState(NamedTuple):
+    """Kept rows, their positions, and each kv head's filter direction."""
+
+    keys: Float[Array, "b h n d"]
+    values: Float[Array, "b h n d"]
+    positions: Int[Array, "b h n"]
+    next_pos: Int[Array, "b h"]
+    filters: Float[Array, "b h d"]  # float32; calibrated unit filters, or the running query sum
+    budget: int
+    n_sink: int
+    recent: int
+    calib_tokens: int
+    sign: int
+    calibration: str
+    layer: int
+    calibrated: bool
+    backend: str
+
+
+def qfilters_from_queries(queries: Float[Array, "t q d"] | Float[np.ndarray, "t q d"],
+                          kv_heads: int) -> Float[np.ndarray, "h d"]:
+    """Q-Filters ``[kv_heads, d]`` (float32, unit norm) from calibration queries of one layer.
+
+    ``queries`` are post-RoPE queries ``[tokens, q_heads, d]``; query head ``i`` reads kv head
+    ``i // (q_heads // kv_heads)``. A kv head's filter is the top right singular vector of its
+    query heads' queries stacked ``[tokens * g, d]`` (no centring; computed as the top
+    eigenvector of their ``d x d`` Gram matrix), signed so that the sum of the queries'
+    projections is positive (``sgn(1^T u_1)`` in the paper).
+    """
+    q = ref.to_np(queries) if isinstance(queries, mx.array) else np.asarray(queries, np.float64)
+    t, hq, d = q.shape
+    if hq % kv_heads:
+        raise ValueError(f"{hq} query heads are not a multiple of kv_heads={kv_heads}")
+    g = hq // kv_heads
+    out = np.zeros((kv_heads, d))
+    for j in range(kv_heads):
+        x = q[:, j * g:(j + 1) * g].reshape(-1, d)
+        _, vecs = np.linalg.eigh(x.T @ x)  # right singular vectors of x, ascending
+        v = vecs[:, -1]
+        out[j] = v if (x @ v).sum() >= 0 else -v
+    return out.astype(np.float32)
+
+
+@lru_cache(maxsize=None)
+def _artifact(name: str) -> np.ndarray:
+    with resources.as_file(resources.files("velox.adapters") / "data" / ARTIFACTS[name]) as path:
+        with np.load(path) as data:
+            return data["filters"]
+
+
+def qfilters_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+                  budget: int = 512, n_sink: int = 4, recent: int = 0, calib_tokens: int = 128,
+                  sign: int = 1, calibration: str = "none", layer: int = 0,
+                  backend: str = "auto") -> QFiltersState:
+    """Empty Q-Filters state: shipped filters (``calibration``, ``layer``) or the online estimate."""
+    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
+                              dict(budget=budget, n_sink=n_sink, recent=recent,
+                                   calib_tokens=calib_tokens, sign=sign,
+                                   calibration=calibration, layer=layer))
+    if calibration != "none":
+        table = _artifact(calibration)
+        if layer >= len(table) or table.shape[1:] != (kv_heads, head_dim):
+            raise ValueError(f"calibration {calibration!r} holds filters [{len(table)} layers, "
+                             f"{table.shape[1]} kv heads, {table.shape[2]} dims]; asked for "
+                             f"layer={layer}, kv_heads={kv_heads}, head_dim={head_dim}")
+        filters = mx.broadcast_to(mx.array(table[layer])[None], (batch, kv_heads, head_dim))
+    else:
+        filters = mx.zeros((batch, kv_heads, head_dim), mx.float32)
+    return QFiltersState(*evict.empty_rows(batch, kv_heads, head_dim, dtype), mx.array(filters),
+                         **p, calibrated=calibration != "none", backend=backend)
+
+
+def _layer_params(n_layers: int, params: dict[str, Any]) -> list[dict[str, Any]]:
+    """Number the layers, so each loads its own calibrated filters."""
+    return [dict(params, layer=i) for i in range(n_layers)]
+
+
+def qfilters_init_calibrated(filters: Float[Array, "h d"] | Float[np.ndarray, "h d"], batch: int,
+                             kv_heads: int, head_dim: int, **params) -> QFiltersState:
+    """Empty Q-Filters state scoring with calibrated ``filters`` ``[kv_heads, head_dim]``.
+
+    ``filters`` come from :func:`qfilters_from_queries` (one layer's); ``params`` are
+    :func:`qfilters_init`'s (``calib_tokens``, ``calibration`` and ``layer`` are unused here).
+    """
+    state = qfilters_init(batch, kv_heads, head_dim, **{**params, "calibration": "none"})
+    f = mx.array(np.asarray(filters, np.float32)) if not isinstance(filters, mx.array) else filters
+    if tuple(f.shape) != (kv_heads, head_dim):
+        raise ValueError(f"filters shape {tuple(f.shape)} must be [kv_heads={kv_heads}, head_dim={head_dim}]")
+    if not bool(mx.all(mx.isfinite(f)).item()):
+        raise ValueError("filters hold non-finite values")
+    f = mx.broadcast_to(f.astype(mx.float32)[None], (batch, kv_heads, head_dim))
+    return state._replace(filters=mx.array(f), calibrated=True)
+
+
+def _update_mlx(state: QFiltersState, keys, values, queries) -> QFiltersState:
+    n, s = state.keys.shape[2], keys.shape[2]
+    filters = state.filters
+    if not state.calibrated:  # add the queries of tokens at positions < calib_tokens
+        q = scoring_queries(keys, queries).astype(mx.float32)  # [b, h, g, s, d]
+        at = state.next_pos.astype(mx.float32)[:, :, None] + mx.arange(s, dtype=mx.float32)
+        inside = (at < state.calib_tokens).astype(mx.float32)  # [b, h, s]
+        filters = filters + (q.sum(axis=2) * inside[..., None]).sum(axis=2)
+    idx = None
+    if n + s > state.budget:
+        f = filters[:, :, :, None]
+        score = mx.concatenate([state.keys.astype(mx.float32) @ f, keys.astype(mx.float32) @ f],
+                               axis=2)[..., 0] * state.sign
+        idx = evict.top_budget(score, state.budget,
+                               evict.protected(n + s, state.n_sink, state.recent))
+    k, v, p = evict.keep_rows((state.keys, state.values, state.positions),
+                              (keys, values, evict.new_positions(state.next_pos, s)), idx)
+    return state._replace(keys=k, values=v, positions=p, filters=filters,
+                          next_pos=state.next_pos + s)
+
+
+def _update_reference(state: QFiltersState, keys, values, queries) -> QFiltersState:
+    c = ref.candidates(state, keys, values, queries)
+    b, h, N = c.positions.shape
+    s = keys.shape[2]
+    filters = ref.to_np(state.filters, np.float32)
+    if not state.calibrated:
+        q = ref.scoring_queries(c.new_keys, c.queries).astype(np.float32)
+        for i in range(b):
+            for j in range(h):
+                for t in range(s):  # token by token, while the calibration lasts
+                    if c.positions[i, j, N - s + t] < state.calib_tokens:
+                        filters[i, j] += q[i, j, :, t].sum(axis=0)
+    new = ref.to_mx(filters, mx.float32)
+    if N <= state.budget:
+        return ref.keep(state, c, [[None] * h for _ in range(b)])._replace(filters=new)
+    chosen = []
+    for i in range(b):
+        chosen.append([])
+        for j in range(h):
+            score = state.sign * (c.keys[i, j].astype(np.float64) @ filters[i, j].astype(np.float64))
+            keep = ref.protected(c.positions[i, j], c.total[i, j], state.n_sink, state.recent)
+            chosen[i].append(ref.top_budget(score, state.budget, keep))
+    return ref.keep(state, c, chosen)._replace(filters=new)
+
+
+def qfilters_update(state: QFiltersState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
+                    *, queries: Float[Array, "b q s d"] | None = None) -> QFiltersState:
+    """Append ``s`` tokens; if over budget keep the keys projecting most on the filter."""
+    return dispatch(KEY, state, keys, values, queries, evict.dims(state))
+
+
+def qfilters_get_kv(state: QFiltersState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+    """Kept keys and values, in increasing absolute position."""
+    return state.keys, state.values
+
+
+def qfilters_bytes(state: QFiltersState) -> int:
+    """Bytes of every array the state holds (the filters included)."""
+    return state_nbytes(state)
+
+
+register(KEY, state_type=QFiltersState, init=qfilters_init, update=qfilters_update,
+         get_kv=qfilters_get_kv, nbytes=qfilters_bytes, layer_params=_layer_params,
+         backends={"reference": _update_reference, "mlx": _update_mlx})
