@@ -42,7 +42,8 @@ from velox.registry import Method, get_method
 from velox.spec import validate_params
 
 __all__ = ["VeloxCache", "make_cache", "save_cache", "load_cache", "cache_nbytes",
-           "cache_fp16_bytes", "install_query_capture", "uninstall_query_capture"]
+           "cache_fp16_bytes", "install_query_capture", "uninstall_query_capture", "tap_queries",
+           "reconstruction_prefill"]
 
 
 # --- shared model-level record for cross-layer methods --------------------------------
@@ -193,6 +194,21 @@ class VeloxCache(_BaseCache):
         self._absorb(queries)
         return out
 
+    def absorb(self, keys: mx.array, values: mx.array, *, queries: mx.array | None = None) -> None:
+        """Feed keys/values (and the queries to score them with) straight into the state.
+
+        For callers that computed a layer's keys/values themselves, e.g. a prefill whose
+        scoring queries come from another pass (KVzip's context reconstruction).
+        """
+        self._flush()
+        if self._state is None:
+            b, h, _, d = keys.shape
+            self._state = self.method.init(b, h, d, dtype=keys.dtype, backend=self.backend,
+                                           **self.params)
+        self._pending = (keys, values)
+        self._offset += keys.shape[2]
+        self._absorb(queries)
+
     def _absorb(self, queries: mx.array | None) -> None:
         keys, values = self._pending
         self._pending = None
@@ -280,9 +296,14 @@ def _compiled_update(m: Method):
 _ORIGINAL_SDPA = _mlx_base.scaled_dot_product_attention
 
 
+_QUERY_TAPS: list[list[mx.array]] = []
+
+
 def _velox_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
     if isinstance(cache, VeloxCache):
         return cache.attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+    for tap in _QUERY_TAPS:
+        tap.append(queries)
     return _ORIGINAL_SDPA(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
 
@@ -300,6 +321,20 @@ def install_query_capture() -> None:
         if name == "mlx_lm.models.base" or name.startswith("mlx_lm.models."):
             if getattr(mod, "scaled_dot_product_attention", None) is _ORIGINAL_SDPA:
                 mod.scaled_dot_product_attention = _velox_sdpa
+
+
+class tap_queries:
+    """Context manager recording the queries of every attention call on non-velox caches,
+    in call order (one entry per layer per forward)."""
+
+    def __enter__(self) -> list[mx.array]:
+        install_query_capture()
+        self.queries: list[mx.array] = []
+        _QUERY_TAPS.append(self.queries)
+        return self.queries
+
+    def __exit__(self, *exc) -> None:
+        _QUERY_TAPS.remove(self.queries)
 
 
 def uninstall_query_capture() -> None:
@@ -472,3 +507,39 @@ def load_cache(path: str | Path) -> tuple[list, dict[str, str]]:
         rec_type = type(shared.method.model_init(layer_params))
         shared.record = rec_type(**{k: _join(v, arrays) for k, v in record_meta.items()})
     return caches, json.loads(meta["user"])
+
+
+# --- KVzip's context reconstruction pass ----------------------------------------------
+
+REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n\n"
+
+
+def reconstruction_prefill(model, tokens, caches: list, *, prompt_tokens, step: int = 2048) -> None:
+    """Prefill ``tokens`` into velox caches, scoring them with a context-reconstruction pass.
+
+    KVzip's probe (arXiv:2505.23416): the context is prefilled with a plain cache, then the
+    model reads ``prompt_tokens`` (e.g. the encoded :data:`REPEAT_PROMPT`) followed by the
+    context again; the queries of that repetition, which attend to the cached context, are
+    handed to each layer's update with the context's keys and values (``queries=``). The
+    reconstruction pass's own keys/values are discarded. Afterwards the caches hold the
+    compressed context at ``offset == len(tokens)``, ready for the question and decoding.
+    """
+    tokens = mx.array(tokens).reshape(-1)
+    prompt = mx.array(prompt_tokens).reshape(-1)
+    plain = make_prompt_cache(model)
+    for i in range(0, len(tokens), step):
+        model(tokens[None, i:i + step], cache=plain)
+        mx.eval([c.state for c in plain])
+    n = len(tokens)
+    kv = [c.state[:2] for c in plain]
+    kv = [(k[:, :, :n], v[:, :, :n]) for k, v in kv]
+    mx.eval(kv)
+    with tap_queries() as taps:
+        model(mx.concatenate([prompt, tokens])[None], cache=plain)
+        mx.eval(taps)
+    velox_layers = [c for c in caches if isinstance(c, VeloxCache)]
+    if len(taps) != len(velox_layers) or len(kv) != len(caches):
+        raise ValueError("reconstruction_prefill needs one velox cache per attention layer")
+    for c, (k, v), q in zip(velox_layers, kv, taps):
+        c.absorb(k, v, queries=q[:, :, len(prompt):])
+    mx.eval([c.state for c in velox_layers])

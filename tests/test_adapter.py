@@ -271,3 +271,29 @@ def test_fused_compiled_decode_step_matches_the_plain_path(model):
         assert np.array_equal(np.array(velox.positions(x.velox_state)),
                               np.array(velox.positions(y.velox_state)))
         assert np.allclose(np.array(x.velox_state.scores), np.array(y.velox_state.scores), atol=1e-5)
+
+
+def test_kvzip_reconstruction_prefill(model):
+    """KVzip's probe: the repeated context's queries score the cached context."""
+    from velox.adapters.mlxlm import reconstruction_prefill
+
+    prompt = mx.array([90, 91, 92, 93])
+    probed = make_cache(model, "kvzip", budget=24)
+    reconstruction_prefill(model, PROMPT, probed, prompt_tokens=prompt)
+    proxy = make_cache(model, "kvzip", budget=24)
+    for c, (k, v) in zip(proxy, _plain_kv(model, PROMPT)):
+        c.absorb(k, v)  # no queries: every candidate's key is a probe (the proxy)
+    for c in probed:
+        assert c.offset == len(PROMPT) and c.size() == 24
+    a = [np.array(velox.positions(c.velox_state)) for c in probed]
+    b = [np.array(velox.positions(c.velox_state)) for c in proxy]
+    assert any(not np.array_equal(x, y) for x, y in zip(a, b))
+    # Decoding continues from the compressed context.
+    out = greedy(model, probed, n=4, prompt=mx.array([3, 1]))
+    assert len(out) == 4 and probed[0].offset == len(PROMPT) + 2 + 4
+
+
+def _plain_kv(model, tokens):
+    cache = make_prompt_cache(model)
+    model(tokens[None], cache=cache)
+    return [(c.state[0][:, :, :len(tokens)], c.state[1][:, :, :len(tokens)]) for c in cache]
