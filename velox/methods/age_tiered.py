@@ -1,0 +1,349 @@
+"""AgeTiered: token age sets the bit-width; groups are re-quantized coarser as they age.
+
+Groups of ``group_size`` (``G``) positions are quantized per channel along the tokens (keys
+and values alike). After ``T`` tokens, group ``j`` (newest token aged ``T - (j+1)G``) is at
+``bits_recent`` while that age is below ``recent_boundary``, at ``bits_mid`` below
+``mid_boundary`` and at ``bits_old`` after: never coarser than its newest token's age
+entitles. The ``T mod G`` newest tokens wait exact. An aging group is re-quantized from its
+previous tier's codes (exact values are not kept: a copy would cost more than the tiers
+save): with ``bits_mid | bits_recent`` and ``bits_old | bits_mid``, ``k = (2**B-1)/(2**b-1)``
+is an odd integer, the coarse grid (step ``k * scale``, same zero) is a subgrid of the fine
+one, the coarse code is ``round(q / k)`` and the error stays within half the coarse step, as
+for direct quantization. Codes depend on the values only, not on when a group aged: one
+chunk or token-by-token decoding give bit-identical states.
+
+Shapes: ``<tier>_<keys|values>_codes [b, h, d, n_tier*bits/32]`` (tokens last, MLX's
+packing), ``_scales``/``_zeros [b, h, d, n_tier/G]``, ``residual_* [b, h, r, d]`` (r < G).
+
+References:
+    No paper: the seed library's own design (VeloxQuant-MLX's AgeTieredKV).
+
+Deviations from the seed:
+    * Re-quantization from the previous tier's codes on nested grids (the seed keeps a
+      full-precision copy of every token to re-quantize from).
+    * A group's tier follows its newest token (the seed: its oldest, which makes the
+      group's newer tokens coarser than their age entitles).
+    * The newest incomplete group is exact (the seed quantizes partial groups).
+    * Bit-widths lie in 1-8 and divide each other (the seed: any of 1-16).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from .. import quant
+from .. import reference as ref
+from .._typing import Array, Float, Int, UInt
+from ..accounting import state_nbytes
+from ..registry import dispatch, prepare_init, register
+
+__all__ = ["AgeTieredState", "age_tiered_init", "age_tiered_update", "age_tiered_get_kv",
+           "age_tiered_bytes"]
+
+KEY = "age_tiered"
+TIERS = ("old", "mid", "recent")  # storage (and position) order: oldest groups first
+_PARTS = ("codes", "scales", "zeros")
+
+
+class AgeTieredState(NamedTuple):
+    """Per tier: packed codes, scales and zeros of keys and values; the exact newest tokens."""
+
+    old_keys_codes: UInt[Array, "b h d wo"]
+    old_keys_scales: Float[Array, "b h d go"]
+    old_keys_zeros: Float[Array, "b h d go"]
+    old_values_codes: UInt[Array, "b h d wo"]
+    old_values_scales: Float[Array, "b h d go"]
+    old_values_zeros: Float[Array, "b h d go"]
+    mid_keys_codes: UInt[Array, "b h d wm"]
+    mid_keys_scales: Float[Array, "b h d gm"]
+    mid_keys_zeros: Float[Array, "b h d gm"]
+    mid_values_codes: UInt[Array, "b h d wm"]
+    mid_values_scales: Float[Array, "b h d gm"]
+    mid_values_zeros: Float[Array, "b h d gm"]
+    recent_keys_codes: UInt[Array, "b h d wr"]
+    recent_keys_scales: Float[Array, "b h d gr"]
+    recent_keys_zeros: Float[Array, "b h d gr"]
+    recent_values_codes: UInt[Array, "b h d wr"]
+    recent_values_scales: Float[Array, "b h d gr"]
+    recent_values_zeros: Float[Array, "b h d gr"]
+    residual_keys: Float[Array, "b h r d"]
+    residual_values: Float[Array, "b h r d"]
+    next_pos: Int[Array, "b h"]
+    recent_boundary: int
+    mid_boundary: int
+    bits_recent: int
+    bits_mid: int
+    bits_old: int
+    group_size: int
+    backend: str
+
+
+def age_tiered_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+                    recent_boundary: int = 128, mid_boundary: int = 1024, bits_recent: int = 8,
+                    bits_mid: int = 4, bits_old: int = 2, group_size: int = 32,
+                    backend: str = "auto") -> AgeTieredState:
+    """Empty AgeTiered state."""
+    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
+                              dict(recent_boundary=recent_boundary, mid_boundary=mid_boundary,
+                                   bits_recent=bits_recent, bits_mid=bits_mid, bits_old=bits_old,
+                                   group_size=group_size))
+    b, h, d = batch, kv_heads, head_dim
+    empty = {}
+    for tier in TIERS:
+        for kind in ("keys", "values"):
+            empty[f"{tier}_{kind}_codes"] = mx.zeros((b, h, d, 0), mx.uint32)
+            empty[f"{tier}_{kind}_scales"] = mx.zeros((b, h, d, 0), dtype)
+            empty[f"{tier}_{kind}_zeros"] = mx.zeros((b, h, d, 0), dtype)
+    return AgeTieredState(**empty, residual_keys=mx.zeros((b, h, 0, d), dtype),
+                          residual_values=mx.zeros((b, h, 0, d), dtype),
+                          next_pos=mx.zeros((b, h), mx.int32), **p, backend=backend)
+
+
+# --- the tier rule (static: a function of the token count only) ---------------------------
+
+def tier_bits(state: AgeTieredState) -> dict[str, int]:
+    return {"old": state.bits_old, "mid": state.bits_mid, "recent": state.bits_recent}
+
+
+def tier_counts(total: int, group_size: int, recent_boundary: int,
+                mid_boundary: int) -> dict[str, int]:
+    """Groups per tier after ``total`` tokens (group ``j`` is old iff ``total-(j+1)G >= mid``)."""
+    groups = total // group_size
+    old = min(groups, max(0, (total - mid_boundary) // group_size))
+    old_or_mid = min(groups, max(0, (total - recent_boundary) // group_size))
+    return {"old": old, "mid": old_or_mid - old, "recent": groups - old_or_mid}
+
+
+def _stored_groups(state: AgeTieredState, tier: str) -> int:
+    return getattr(state, f"{tier}_keys_scales").shape[-1]
+
+
+def _tokens(state: AgeTieredState) -> int:
+    return sum(_stored_groups(state, t) for t in TIERS) * state.group_size + state.residual_keys.shape[2]
+
+
+def _ratio(fine: int, coarse: int) -> int:
+    """Odd integer ``k`` with ``2**fine - 1 = k * (2**coarse - 1)``."""
+    return ((1 << fine) - 1) // ((1 << coarse) - 1)
+
+
+# --- mlx -------------------------------------------------------------------------------------
+
+def _requantize(codes: UInt[Array, "*batch m"], scales, bits_from: int, bits_to: int):
+    """Codes on the nested coarser grid: ``round(q / k)`` (``k`` odd: no ties), step ``k * scale``."""
+    k = _ratio(bits_from, bits_to)
+    if k == 1:
+        return codes, scales
+    coarse = (codes + (k - 1) // 2) // k
+    return coarse.astype(mx.uint32), (scales.astype(mx.float32) * k).astype(scales.dtype)
+
+
+def _take(run: tuple, start: int, stop: int | None, g: int) -> tuple:
+    """Groups ``[start, stop)`` of unpacked ``(codes, scales, zeros)`` (codes ``g`` per group)."""
+    codes, scales, zeros = run
+    return (codes[..., start * g:None if stop is None else stop * g], scales[..., start:stop],
+            zeros[..., start:stop])
+
+
+def _cat(a: tuple, b: tuple) -> tuple:
+    return tuple(mx.concatenate([x, y], axis=-1) for x, y in zip(a, b))
+
+
+def _update_mlx(state: AgeTieredState, keys, values, queries) -> AgeTieredState:
+    g, s = state.group_size, keys.shape[2]
+    bits = tier_bits(state)
+    before = {t: _stored_groups(state, t) for t in TIERS}
+    after = tier_counts(_tokens(state) + s, g, state.recent_boundary, state.mid_boundary)
+    new_groups = sum(after.values()) - sum(before.values())
+    fields = {"next_pos": state.next_pos + s}
+    for kind, x in (("keys", keys), ("values", values)):
+        rows = mx.concatenate([getattr(state, f"residual_{kind}"), x], axis=2)
+        fields[f"residual_{kind}"] = rows[:, :, new_groups * g:]
+        # Groups entering a tier (unpacked codes, newer than the tier's stored groups): the
+        # new complete groups enter "recent"; the oldest groups of a tier move to the next.
+        entering = None
+        if new_groups:
+            q, sc, z = quant.quantize(rows[:, :, :new_groups * g].swapaxes(2, 3), bits["recent"], g)
+            entering = (quant.unpack(q, bits["recent"]), sc, z)
+        for tier, coarser in (("recent", "mid"), ("mid", "old"), ("old", None)):
+            codes, scales, zeros = (getattr(state, f"{tier}_{kind}_{p}") for p in _PARTS)
+            n_in = 0 if entering is None else entering[1].shape[-1]
+            leave = before[tier] + n_in - after[tier]
+            old = min(leave, before[tier])  # leaving from the stored groups, then from entering
+            w = g * bits[tier] // 32
+            kept = (codes[..., old * w:], scales[..., old:], zeros[..., old:])
+            leaving = None
+            if old:
+                leaving = (quant.unpack(codes[..., :old * w], bits[tier]), scales[..., :old],
+                           zeros[..., :old])
+            if n_in > leave - old:
+                stay = _take(entering, leave - old, None, g)
+                kept = _cat(kept, (quant.pack(stay[0], bits[tier]), stay[1], stay[2]))
+            if leave > old:
+                through = _take(entering, 0, leave - old, g)
+                leaving = through if leaving is None else _cat(leaving, through)
+            for p, arr in zip(_PARTS, kept):
+                fields[f"{tier}_{kind}_{p}"] = arr
+            entering = None
+            if leaving is not None:
+                codes, scales = _requantize(leaving[0], leaving[1], bits[tier], bits[coarser])
+                entering = (codes, scales, leaving[2])
+    return state._replace(**fields)
+
+
+# --- reference: group by group, head by head, in NumPy ------------------------------------
+
+def _np_quantize_rows(x: np.ndarray, bits: int, dtype: mx.Dtype):
+    """One group ``[d, G]`` (float32): each channel (row) is a quantization group."""
+    rows = [ref.quantize_group(row, bits, dtype) for row in x]
+    return (np.stack([r[0] for r in rows]), np.array([r[1] for r in rows], np.float32),
+            np.array([r[2] for r in rows], np.float32))
+
+
+class _Group(NamedTuple):
+    tier: str
+    codes: np.ndarray   # [d, G] uint32
+    scale: np.ndarray   # [d] float32 (the stored value)
+    zero: np.ndarray    # [d] float32
+
+
+def _np_target_tier(state: AgeTieredState, j: int, total: int) -> str:
+    age = total - (j + 1) * state.group_size  # age of the group's newest token
+    if age < state.recent_boundary:
+        return "recent"
+    return "mid" if age < state.mid_boundary else "old"
+
+
+def _np_head(state: AgeTieredState, kind: str, i: int, h: int, rows: np.ndarray, total: int):
+    """One head's groups after the update: ``{tier: (codes [d, n], scales [d, g], zeros)}``."""
+    dtype, g, bits = state.residual_keys.dtype, state.group_size, tier_bits(state)
+    groups: list[_Group] = []
+    for tier in TIERS:  # stored groups, oldest first
+        words = ref.to_np(getattr(state, f"{tier}_{kind}_codes")[i, h], np.uint32)
+        codes = ref.unpack_codes(words, bits[tier])
+        scales = ref.to_np(getattr(state, f"{tier}_{kind}_scales")[i, h], np.float32)
+        zeros = ref.to_np(getattr(state, f"{tier}_{kind}_zeros")[i, h], np.float32)
+        for k in range(scales.shape[1]):
+            groups.append(_Group(tier, codes[:, k * g:(k + 1) * g], scales[:, k], zeros[:, k]))
+    for k in range(rows.shape[0] // g):  # new complete groups start in the recent tier
+        codes, scale, zero = _np_quantize_rows(rows[k * g:(k + 1) * g].T, bits["recent"], dtype)
+        groups.append(_Group("recent", codes, scale, zero))
+    order = ["recent", "mid", "old"]
+    for j, grp in enumerate(groups):
+        target = order.index(_np_target_tier(state, j, total))
+        while order.index(grp.tier) < target:  # one tier at a time: recent -> mid -> old
+            coarser = order[order.index(grp.tier) + 1]
+            k = _ratio(bits[grp.tier], bits[coarser])
+            codes = (grp.codes + (k - 1) // 2) // k  # nearest multiple of k (k is odd: no ties)
+            scale = ref.round_to(grp.scale * np.float32(k), dtype)
+            grp = _Group(coarser, codes.astype(np.uint32), scale, grp.zero)
+        groups[j] = grp
+    out = {}
+    d = rows.shape[1]
+    for tier in TIERS:
+        mine = [grp for grp in groups if grp.tier == tier]
+        codes = np.concatenate([grp.codes for grp in mine], 1) if mine else np.zeros((d, 0), np.uint32)
+        out[tier] = (ref.pack_codes(codes, bits[tier]),
+                     np.stack([grp.scale for grp in mine], 1) if mine else np.zeros((d, 0), np.float32),
+                     np.stack([grp.zero for grp in mine], 1) if mine else np.zeros((d, 0), np.float32))
+    return out
+
+
+def _update_reference(state: AgeTieredState, keys, values, queries) -> AgeTieredState:
+    dtype, g = state.residual_keys.dtype, state.group_size
+    s = keys.shape[2]
+    total = _tokens(state) + s
+    b, h = state.next_pos.shape
+    fields = {"next_pos": state.next_pos + s}
+    for kind, x in (("keys", keys), ("values", values)):
+        rows = np.concatenate([ref.to_np(getattr(state, f"residual_{kind}"), np.float32),
+                               ref.to_np(x, np.float32)], axis=2)
+        done = g * (rows.shape[2] // g)
+        heads = [[_np_head(state, kind, i, j, rows[i, j, :done], total) for j in range(h)]
+                 for i in range(b)]
+        for tier in TIERS:
+            for n, part in enumerate(_PARTS):
+                arr = np.stack([np.stack([heads[i][j][tier][n] for j in range(h)]) for i in range(b)])
+                fields[f"{tier}_{kind}_{part}"] = (mx.array(arr) if part == "codes"
+                                                   else ref.to_mx(arr, dtype))
+        fields[f"residual_{kind}"] = ref.to_mx(rows[:, :, done:], dtype)
+    return state._replace(**fields)
+
+
+# --- public functions ----------------------------------------------------------------------
+
+def _dims(state: AgeTieredState):
+    b, h, _, d = state.residual_keys.shape
+    return b, h, d, state.residual_keys.dtype
+
+
+def age_tiered_update(state: AgeTieredState, keys: Float[Array, "b h s d"],
+                      values: Float[Array, "b h s d"], *,
+                      queries: Float[Array, "b q s d"] | None = None) -> AgeTieredState:
+    """Append ``s`` tokens: complete groups are quantized, aged groups re-quantized coarser."""
+    return dispatch(KEY, state, keys, values, queries, _dims(state))
+
+
+def age_tiered_get_kv(state: AgeTieredState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+    """Dequantized old, mid and recent groups, then the exact newest tokens."""
+    bits = tier_bits(state)
+    out = []
+    for kind in ("keys", "values"):
+        parts = [quant.dequantize(*(getattr(state, f"{tier}_{kind}_{p}") for p in _PARTS),
+                                  bits[tier], state.group_size).swapaxes(2, 3) for tier in TIERS]
+        out.append(mx.concatenate(parts + [getattr(state, f"residual_{kind}")], axis=2))
+    return out[0], out[1]
+
+
+def age_tiered_bytes(state: AgeTieredState) -> int:
+    """Bytes of every array the state holds: codes, scales and zeros per tier, exact tokens."""
+    return state_nbytes(state)
+
+
+def age_tiered_positions(state: AgeTieredState) -> Int[Array, "b h n"]:
+    """Absolute positions of the tokens ``age_tiered_get_kv`` returns (all tokens, in order)."""
+    b, h = state.next_pos.shape
+    n = _tokens(state)
+    return mx.broadcast_to(mx.arange(n, dtype=mx.int32), (b, h, n))
+
+
+def _requant_stages(state: AgeTieredState, tier: str) -> int:
+    """Grid changes a group of ``tier`` went through (``k = 1`` steps change nothing)."""
+    steps = {"recent": [], "mid": [("recent", "mid")], "old": [("recent", "mid"), ("mid", "old")]}
+    bits = tier_bits(state)
+    return sum(_ratio(bits[a], bits[c]) > 1 for a, c in steps[tier])
+
+
+def age_tiered_error_bound(
+        state: AgeTieredState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+    """Per-element bound on ``|get_kv - input|``: half the tier's step plus rounding terms.
+
+    The nested-grid re-quantization keeps the error within half the coarse step; each
+    re-quantization adds rounding terms (the scale is rounded to the cache dtype at every
+    step, and the finer codes were computed against a rounded scale): ``2 (L + 1) u scale``
+    per step, ``L = 2**bits - 1``, ``u`` the dtype's unit roundoff (twice what they need).
+    """
+    bits = tier_bits(state)
+    u = quant.unit_roundoff(state.residual_keys.dtype)
+    out = []
+    for kind in ("keys", "values"):
+        parts = []
+        for tier in TIERS:
+            scales = getattr(state, f"{tier}_{kind}_scales")
+            bound = quant.error_bound(scales, getattr(state, f"{tier}_{kind}_zeros"), bits[tier],
+                                      state.group_size)
+            extra = _requant_stages(state, tier) * 2 * (1 << bits[tier]) * u
+            bound = bound + extra * mx.repeat(scales.astype(mx.float32), state.group_size, axis=-1)
+            parts.append(bound.swapaxes(2, 3))
+        parts.append(mx.zeros(getattr(state, f"residual_{kind}").shape, mx.float32))
+        out.append(mx.concatenate(parts, axis=2))
+    return out[0], out[1]
+
+
+register(KEY, state_type=AgeTieredState, init=age_tiered_init, update=age_tiered_update,
+         get_kv=age_tiered_get_kv, nbytes=age_tiered_bytes, positions=age_tiered_positions,
+         error_bound=age_tiered_error_bound, dims=_dims,
+         backends={"reference": _update_reference, "mlx": _update_mlx})

@@ -1,0 +1,342 @@
+"""CacheGen-adapted: group quantization, token-delta codes, range-coded with adaptive models.
+
+Keys and values are quantized per channel in groups of ``group_size`` (``G``) tokens; the
+``T mod G`` newest wait exact. Each completed group is range coded, losslessly: per channel
+the first code is an anchor (uniform, ``bits`` bits) and the rest are token deltas
+``q[t] - q[t-1]`` (or the codes, ``use_delta=False``) under a quantized Laplace model per
+channel (per head with ``per_channel=False``). Models adapt backwards: a group is coded with
+the model fitted to the previous group's symbols (a fixed prior first), so a decoder rebuilds
+them and nothing is stored per group. One segment per group spans every row and head; a
+segment no shorter than fixed-width packing is stored packed. The reconstruction is plain
+group quantization (error bound ``scale/2`` plus rounding); ``get_kv`` decodes on the host.
+The ``layer_params`` hook gives ``layer_groups`` contiguous layer groups ``bits``,
+``bits - 1``, ... (at least ``min(2, bits)``): shallow layers get more.
+
+Shapes: ``<keys|values>_scales``/``_zeros [b, h, d, Q/G]``, ``_stream [w]`` (flat uint32
+words of every segment), ``_lengths [Q/G]`` (words per segment), ``_packed [Q/G]``,
+``_model [b, h, c, 2]`` (uint8 mean and scale byte for the next group; ``c = d`` or 1),
+``residual_* [b, h, r, d]``.
+
+References:
+    Liu, Li, Cheng, Ray, Huang, Zhang, Du, Yao, Lu, Ananthanarayanan, Maire, Hoffmann,
+    Holtzman, Jiang. CacheGen: KV Cache Compression and Streaming for Fast Large Language
+    Model Serving. SIGCOMM 2024. arXiv:2310.07240.
+
+Deviations from the paper:
+    * Deltas are between integer codes of one quantization group (lossless, as in the seed),
+      not between floating-point tensors of a token group and its anchor.
+    * Probability models adapt online (the paper profiles one per channel and layer offline).
+    * No streaming controller (bandwidth adaptation, recomputation fallback).
+    * The range coder runs on the host: the update is not compilable.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from .. import entropy, quant
+from .. import reference as ref
+from .._typing import Array, Bool, Float, Int, UInt
+from ..accounting import state_nbytes
+from ..registry import dispatch, prepare_init, register
+from ..spec import load_spec, validate_params
+
+__all__ = ["CacheGenState", "cachegen_init", "cachegen_update", "cachegen_get_kv",
+           "cachegen_bytes", "layer_bits", "decode_codes", "coded_nbytes", "packed_nbytes"]
+
+KEY = "cachegen"
+KINDS = ("keys", "values")
+
+
+class CacheGenState(NamedTuple):
+    """Range-coded key/value codes with their scales, zeros and adaptive models; exact tail."""
+
+    keys_stream: UInt[Array, "wk"]
+    keys_lengths: UInt[Array, "g"]
+    keys_packed: Bool[Array, "g"]
+    keys_model: UInt[Array, "b h c 2"]
+    keys_scales: Float[Array, "b h d g"]
+    keys_zeros: Float[Array, "b h d g"]
+    values_stream: UInt[Array, "wv"]
+    values_lengths: UInt[Array, "g"]
+    values_packed: Bool[Array, "g"]
+    values_model: UInt[Array, "b h c 2"]
+    values_scales: Float[Array, "b h d g"]
+    values_zeros: Float[Array, "b h d g"]
+    residual_keys: Float[Array, "b h r d"]
+    residual_values: Float[Array, "b h r d"]
+    next_pos: Int[Array, "b h"]
+    bits: int
+    group_size: int
+    use_delta: bool
+    per_channel: bool
+    layer_groups: int
+    backend: str
+
+
+def _prior(bits: int, use_delta: bool) -> tuple[int, int]:
+    """Model of the first group: mean (0 for deltas, mid-range for codes) and scale byte."""
+    levels = (1 << bits) - 1
+    return (0 if use_delta else (levels + 1) // 2), int(entropy.index_of((levels + 1) / 4.0))
+
+
+def cachegen_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+                  bits: int = 4, group_size: int = 32, use_delta: bool = True,
+                  per_channel: bool = True, layer_groups: int = 3,
+                  backend: str = "auto") -> CacheGenState:
+    """Empty CacheGen state (one layer; ``layer_bits`` gives the per-layer schedule)."""
+    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
+                              dict(bits=bits, group_size=group_size, use_delta=use_delta,
+                                   per_channel=per_channel, layer_groups=layer_groups))
+    b, h, d = batch, kv_heads, head_dim
+    c = d if p["per_channel"] else 1
+    model = mx.broadcast_to(mx.array(_prior(p["bits"], p["use_delta"]), mx.uint8), (b, h, c, 2))
+    fields = {}
+    for kind in KINDS:
+        fields.update({f"{kind}_stream": mx.zeros((0,), mx.uint32),
+                       f"{kind}_lengths": mx.zeros((0,), mx.uint32),
+                       f"{kind}_packed": mx.zeros((0,), mx.bool_),
+                       f"{kind}_model": mx.array(model),
+                       f"{kind}_scales": mx.zeros((b, h, d, 0), dtype),
+                       f"{kind}_zeros": mx.zeros((b, h, d, 0), dtype)})
+    return CacheGenState(**fields, residual_keys=mx.zeros((b, h, 0, d), dtype),
+                         residual_values=mx.zeros((b, h, 0, d), dtype),
+                         next_pos=mx.zeros((b, h), mx.int32), **p, backend=backend)
+
+
+def quantized_groups(state: CacheGenState) -> int:
+    return state.keys_scales.shape[-1]
+
+
+# --- the code of one group (host side, shared by both backends) ----------------------------
+
+def _symbols(state: CacheGenState, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A group's codes ``[b, h, d, G]`` -> (anchors ``[b, h, d]`` or none, modelled symbols)."""
+    codes = codes.astype(np.int64)
+    if state.use_delta:
+        return codes[..., 0], np.diff(codes, axis=-1)
+    return codes[..., :0], codes
+
+
+def _fit(state: CacheGenState, symbols: np.ndarray) -> np.ndarray:
+    """The model ``[b, h, c, 2]`` (uint8 mean, scale byte) fitted to one group's symbols."""
+    axis = -1 if state.per_channel else (-2, -1)
+    mean, index = entropy.fit_laplace(symbols, axis, centre=not state.use_delta)
+    if not state.per_channel:
+        mean, index = mean[..., None], index[..., None]
+    return np.stack([mean.astype(np.uint8), index], axis=-1)
+
+
+def _model_params(state: CacheGenState, model: np.ndarray, shape) -> tuple[np.ndarray, np.ndarray]:
+    """Per-symbol Laplace means and scales for symbols of ``shape`` ``[b, h, d, n]``."""
+    mean = model[..., 0].astype(np.float64)[..., None]
+    scale = entropy.scale_of(model[..., 1])[..., None]
+    return np.broadcast_to(mean, shape), np.broadcast_to(scale, shape)
+
+
+def _encode_group(state: CacheGenState, codes: np.ndarray, model: np.ndarray):
+    """Words of one group ``[b, h, d, G]``, whether they are fixed-width, and the next model."""
+    levels = (1 << state.bits) - 1
+    anchors, symbols = _symbols(state, codes)
+    lo = -levels if state.use_delta else 0
+    means, scales = _model_params(state, model, symbols.shape)
+    words = entropy.encode(anchors, levels + 1, symbols, lo, levels, means, scales)
+    packed = ref.pack_codes(codes.astype(np.uint32), state.bits).ravel()
+    if len(words) >= len(packed):
+        words, is_packed = packed, True
+    else:
+        is_packed = False
+    return words, is_packed, _fit(state, symbols)
+
+
+def _decode_group(state: CacheGenState, words: np.ndarray, is_packed: bool, model: np.ndarray,
+                  shape: tuple[int, ...]):
+    """Codes ``[b, h, d, G]`` of one segment and the model for the next group."""
+    b, h, d, g = shape
+    levels = (1 << state.bits) - 1
+    if is_packed:
+        codes = ref.unpack_codes(words.reshape(b, h, d, g * state.bits // 32), state.bits)
+        codes = codes.astype(np.int64)
+    else:
+        n_sym = (b, h, d, g - 1) if state.use_delta else shape
+        means, scales = _model_params(state, model, n_sym)
+        lo = -levels if state.use_delta else 0
+        anchors, symbols = entropy.decode(words, b * h * d if state.use_delta else 0, levels + 1,
+                                          lo, levels, means, scales)
+        symbols = symbols.reshape(n_sym)
+        if state.use_delta:
+            codes = np.concatenate([anchors.reshape(b, h, d, 1), symbols], -1).cumsum(-1)
+        else:
+            codes = symbols
+    return codes, _fit(state, _symbols(state, codes)[1])
+
+
+def _append(state: CacheGenState, kind: str, codes: np.ndarray, scales: mx.array,
+            zeros: mx.array) -> dict:
+    """Fields after coding ``m`` new groups of ``kind`` (codes ``[b, h, d, m*G]``)."""
+    g = state.group_size
+    model = np.array(getattr(state, f"{kind}_model"))
+    words, lengths, packed = [], [], []
+    for j in range(codes.shape[-1] // g):  # models chain group to group
+        w, is_packed, model = _encode_group(state, codes[..., j * g:(j + 1) * g], model)
+        words.append(w)
+        lengths.append(len(w))
+        packed.append(is_packed)
+    return {f"{kind}_stream": mx.concatenate([getattr(state, f"{kind}_stream"),
+                                              mx.array(np.concatenate(words).astype(np.uint32))]),
+            f"{kind}_lengths": mx.concatenate([getattr(state, f"{kind}_lengths"),
+                                               mx.array(np.array(lengths, np.uint32))]),
+            f"{kind}_packed": mx.concatenate([getattr(state, f"{kind}_packed"),
+                                              mx.array(np.array(packed, np.bool_))]),
+            f"{kind}_model": mx.array(model),
+            f"{kind}_scales": mx.concatenate([getattr(state, f"{kind}_scales"), scales], -1),
+            f"{kind}_zeros": mx.concatenate([getattr(state, f"{kind}_zeros"), zeros], -1)}
+
+
+def decode_codes(state: CacheGenState, kind: str) -> np.ndarray:
+    """Every quantized code of ``kind`` (``"keys"`` or ``"values"``), ``[b, h, d, Q]``, decoded."""
+    b, h, d, n = getattr(state, f"{kind}_scales").shape
+    g = state.group_size
+    c = d if state.per_channel else 1
+    model = np.broadcast_to(np.array(_prior(state.bits, state.use_delta), np.uint8), (b, h, c, 2))
+    stream = np.array(getattr(state, f"{kind}_stream"))
+    lengths = np.array(getattr(state, f"{kind}_lengths")).astype(np.int64)
+    packed = np.array(getattr(state, f"{kind}_packed"))
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    out = np.zeros((b, h, d, n * g), np.int64)
+    for j in range(n):
+        words = stream[starts[j]:starts[j + 1]]
+        out[..., j * g:(j + 1) * g], model = _decode_group(state, words, bool(packed[j]), model,
+                                                           (b, h, d, g))
+    return out.astype(np.uint32)
+
+
+# --- backends: the quantization differs (device vs NumPy), the coder is shared ------------------
+
+def _update_mlx(state: CacheGenState, keys, values, queries) -> CacheGenState:
+    g, s = state.group_size, keys.shape[2]
+    fields = {"next_pos": state.next_pos + s}
+    for kind, x in zip(KINDS, (keys, values)):
+        rows = mx.concatenate([getattr(state, f"residual_{kind}"), x], axis=2)
+        m = rows.shape[2] // g
+        fields[f"residual_{kind}"] = rows[:, :, m * g:]
+        if m:
+            q, sc, z = quant.quantize(rows[:, :, :m * g].swapaxes(2, 3), state.bits, g)
+            fields.update(_append(state, kind, np.array(quant.unpack(q, state.bits)), sc, z))
+    return state._replace(**fields)
+
+
+def _update_reference(state: CacheGenState, keys, values, queries) -> CacheGenState:
+    dtype, g, s = state.residual_keys.dtype, state.group_size, keys.shape[2]
+    b, h = state.next_pos.shape
+    fields = {"next_pos": state.next_pos + s}
+    for kind, x in zip(KINDS, (keys, values)):
+        rows = np.concatenate([ref.to_np(getattr(state, f"residual_{kind}"), np.float32),
+                               ref.to_np(x, np.float32)], axis=2)
+        m = rows.shape[2] // g
+        fields[f"residual_{kind}"] = ref.to_mx(rows[:, :, m * g:], dtype)
+        if not m:
+            continue
+        codes, scales, zeros = [], [], []
+        for i in range(b):
+            for j in range(h):  # each channel of each group: min/max affine codes
+                words, sc, z = ref.quantize(rows[i, j, :m * g].T, state.bits, g, dtype)
+                codes.append(ref.unpack_codes(words, state.bits))
+                scales.append(sc)
+                zeros.append(z)
+        shape = lambda xs: np.stack(xs).reshape(b, h, *xs[0].shape)  # noqa: E731
+        fields.update(_append(state, kind, shape(codes), ref.to_mx(shape(scales), dtype),
+                              ref.to_mx(shape(zeros), dtype)))
+    return state._replace(**fields)
+
+
+# --- public functions ----------------------------------------------------------------------------
+
+def _dims(state: CacheGenState):
+    b, h, _, d = state.residual_keys.shape
+    return b, h, d, state.residual_keys.dtype
+
+
+def cachegen_update(state: CacheGenState, keys: Float[Array, "b h s d"],
+                    values: Float[Array, "b h s d"], *,
+                    queries: Float[Array, "b q s d"] | None = None) -> CacheGenState:
+    """Append ``s`` tokens; each completed group is quantized and range coded."""
+    return dispatch(KEY, state, keys, values, queries, _dims(state))
+
+
+def cachegen_get_kv(state: CacheGenState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+    """Decoded, dequantized groups followed by the exact newest tokens."""
+    out = []
+    for kind in KINDS:
+        codes = quant.pack(mx.array(decode_codes(state, kind)), state.bits)
+        x = quant.dequantize(codes, getattr(state, f"{kind}_scales"), getattr(state, f"{kind}_zeros"),
+                             state.bits, state.group_size).swapaxes(2, 3)
+        out.append(mx.concatenate([x, getattr(state, f"residual_{kind}")], axis=2))
+    return out[0], out[1]
+
+
+def cachegen_bytes(state: CacheGenState) -> int:
+    """Bytes of every array the state holds: coded streams, scales, zeros, models, tail."""
+    return state_nbytes(state)
+
+
+def coded_nbytes(state: CacheGenState) -> int:
+    """Bytes of the coded segments (keys and values)."""
+    return int(state.keys_stream.nbytes + state.values_stream.nbytes)
+
+
+def packed_nbytes(state: CacheGenState) -> int:
+    """Bytes the same codes take packed at fixed width (keys and values)."""
+    b, h, d, n = state.keys_scales.shape
+    return 2 * b * h * d * n * state.group_size * state.bits // 8
+
+
+def cachegen_positions(state: CacheGenState) -> Int[Array, "b h n"]:
+    """Absolute positions of the tokens ``cachegen_get_kv`` returns (all tokens, in order)."""
+    b, h = state.next_pos.shape
+    n = quantized_groups(state) * state.group_size + state.residual_keys.shape[2]
+    return mx.broadcast_to(mx.arange(n, dtype=mx.int32), (b, h, n))
+
+
+def cachegen_error_bound(
+        state: CacheGenState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+    """``scale/2`` plus rounding per element (lossless coding adds nothing); zero in the tail."""
+    out = []
+    for kind in KINDS:
+        bound = quant.error_bound(getattr(state, f"{kind}_scales"), getattr(state, f"{kind}_zeros"),
+                                  state.bits, state.group_size).swapaxes(2, 3)
+        tail = mx.zeros(getattr(state, f"residual_{kind}").shape, mx.float32)
+        out.append(mx.concatenate([bound, tail], axis=2))
+    return out[0], out[1]
+
+
+def layer_bits(n_layers: int, bits: int, layer_groups: int) -> list[int]:
+    """The seed's schedule: ``layer_groups`` contiguous groups get ``bits``, ``bits - 1``, ...
+
+    Group boundaries are ``round(n_layers * i / groups)``; widths never go below 2 (or below
+    ``bits`` when ``bits`` is lower).
+    """
+    groups = min(layer_groups, n_layers)
+    bounds = [round(n_layers * i / groups) for i in range(groups + 1)]
+    bounds[-1] = n_layers
+    floor = min(2, bits)
+    out = []
+    for layer in range(n_layers):
+        group = next(i for i in range(groups) if bounds[i] <= layer < bounds[i + 1])
+        out.append(max(floor, bits - group))
+    return out
+
+
+def cachegen_layer_params(n_layers: int, params: dict) -> list[dict]:
+    """Per-layer parameters: ``bits`` from :func:`layer_bits`, the rest unchanged."""
+    full = validate_params(load_spec(KEY), params)
+    return [dict(params, bits=b) for b in layer_bits(n_layers, full["bits"], full["layer_groups"])]
+
+
+register(KEY, state_type=CacheGenState, init=cachegen_init, update=cachegen_update,
+         get_kv=cachegen_get_kv, nbytes=cachegen_bytes, positions=cachegen_positions,
+         error_bound=cachegen_error_bound, dims=_dims, layer_params=cachegen_layer_params,
+         backends={"reference": _update_reference, "mlx": _update_mlx})
