@@ -108,3 +108,12 @@ def test_expression_evaluator():
     assert not evaluate("head_dim % group_size == 0", dict(head_dim=48, group_size=32))
     with pytest.raises(ValueError):
         evaluate("__import__('os')", {})
+
+
+def test_pack_rejects_lengths_that_do_not_fill_words():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant.pack(mx.zeros((2, 16), mx.uint32), 6)  # 96 bits, but 6-bit units hold 32 codes
+    with pytest.raises(ValueError, match="multiple of 16"):
+        quant.pack(mx.zeros((2, 8), mx.uint32), 2)
+    with pytest.raises(ValueError, match="bits=9"):
+        quant.pack(mx.zeros((2, 32), mx.uint32), 9)

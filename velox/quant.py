@@ -17,7 +17,7 @@ from ._typing import Array, Float, UInt
 __all__ = ["SUPPORTED_BITS", "pack", "unpack", "quantize", "dequantize", "error_bound",
            "unit_roundoff"]
 
-SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 8)
+SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
 def unit_roundoff(dtype: mx.Dtype) -> float:
@@ -38,8 +38,11 @@ def _word_layout(bits: int):
 def pack(codes: UInt[Array, "*batch m"], bits: int) -> UInt[Array, "*batch w"]:
     """Pack ``m`` codes of ``bits`` bits each (``m * bits`` divisible by 32) into uint32 words."""
     m = codes.shape[-1]
-    if (m * bits) % 32:
-        raise ValueError(f"cannot pack {m} codes of {bits} bits into whole 32-bit words")
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={bits} is not one of {SUPPORTED_BITS}")
+    if (m * bits) % 32 or (32 % bits and m % 32):
+        unit = 32 // bits if 32 % bits == 0 else 32
+        raise ValueError(f"cannot pack {m} codes of {bits} bits: need a multiple of {unit}")
     lead = codes.shape[:-1]
     codes = codes.astype(mx.uint32)
     if 32 % bits == 0:
