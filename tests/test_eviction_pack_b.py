@@ -300,10 +300,37 @@ def test_curdkv_leverage_energy_shares(rank_cap):
     retained = (s[..., :r] ** 2).sum(-1) / (s ** 2).sum(-1)
     assert (lev >= 0).all()
     assert np.allclose(lev.sum(-1), retained, atol=1e-5)  # 1 at full rank
-    want = curdkv._leverage_reference(x[1, 2].astype(np.float64), rank_cap)
+    x12 = x[1, 2].astype(np.float64)
+    want = curdkv._leverage_reference(x12, curdkv._fit_reference(x12, r))
     assert np.allclose(lev[1, 2], want, atol=1e-6)
     zero = np.array(curdkv.curdkv_leverage(mx.zeros((1, 1, 5, 8)), rank_cap))
     assert np.isfinite(zero).all() and (zero == 0).all()
+
+
+def test_curdkv_decode_steps_reuse_the_chunk_subspace():
+    """A chunk fits the subspaces; a decode step scores with them (no refit), and a cache fed
+    token by token scores by full-rank energy share until its first chunk."""
+    rng = np.random.default_rng(7)
+    x = mx.array(rng.standard_normal((1, 2, 40, 16)).astype(np.float32))
+    st = velox.curdkv_init(1, 2, 16, budget=20, n_sink=0, rank_cap=3)
+    st = velox.curdkv_update(st, x[:, :, :30], x[:, :, :30])
+    basis = np.array(st.key_basis)
+    assert basis.shape == (1, 2, 16, 3) and np.abs(basis).sum() > 0
+    st2 = velox.curdkv_update(st, x[:, :, 30:31], x[:, :, 30:31])
+    assert np.array_equal(np.array(st2.key_basis), basis)
+    cand = mx.concatenate([st.keys, x[:, :, 30:31]], axis=2)
+    lev = np.array(curdkv._leverage(cand, st.key_basis))
+    proj = np.array(cand) @ basis
+    want = (proj ** 2).sum(-1) / (np.array(cand) ** 2).sum(axis=(2, 3))[..., None]
+    assert np.allclose(lev, want, atol=1e-6)
+    fresh = velox.curdkv_init(1, 2, 16, budget=4, n_sink=0, rank_cap=3)
+    for t in range(5):
+        fresh = velox.curdkv_update(fresh, x[:, :, t:t + 1], x[:, :, t:t + 1])
+    assert np.abs(np.array(fresh.key_basis)).sum() == 0  # never fitted
+    e = (np.array(x[:, :, :5]) ** 2).sum(-1)
+    score = e * e  # keys == values: key share x value share, same normaliser
+    want_pos = np.sort(np.argsort(score, axis=-1, kind="stable")[..., 1:], axis=-1)
+    assert np.array_equal(np.array(fresh.positions), want_pos)
 
 
 # --- NestedKV -----------------------------------------------------------------------------

@@ -10,13 +10,19 @@ leverage is its share of the rank-``r`` energy, ``l_K(i) = ||x_i V_r||^2 / ||X||
 (non-negative, summing to the retained energy fraction, 1 at full rank); ``l_V`` is the same
 for the values. The score is ``l_K * l_V`` (the authors' ``kv_product``): a token is kept for a
 distinctive key and a value that carries energy. Sinks are protected; the ``budget`` best are
-kept. A chunk is one selection; nothing is carried between updates.
+kept. A chunk is one selection.
+
+The subspaces ``V_r`` of keys and values are fitted (eigendecomposition) on the candidates of
+every multi-token update and stored; single-token updates score with the stored subspaces
+(leverage of the current candidates in the last fitted subspace), which keeps a decode step
+a pair of small matmuls. Before any fit (a cache fed token by token from the start), a
+token's score uses its full-rank energy share ``||x_i||^2 / ||X||_F^2``.
 
 Deviations from the paper:
     * Exact rank-capped leverage from the eigendecomposition of the ``d x d`` Gram matrices
       instead of Gaussian-sketch estimates, and no local-window normalisation.
     * Every update that overflows the budget re-scores stored + new (the paper compresses a
-      prompt once).
+      prompt once); decode steps reuse the subspaces fitted at the last multi-token update.
     * ``n_sink`` protects the first tokens.
     * The seed's ``rope_base`` is not a parameter: kept keys are never re-rotated.
 """
@@ -48,6 +54,8 @@ class CurDKVState(NamedTuple):
     keys: Float[Array, "b h n d"]
     values: Float[Array, "b h n d"]
     positions: Int[Array, "b h n"]
+    key_basis: Float[Array, "b h d r"]
+    value_basis: Float[Array, "b h d r"]
     next_pos: Int[Array, "b h"]
     budget: int
     n_sink: int
@@ -61,60 +69,97 @@ def curdkv_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = m
     """Empty CurDKV state keeping at most ``budget`` tokens per head (sinks included)."""
     p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
                               dict(budget=budget, n_sink=n_sink, rank_cap=rank_cap))
-    return CurDKVState(*evict.empty_rows(batch, kv_heads, head_dim, dtype), **p, backend=backend)
+    k, v, pos, nxt = evict.empty_rows(batch, kv_heads, head_dim, dtype)
+    basis = mx.zeros((batch, kv_heads, head_dim, min(p["rank_cap"], head_dim)), mx.float32)
+    return CurDKVState(k, v, pos, basis, basis, nxt, **p, backend=backend)
+
+
+def _fit_basis(x: mx.array, r: int) -> mx.array:
+    """Top-``r`` right singular vectors ``[b, h, d, r]`` of ``x [b, h, n, d]`` (float32)."""
+    x = x.astype(mx.float32)
+    d = x.shape[3]
+    if r >= d:
+        return mx.broadcast_to(mx.eye(d, dtype=mx.float32), x.shape[:2] + (d, d))
+    gram = (x.swapaxes(-1, -2) @ x).astype(mx.float64)
+    _, vecs = mx.linalg.eigh(gram, stream=mx.cpu)  # ascending eigenvalues
+    return vecs[..., d - r:].astype(mx.float32)
+
+
+def _leverage(x: mx.array, basis: mx.array) -> mx.array:
+    """Energy leverage of each row in the subspace ``basis`` (full-rank share where unfitted)."""
+    x = x.astype(mx.float32)
+    energy = (x * x).sum(axis=-1)
+    total = mx.maximum(energy.sum(axis=-1, keepdims=True), _TINY)
+    proj = x @ basis
+    fitted = (mx.abs(basis).sum(axis=(-2, -1)) > 0)[:, :, None]
+    return mx.where(fitted, (proj * proj).sum(axis=-1), energy) / total
 
 
 def curdkv_leverage(x: Float[Array, "b h n d"], rank_cap: int) -> Float[Array, "b h n"]:
     """Rank-capped energy leverage of each row: ``||x_i V_r||^2 / ||X||_F^2`` (float32)."""
-    x = x.astype(mx.float32)
     n, d = x.shape[2], x.shape[3]
-    total = mx.maximum((x * x).sum(axis=(2, 3)), _TINY)[:, :, None]
     r = min(rank_cap, d, n)
     if r >= min(d, n):  # the top-r subspace holds every row: leverage is the row's energy share
-        return (x * x).sum(axis=-1) / total
-    gram = (x.swapaxes(-1, -2) @ x).astype(mx.float64)
-    _, vecs = mx.linalg.eigh(gram, stream=mx.cpu)  # ascending eigenvalues
-    top = vecs[..., d - r:].astype(mx.float32)
-    proj = x @ top
-    return (proj * proj).sum(axis=-1) / total
+        x = x.astype(mx.float32)
+        return (x * x).sum(axis=-1) / mx.maximum((x * x).sum(axis=(2, 3)), _TINY)[:, :, None]
+    return _leverage(x, _fit_basis(x, r))
 
 
 def _update_mlx(state: CurDKVState, keys, values, queries) -> CurDKVState:
     n, s = state.keys.shape[2], keys.shape[2]
     idx = None
+    kb, vb = state.key_basis, state.value_basis
     if n + s > state.budget:
         cand_k = mx.concatenate([state.keys, keys], axis=2) if n else keys
         cand_v = mx.concatenate([state.values, values], axis=2) if n else values
-        score = curdkv_leverage(cand_k, state.rank_cap) * curdkv_leverage(cand_v, state.rank_cap)
+        if s > 1:  # a chunk refits the subspaces
+            r = kb.shape[-1]
+            kb, vb = _fit_basis(cand_k, r), _fit_basis(cand_v, r)
+        score = _leverage(cand_k, kb) * _leverage(cand_v, vb)
         idx = evict.top_budget(score, state.budget, evict.protected(n + s, state.n_sink))
     k, v, p = evict.keep_rows((state.keys, state.values, state.positions),
                               (keys, values, evict.new_positions(state.next_pos, s)), idx)
-    return state._replace(keys=k, values=v, positions=p, next_pos=state.next_pos + s)
+    return state._replace(keys=k, values=v, positions=p, key_basis=kb, value_basis=vb,
+                          next_pos=state.next_pos + s)
 
 
-def _leverage_reference(x: np.ndarray, rank_cap: int) -> np.ndarray:
-    """One head: ``[N, d]`` rows -> rank-capped energy leverage ``[N]`` (float64)."""
-    n, d = x.shape
-    total = max(float((x * x).sum()), _TINY)
-    r = min(rank_cap, d, n)
+def _fit_reference(x: np.ndarray, r: int) -> np.ndarray:
+    """One head: top-``r`` right singular vectors ``[d, r]`` of ``x [N, d]``."""
+    d = x.shape[1]
+    if r >= d:
+        return np.eye(d)
     _, _, vt = np.linalg.svd(x, full_matrices=False)  # rows of vt: right singular vectors
-    proj = x @ vt[:r].T
+    return vt[:r].T
+
+
+def _leverage_reference(x: np.ndarray, basis: np.ndarray) -> np.ndarray:
+    """One head: energy leverage ``[N]`` of rows ``[N, d]`` in ``basis`` (float64)."""
+    total = max(float((x * x).sum()), _TINY)
+    if not np.abs(basis).sum():  # never fitted: full-rank energy share
+        return (x * x).sum(axis=1) / total
+    proj = x @ basis
     return (proj * proj).sum(axis=1) / total
 
 
 def _update_reference(state: CurDKVState, keys, values, queries) -> CurDKVState:
     c = ref.candidates(state, keys, values, queries)
     b, h, N = c.positions.shape
+    s = keys.shape[2]
+    kb = ref.to_np(state.key_basis)
+    vb = ref.to_np(state.value_basis)
     if N <= state.budget:
         return ref.keep(state, c, [[None] * h for _ in range(b)])
     chosen = []
     for i in range(b):
         chosen.append([])
         for j in range(h):
-            score = (_leverage_reference(c.keys[i, j].astype(np.float64), state.rank_cap)
-                     * _leverage_reference(c.values[i, j].astype(np.float64), state.rank_cap))
+            x, y = c.keys[i, j].astype(np.float64), c.values[i, j].astype(np.float64)
+            if s > 1:  # a chunk refits the subspaces
+                kb[i, j], vb[i, j] = _fit_reference(x, kb.shape[-1]), _fit_reference(y, vb.shape[-1])
+            score = _leverage_reference(x, kb[i, j]) * _leverage_reference(y, vb[i, j])
             chosen[i].append(ref.top_budget(score, state.budget, c.positions[i, j] < state.n_sink))
-    return ref.keep(state, c, chosen)
+    new = ref.keep(state, c, chosen)
+    return new._replace(key_basis=ref.to_mx(kb, mx.float32), value_basis=ref.to_mx(vb, mx.float32))
 
 
 def curdkv_update(state: CurDKVState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],

@@ -4,20 +4,22 @@ References:
     Kim, Kim, Kwon, Lee, Yun, Song. KVzip: Query-Agnostic KV Cache Compression with Context
     Reconstruction. NeurIPS 2025. arXiv:2505.23416.
 
-Rule (``probe="context"``): a candidate's importance is the maximum attention it receives from
-any probe query, over the probes and the query heads of its kv head. The probes are the
-queries given to the update, taken as reconstruction queries: run the model over the repeated
-context ("Repeat the previous context:" + the chunk) and pass that pass's queries with the
-chunk's keys and values; each probe reads every candidate (stored + new), as a reconstruction
-pass reads the whole context. Without queries every candidate's key is a probe (the stored
-keys as the reconstruction, the key-as-query proxy). ``probe="latest"`` scores by the chunk's
-newest query alone, averaged over the group (TOVA's rule). Sinks are protected; the ``budget``
-best candidates are kept; a chunk is one selection.
+Rule (``probe="context"``): a candidate's importance is the maximum attention it has received
+from any probe query, over the probes and the query heads of its kv head. The probes of an
+update are the queries given to it, taken as reconstruction queries: run the model over the
+repeated context ("Repeat the previous context:" + the chunk; the adapter's
+``reconstruction_prefill`` does this) and pass that pass's queries with the chunk's keys and
+values; each probe reads every candidate (stored + new), as a reconstruction pass reads the
+whole context. Without queries the new tokens' keys are the probes (key-as-query proxy; for
+the first chunk every candidate's key). Importance is carried between updates as a running
+maximum, so a decode step costs one probe against the cache. ``probe="latest"`` scores by the
+chunk's newest query alone, averaged over the group (TOVA's rule). Sinks are protected; the
+``budget`` best candidates are kept; a chunk is one selection.
 
 Deviations from the paper:
     * The paper scores a whole context once after prefill, then evicts; here every update that
-      overflows the budget re-scores stored + new, so a context streamed in chunks is
-      compressed chunk by chunk (importance is not carried between updates).
+      overflows the budget selects over stored + new, so a context streamed in chunks (and
+      decoding) is compressed step by step, with importance carried as a running maximum.
     * Without real probe queries the candidates' keys are the probes (key-as-query proxy).
     * ``n_sink`` protects the first tokens; the paper protects none.
     * ``per_head=False`` keeps one token set per layer (importance averaged over kv heads).
@@ -44,11 +46,12 @@ KEY = "kvzip"
 
 
 class KVzipState(NamedTuple):
-    """Kept rows and their absolute positions; no score memory."""
+    """Kept rows, their absolute positions and the best probe attention each has received."""
 
     keys: Float[Array, "b h n d"]
     values: Float[Array, "b h n d"]
     positions: Int[Array, "b h n"]
+    importance: Float[Array, "b h n"]
     next_pos: Int[Array, "b h"]
     budget: int
     n_sink: int
@@ -63,7 +66,9 @@ def kvzip_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx
     """Empty KVzip state keeping at most ``budget`` tokens per head (sinks included)."""
     p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
                               dict(budget=budget, n_sink=n_sink, probe=probe, per_head=per_head))
-    return KVzipState(*evict.empty_rows(batch, kv_heads, head_dim, dtype), **p, backend=backend)
+    k, v, pos, nxt = evict.empty_rows(batch, kv_heads, head_dim, dtype)
+    importance = mx.zeros((batch, kv_heads, 0), mx.float32)
+    return KVzipState(k, v, pos, importance, nxt, **p, backend=backend)
 
 
 def kvzip_importance(probes: Float[Array, "b h g m d"], stored: Float[Array, "b h n d"],
@@ -86,52 +91,53 @@ def kvzip_importance(probes: Float[Array, "b h g m d"], stored: Float[Array, "b 
 
 def _update_mlx(state: KVzipState, keys, values, queries) -> KVzipState:
     n, s = state.keys.shape[2], keys.shape[2]
+    probes = scoring_queries(keys, queries)
+    if state.probe == "latest":  # TOVA: the newest query, averaged over its group
+        current = candidate_weights(probes[:, :, :, -1:], state.keys, keys)[:, :, :, 0].mean(axis=2)
+    else:
+        current = kvzip_importance(probes, state.keys, keys)
+    carried = mx.concatenate([state.importance, mx.zeros(current.shape[:2] + (s,), mx.float32)], 2)
+    importance = mx.maximum(carried, current)
     idx = None
     if n + s > state.budget:
-        if state.probe == "latest":  # TOVA: the newest query, averaged over its group
-            last = scoring_queries(keys, queries)[:, :, :, -1:]
-            score = candidate_weights(last, state.keys, keys)[:, :, :, 0].mean(axis=2)
-        elif queries is None:  # every candidate's key probes
-            cand = mx.concatenate([state.keys, keys], axis=2) if n else keys
-            score = kvzip_importance(cand[:, :, None], state.keys, keys)
-        else:
-            score = kvzip_importance(scoring_queries(keys, queries), state.keys, keys)
+        score = current if state.probe == "latest" else importance
         if not state.per_head:
             score = score.mean(axis=1, keepdims=True)
         idx = evict.top_budget(score, state.budget, evict.protected(n + s, state.n_sink))
         idx = mx.broadcast_to(idx, state.positions.shape[:2] + idx.shape[2:])
-    k, v, p = evict.keep_rows((state.keys, state.values, state.positions),
-                              (keys, values, evict.new_positions(state.next_pos, s)), idx)
-    return state._replace(keys=k, values=v, positions=p, next_pos=state.next_pos + s)
+    k, v, p, imp = evict.keep_rows(
+        (state.keys, state.values, state.positions, importance[:, :, :n]),
+        (keys, values, evict.new_positions(state.next_pos, s), importance[:, :, n:]), idx)
+    return state._replace(keys=k, values=v, positions=p, importance=imp, next_pos=state.next_pos + s)
 
 
 def _update_reference(state: KVzipState, keys, values, queries) -> KVzipState:
     c = ref.candidates(state, keys, values, queries)
     b, h, N = c.positions.shape
-    if N <= state.budget:
-        return ref.keep(state, c, [[None] * h for _ in range(b)])
+    s = keys.shape[2]
     d = keys.shape[3]
-    if state.probe == "latest":
-        probes = ref.scoring_queries(c.new_keys, c.queries)[:, :, :, -1:]
-    elif c.queries is None:
-        probes = c.keys.astype(np.float64)[:, :, None]
-    else:
-        probes = ref.scoring_queries(c.new_keys, c.queries)
-    score = np.zeros((b, h, N))
+    probes = ref.scoring_queries(c.new_keys, c.queries)
+    current = np.zeros((b, h, N))
     for i in range(b):
         for j in range(h):
             pos = c.positions[i, j]
             if state.probe == "latest":  # causal attention of the newest query, group mean
-                score[i, j] = ref.attention_weights(probes[i, j], c.keys[i, j], pos, pos[-1:])[:, 0].mean(0)
+                current[i, j] = ref.attention_weights(probes[i, j, :, -1:], c.keys[i, j], pos,
+                                                      pos[-1:])[:, 0].mean(0)
             else:  # each probe reads every candidate; a candidate keeps its best probe
                 q = probes[i, j].reshape(-1, d)
                 w = ref.softmax(q @ c.keys[i, j].astype(np.float64).T / np.sqrt(d))
-                score[i, j] = w.max(axis=0)
+                current[i, j] = w.max(axis=0)
+    carried = np.concatenate([ref.to_np(state.importance), np.zeros((b, h, s))], axis=2)
+    importance = np.maximum(carried, current)
+    if N <= state.budget:
+        return ref.keep(state, c, [[None] * h for _ in range(b)], importance=importance)
+    score = current if state.probe == "latest" else importance
     if not state.per_head:
-        score[:] = score.mean(axis=1, keepdims=True)
+        score = np.repeat(score.mean(axis=1, keepdims=True), h, axis=1)
     chosen = [[ref.top_budget(score[i, j], state.budget, c.positions[i, j] < state.n_sink)
                for j in range(h)] for i in range(b)]
-    return ref.keep(state, c, chosen)
+    return ref.keep(state, c, chosen, importance=importance)
 
 
 def kvzip_update(state: KVzipState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
