@@ -14,7 +14,7 @@ from velox.methods import gear as gear_mod
 from velox.registry import get_method
 
 BACKENDS = ["reference", "mlx"]
-BITS = quant.SUPPORTED_BITS  # 1, 2, 3, 4, 5, 6, 8
+BITS = quant.SUPPORTED_BITS  # 1 to 8
 
 
 def arr(x, dtype=mx.float32):
