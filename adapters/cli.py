@@ -163,21 +163,26 @@ def budget_params(key: str, budget: int, given: dict[str, Any]) -> dict[str, Any
 
 
 def _bit_settings(key: str, given: dict[str, Any]) -> list[dict[str, Any]]:
-    """Default and most aggressive bit widths (every ``*bit*`` parameter at its minimum).
+    """The default setting and the spec's ``aggressive`` preset (its most aggressive one).
 
-    One entry when they coincide, or when the minimum violates the spec's constraints.
+    Without such a preset, every ``*bit*`` parameter at its minimum stands in. Parameters the
+    user gave win over the preset; one entry when nothing is left to change or when the
+    setting violates the spec's constraints.
     """
     from velox.registry import get_method
     from velox.spec import validate_params
 
     spec = get_method(key).spec
-    aggressive = {}
-    for name, p in spec.params.items():
-        if "bit" not in name or name in given or p.type not in ("int", "float", "choice"):
-            continue
-        low = min(p.choices) if p.type == "choice" else p.min
-        if low is not None and low != p.default and not (p.min_exclusive and low == p.min):
-            aggressive[name] = low
+    if "aggressive" in spec.presets:
+        aggressive = {k: v for k, v in spec.presets["aggressive"].items() if k not in given}
+    else:
+        aggressive = {}
+        for name, p in spec.params.items():
+            if "bit" not in name or name in given or p.type not in ("int", "float", "choice"):
+                continue
+            low = min(p.choices) if p.type == "choice" else p.min
+            if low is not None and low != p.default and not (p.min_exclusive and low == p.min):
+                aggressive[name] = low
     if not aggressive:
         return [{}]
     try:
@@ -206,9 +211,9 @@ def _split_params(params: list[str], methods: list[str]) -> tuple[dict, dict]:
 def method_configs(methods: list[str], budgets: list[int], params: list[str]) -> list[tuple[str, dict]]:
     """The (method, parameters) pairs ``velox compare`` runs, validated against the specs.
 
-    Budgets apply to methods with a budget (or a window that sets the capacity); methods with
-    bit-width parameters and no budget run at their default and most aggressive bit widths;
-    other methods run at their defaults.
+    Budgets apply to methods with a budget (or a window that sets the capacity); methods
+    without one run at their default and at their spec's ``aggressive`` preset (or, without
+    a preset, every bit-width parameter at its minimum).
     ``--param key=value`` applies to every method that has ``key`` (an error if none has it),
     ``--param method.key=value`` to one method.
     """

@@ -109,7 +109,7 @@ def test_budgets_become_each_methods_parameters():
         by.setdefault(m, []).append(p)
     assert by["tova"] == [{"budget": 64}, {"budget": 256}]
     assert by["streaming_llm"] == [{"window_size": 60}, {"window_size": 252}]  # n_sink=4 + window
-    assert by["kivi"] == [{}]  # default bits (2) is already the most aggressive
+    assert by["kivi"] == [{}, {"bits": 2, "residual_length": 32}]  # default, aggressive preset
     spec = get_method("streaming_llm").spec
     for p in by["streaming_llm"]:
         assert spec.capacity({**spec.defaults, **p}) in (64, 256)
@@ -122,28 +122,24 @@ def test_budgets_become_each_methods_parameters():
         ("tova", {"budget": 100}), ("h2o", {"grace": 2, "budget": 64}), ("h2o", {"grace": 2, "budget": 128})]
 
 
-def test_quantizers_run_at_default_and_most_aggressive_bits():
-    assert cli.method_configs(["kivi"], [64], ["bits=4"]) == [("kivi", {"bits": 4})]
+def test_quantizers_run_at_default_and_their_aggressive_preset():
+    assert cli.method_configs(["kivi"], [64], ["bits=4", "residual_length=32"]) == [
+        ("kivi", {"bits": 4, "residual_length": 32})]  # the user's values leave nothing to vary
     seen = 0
     for key in method_keys():
         spec = get_method(key).spec
         if cli.budget_params(key, 64, {}) is not None:
             continue
-        bits = {n: p for n, p in spec.params.items() if "bit" in n}
         configs = cli.method_configs([key], [64], [])
         assert configs[0] == (key, {})
-        if len(configs) == 2:
+        if "aggressive" in spec.presets:
+            assert configs[1] == (key, dict(spec.presets["aggressive"]))
             seen += 1
-            moved = configs[1][1]
-            assert moved and set(moved) <= set(bits)
-            for n, v in moved.items():
+        elif len(configs) == 2:  # no preset: every bit width at its minimum
+            for n, v in configs[1][1].items():
                 p = spec.params[n]
-                assert v == (min(p.choices) if p.type == "choice" else p.min) != p.default
-    wanted = sum(
-        1 for k in method_keys() if cli.budget_params(k, 64, {}) is None and any(
-            "bit" in n and p.type == "choice" and min(p.choices) != p.default
-            for n, p in get_method(k).spec.params.items()))
-    assert seen >= wanted  # every budgetless method whose bit widths can go lower does
+                assert "bit" in n and v == (min(p.choices) if p.type == "choice" else p.min) != p.default
+    assert seen >= 10  # the quantizers ship an aggressive preset
 
 
 # --- on SmolLM2 ----------------------------------------------------------------------
