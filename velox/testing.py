@@ -329,9 +329,13 @@ def assert_states_close(case: Case, a, b, *, atol: float, rtol: float, what: str
 
 
 def tolerance(case: Case) -> tuple[float, float]:
-    """``(atol, rtol)`` of the spec for the case's dtype (``[tolerance.<dtype>]`` overrides)."""
+    """``(atol, rtol)`` of the spec for the case: ``[tolerance]``, widened by
+    ``[tolerance.<dtype>]`` and, on a GPU, ``[tolerance.gpu]``."""
     tol = dict(get_method(case.key).spec.tolerance)
-    tol.update(tol.get(case.dtype, {}) if isinstance(tol.get(case.dtype), dict) else {})
+    for override in (case.dtype, "gpu" if mx.default_device() == mx.gpu else None):
+        if isinstance(tol.get(override), dict):
+            for k, v in tol[override].items():
+                tol[k] = max(float(v), float(tol.get(k, 0.0)))
     return float(tol.get("atol", 0.0)), float(tol.get("rtol", 0.0))
 
 

@@ -80,9 +80,11 @@ def _fit_basis(x: mx.array, r: int) -> mx.array:
     d = x.shape[3]
     if r >= d:
         return mx.broadcast_to(mx.eye(d, dtype=mx.float32), x.shape[:2] + (d, d))
-    gram = (x.swapaxes(-1, -2) @ x).astype(mx.float64)
+    # float64 and eigh run on the CPU (GPUs have neither); the basis is tiny (d x r).
+    gram = mx.astype(x.swapaxes(-1, -2) @ x, mx.float64, stream=mx.cpu)
     _, vecs = mx.linalg.eigh(gram, stream=mx.cpu)  # ascending eigenvalues
-    return vecs[..., d - r:].astype(mx.float32)
+    vecs = mx.astype(vecs, mx.float32, stream=mx.cpu)
+    return vecs[..., d - r:]
 
 
 def _leverage(x: mx.array, basis: mx.array, *more: mx.array) -> mx.array:
