@@ -55,12 +55,18 @@ def top_budget(scores: Float[Array, "b h n"], budget: int,
     """Indices of the ``budget`` highest-scoring candidates, ascending; ``None`` keeps all.
 
     Protected candidates score ``+inf``; callers guarantee they number fewer than ``budget``.
+    When exactly one candidate goes (a decode step at a full cache) the loser is an argmin
+    (its first occurrence: the older of equal scores goes), otherwise a partition.
     """
     n = scores.shape[-1]
     if n <= budget:
         return None
     if protect is not None:
         scores = mx.where(protect, mx.inf, scores)
+    if n == budget + 1:
+        drop = mx.argmin(scores, axis=-1, keepdims=True).astype(mx.int32)
+        i = mx.arange(budget, dtype=mx.int32)
+        return i + (i >= drop).astype(mx.int32)
     key = _order_key(scores)
     idx = mx.argpartition(-key, kth=budget - 1, axis=-1)[..., :budget]
     return mx.sort(idx.astype(mx.int32), axis=-1)
@@ -98,9 +104,10 @@ def keep_rows(stored: tuple, new: tuple, idx: Int[Array, "b h k"] | None) -> tup
         return tuple(take_rows(mx.concatenate([a, x], axis=2), idx) for a, x in zip(stored, new))
     k = idx.shape[-1]
     new_kept = idx[:, :, -1:] == n
+    old_idx = mx.minimum(idx, n - 1)
     out = []
     for a, x in zip(stored, new):
-        kept = take_rows(a, mx.minimum(idx, n - 1))
+        kept = take_rows(a, old_idx)
         cond = new_kept.reshape(new_kept.shape + (1,) * (a.ndim - 3))
         last = mx.where(cond, x, kept[:, :, k - 1:])
         start = mx.array([0, 0, k - 1] + [0] * (a.ndim - 3))
