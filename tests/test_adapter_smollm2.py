@@ -1,10 +1,7 @@
 """The adapter on the embedded SmolLM2 model: mlx-lm's generate and stream_generate, and one
 short run of every registered method."""
 
-import math
-
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm import generate, stream_generate
 from mlx_lm.generate import generate_step

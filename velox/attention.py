@@ -12,7 +12,7 @@ import mlx.core as mx
 from ._typing import Array, Bool, Float, Int
 
 __all__ = ["group_queries", "scoring_queries", "causal_mask", "chunk_mask", "candidate_logits",
-           "candidate_weights", "candidate_mass"]
+           "candidate_weights", "candidate_mass", "accumulated_scores"]
 
 
 def group_queries(queries: Float[Array, "b q s d"], kv_heads: int) -> Float[Array, "b h g s d"]:
@@ -96,3 +96,18 @@ def candidate_mass(queries: Float[Array, "b h g m d"], stored: Float[Array, "b h
             part = mx.concatenate([part, mx.zeros(part.shape[:2] + (s - visible,), part.dtype)], axis=2)
         total = part if total is None else total + part
     return total
+
+
+def accumulated_scores(scores: Float[Array, "b h n"], queries: Float[Array, "b h g s d"],
+                       stored: Float[Array, "b h n d"], new: Float[Array, "b h s d"], decay: float,
+                       mass=candidate_mass) -> tuple[Float[Array, "b h n"], Float[Array, "b h s"]]:
+    """H2O's accumulation over one chunk: stored scores decayed by ``decay**s`` plus the
+    chunk's attention mass, query ``i`` of ``s`` weighted by ``decay**(s-1-i)`` (equal to
+    token-by-token accumulation). Returns the stored and the new candidates' scores.
+
+    ``mass(queries, stored, new, coef)`` computes the weighted mass (a variant may perturb it).
+    """
+    n, s = stored.shape[2], new.shape[2]
+    coef = decay ** mx.arange(s - 1, -1, -1, dtype=mx.float32)
+    m = mass(queries, stored, new, coef)
+    return scores * (decay ** s) + m[:, :, :n], m[:, :, n:]

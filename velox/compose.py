@@ -13,7 +13,6 @@ Per-token groups make rows independent, so dropping a token never touches anothe
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, NamedTuple
 
 import mlx.core as mx

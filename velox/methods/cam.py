@@ -40,7 +40,7 @@ from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
 from ..accounting import state_nbytes
-from ..attention import candidate_mass, scoring_queries
+from ..attention import accumulated_scores, scoring_queries
 from ..registry import dispatch, prepare_init, register
 from .keyformer import hash_uniform, hash_uniform_np
 
@@ -146,10 +146,8 @@ def _merge_mlx(state: CaMState, cand: tuple, acc: mx.array, idx: mx.array) -> tu
 
 def _update_mlx(state: CaMState, keys, values, queries) -> CaMState:
     n, s = state.keys.shape[2], keys.shape[2]
-    coef = state.decay ** mx.arange(s - 1, -1, -1, dtype=mx.float32)
-    mass = candidate_mass(scoring_queries(keys, queries), state.keys, keys, coef)
-    old = state.scores * (state.decay ** s) + mass[:, :, :n]
-    new = mass[:, :, n:]
+    old, new = accumulated_scores(state.scores, scoring_queries(keys, queries), state.keys, keys,
+                                  state.decay)
     acc = mx.concatenate([old, new], axis=2)
     idx = evict.top_budget(acc, state.budget, evict.protected(n + s, state.n_sink, state.grace))
     stored = (state.keys, state.values, state.positions, old)

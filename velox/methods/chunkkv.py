@@ -35,7 +35,7 @@ from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
 from ..accounting import state_nbytes
-from ..attention import candidate_mass, scoring_queries
+from ..attention import accumulated_scores, scoring_queries
 from ..crosslayer import checked_update
 from ..registry import dispatch, prepare_init, register
 from ..spec import load_spec, validate_params
@@ -103,10 +103,8 @@ def _chunk_mean_mlx(scores: mx.array, positions: mx.array, size: int) -> mx.arra
 def _select_mlx(state: ChunkKVState, keys, values, queries) -> tuple[ChunkKVState, mx.array | None]:
     n, s = state.keys.shape[2], keys.shape[2]
     if state.score == "attn_mass":
-        coef = state.decay ** mx.arange(s - 1, -1, -1, dtype=mx.float32)
-        mass = candidate_mass(scoring_queries(keys, queries), state.keys, keys, coef)
-        old = state.scores * (state.decay ** s) + mass[:, :, :n]
-        new = mass[:, :, n:]
+        old, new = accumulated_scores(state.scores, scoring_queries(keys, queries), state.keys,
+                                      keys, state.decay)
     else:
         x = keys.astype(mx.float32)
         old, new = state.scores, mx.sqrt((x * x).sum(axis=-1))

@@ -333,7 +333,7 @@ def gear_update(state: GearState, keys: Float[Array, "b h s d"], values: Float[A
 def base_reconstruction(state: GearState, kind: str) -> Float[Array, "b h q d"]:
     """The quantized part ``D`` of the compressed blocks (float32, no correction, no outliers)."""
     b, h, _, d = state.residual_keys.shape
-    g, n = state.group_size, quantized_blocks(state)
+    g = state.group_size
     deq = _dequant32(getattr(state, f"{kind}_codes"), getattr(state, f"{kind}_scales"),
                      getattr(state, f"{kind}_zeros"), state.bits, g)
     return deq.swapaxes(2, 3) if kind == "keys" else deq

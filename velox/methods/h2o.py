@@ -27,7 +27,7 @@ from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
 from ..accounting import state_nbytes
-from ..attention import candidate_mass, scoring_queries
+from ..attention import accumulated_scores, scoring_queries
 from ..registry import dispatch, prepare_init, register
 
 __all__ = ["H2OState", "h2o_init", "h2o_update", "h2o_get_kv", "h2o_bytes"]
@@ -63,10 +63,8 @@ def h2o_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.f
 
 def _update_mlx(state: H2OState, keys, values, queries) -> H2OState:
     n, s = state.keys.shape[2], keys.shape[2]
-    coef = state.decay ** mx.arange(s - 1, -1, -1, dtype=mx.float32)
-    mass = candidate_mass(scoring_queries(keys, queries), state.keys, keys, coef)
-    old = state.scores * (state.decay ** s) + mass[:, :, :n]
-    new = mass[:, :, n:]
+    old, new = accumulated_scores(state.scores, scoring_queries(keys, queries), state.keys, keys,
+                                  state.decay)
     idx = evict.top_budget(mx.concatenate([old, new], axis=2), state.budget,
                            evict.protected(n + s, state.n_sink, state.grace))
     k, v, p, sc = evict.keep_rows((state.keys, state.values, state.positions, old),

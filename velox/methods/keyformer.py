@@ -36,7 +36,7 @@ from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
 from ..accounting import state_nbytes
-from ..attention import candidate_logits, scoring_queries
+from ..attention import accumulated_scores, candidate_logits, scoring_queries
 from ..registry import dispatch, prepare_init, register
 
 __all__ = ["KeyformerState", "keyformer_init", "keyformer_update", "keyformer_get_kv",
@@ -149,10 +149,9 @@ def _gumbel_mass(state: KeyformerState, queries, keys, coef, block: int = 256) -
 
 def _update_mlx(state: KeyformerState, keys, values, queries) -> KeyformerState:
     n, s = state.keys.shape[2], keys.shape[2]
-    coef = state.decay ** mx.arange(s - 1, -1, -1, dtype=mx.float32)
-    mass = _gumbel_mass(state, scoring_queries(keys, queries), keys, coef)
-    old = state.scores * (state.decay ** s) + mass[:, :, :n]
-    new = mass[:, :, n:]
+    old, new = accumulated_scores(state.scores, scoring_queries(keys, queries), state.keys, keys,
+                                  state.decay,
+                                  mass=lambda q, _stored, new_k, coef: _gumbel_mass(state, q, new_k, coef))
     idx = evict.top_budget(mx.concatenate([old, new], axis=2), state.budget,
                            evict.protected(n + s, state.n_sink, state.recent))
     k, v, p, sc = evict.keep_rows((state.keys, state.values, state.positions, old),

@@ -108,7 +108,6 @@ def _update_mlx(state: MorphKVState, keys, values, queries) -> MorphKVState:
 def _update_reference(state: MorphKVState, keys, values, queries) -> MorphKVState:
     c = ref.candidates(state, keys, values, queries)
     b, h, N = c.positions.shape
-    s = keys.shape[2]
     keep = state.window - 1
     if c.queries is None:  # proxies: every candidate's key stands in for its query
         q = c.keys.astype(np.float64)[:, :, None]

@@ -352,7 +352,7 @@ def zipcache_positions(state: ZipCacheState) -> Int[Array, "b h n"]:
 def zipcache_error_bound(state: ZipCacheState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """Per-element bound on ``|get_kv - input|``: each token's group bound at its bit-width."""
     b, h, r, d = state.buffer_keys.shape
-    n_g, g = _groups(state), state.group_size
+    n_g = _groups(state)
     zero = mx.zeros((b, h, r, d), mx.float32)
     if n_g == 0:
         return zero, zero
