@@ -505,7 +505,7 @@ def load_model(path_or_repo: str | None) -> tuple[Any, Any]:
         cached = None
     if cached is None or not (cached / "config.json").is_file():
         raise FileNotFoundError(
-            f"model {path_or_repo!r} is neither a local folder nor a cached Hugging Face repo"
-            " (pass None to use the embedded SmolLM2)."
+            f"model {path_or_repo!r} is neither a local folder nor a cached Hugging Face repo;"
+            " without a model, the embedded SmolLM2 is used"
         )
     return _load_local(cached)
