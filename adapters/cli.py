@@ -430,7 +430,10 @@ def _plot(rows: list[dict], path: Path, title: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    colors = {m: plt.cm.tab10(i % 10) for i, m in enumerate(methods)}
+    palette = plt.cm.tab10 if len(methods) <= 10 else plt.cm.tab20
+    colors = {m: palette(i % palette.N) for i, m in enumerate(methods)}
+    shapes = "os^vDPXph<>"
+    markers = {m: shapes[(i // 10) % len(shapes)] for i, m in enumerate(methods)}
     for ax, key, label in ((axes[0], "ppl", "perplexity (lower is better)"),
                            (axes[1], "passkey", "passkey accuracy")):
         for m in methods:
@@ -441,7 +444,7 @@ def _plot(rows: list[dict], path: Path, title: str) -> None:
             xs, ys, names = zip(*pts)
             if m == FULL:
                 ax.axhline(ys[0], color=colors[m], linestyle=":", linewidth=1)
-            ax.plot(xs, ys, marker="*" if m == FULL else "o", markersize=12 if m == FULL else 7,
+            ax.plot(xs, ys, marker="*" if m == FULL else markers[m], markersize=12 if m == FULL else 7,
                     color=colors[m], label=m, linestyle="-" if len(xs) > 1 else "none")
             for x, y, n in zip(xs, ys, names):
                 if n:
