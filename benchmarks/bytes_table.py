@@ -26,7 +26,8 @@ def lossy_methods() -> list[str]:
     """Methods that keep every token in a compressed form (compositions with eviction excluded:
     their bytes per *seen* token depend on the budget)."""
     return [k for k in method_keys()
-            if get_method(k).spec.family not in ("eviction", "merging", "composed")]
+            if get_method(k).spec.family not in ("eviction", "merging", "composed")
+            and not get_method(k).spec.contract.get("exact_rows", False)]
 
 
 def _data(kind: str, tokens: int, heads: int, dim: int):
