@@ -95,7 +95,9 @@ def keep_rows(stored: tuple, new: tuple, idx: Int[Array, "b h k"] | None) -> tup
 
     A decode step (one new token) gathers from the stored rows alone and writes the new row
     into the last slot when it is kept (the newest kept token is always last), so the
-    candidates are never concatenated; chunks concatenate, then gather.
+    candidates are never concatenated; chunks concatenate, then gather. The last slot's old
+    row is gathered on its own so that nothing else references the gathered buffer and the
+    slot write can happen in place (MLX donates a buffer only it holds).
     """
     n, s = stored[0].shape[2], new[0].shape[2]
     if idx is None:
@@ -109,7 +111,7 @@ def keep_rows(stored: tuple, new: tuple, idx: Int[Array, "b h k"] | None) -> tup
     for a, x in zip(stored, new):
         kept = take_rows(a, old_idx)
         cond = new_kept.reshape(new_kept.shape + (1,) * (a.ndim - 3))
-        last = mx.where(cond, x, kept[:, :, k - 1:])
+        last = mx.where(cond, x, take_rows(a, old_idx[:, :, k - 1:]))
         start = mx.array([0, 0, k - 1] + [0] * (a.ndim - 3))
         out.append(mx.slice_update(kept, last, start, axes=tuple(range(a.ndim))))
     return tuple(out)

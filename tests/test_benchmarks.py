@@ -1,0 +1,43 @@
+"""The benchmark scripts run and print what their targets are read from (short runs)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_update_short_run(tmp_path, capsys):
+    bench = _load("bench_update")
+    out = tmp_path / "rows.json"
+    assert bench.main(["--methods", "tova", "kivi", "--steps", "4", "--ref-steps", "1",
+                       "--budget", "64", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "compiled/sdpa" in printed and "retraces_after_warmup" in printed
+    data = json.loads(out.read_text())
+    rows = {r["method"]: r for r in data["rows"]}
+    tova = rows["tova"]
+    assert tova["kept"] == 64  # filled past the budget, then held at it
+    assert tova["retraces_after_warmup"] == 0  # a bounded state keeps its shapes
+    for col in ("sdpa_us", "mlx_us", "compiled_us", "reference_us"):
+        assert tova[col] > 0 and math.isfinite(tova[col])
+    assert rows["kivi"]["kept"] > 64  # unbounded: grows by one token a step
+    kb = data["kivi_bytes"]
+    assert abs(kb["measured/hand"] - 1) < 0.05 and kb["fp16/measured"] > 4.5
+
+
+def test_bench_update_without_compile(capsys):
+    bench = _load("bench_update")
+    row = bench.bench_method("streaming_llm", 32, 3, 1, bench.mx.float32, compile_update=False)
+    assert row["retraces_after_warmup"] == "n/a" and math.isnan(row["compiled_us"])
+    assert row["kept"] == 32 and row["mlx_us"] > 0
