@@ -1,5 +1,10 @@
 import os
 
+# Backend parity compares float32 results against a float64 reference: keep float32 matmuls at
+# full precision on GPUs too (MLX runs them as TF32 on CUDA unless told otherwise; a TF32
+# cosine can flip a near-tie such as CaM's merge target). Read by MLX at its first matmul.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
 from hypothesis import HealthCheck, settings
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,

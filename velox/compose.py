@@ -55,6 +55,23 @@ def _decode(state) -> tuple[mx.array, mx.array]:
     return k, v
 
 
+def _kept_index(cand: mx.array, kept: mx.array) -> mx.array:
+    """Index in ``cand`` of every position of ``kept`` (both strictly increasing, kept a subset).
+
+    With one candidate gone (a decode step) the lists agree up to the loser and are shifted by
+    one after it, which is linear to find; otherwise each kept position counts the candidates
+    below it.
+    """
+    N, k = cand.shape[2], kept.shape[2]
+    if k == N - 1:
+        differ = kept != cand[:, :, :k]
+        drop = mx.where(differ.any(axis=2, keepdims=True),
+                        mx.argmax(differ, axis=2, keepdims=True).astype(mx.int32), k)
+        i = mx.arange(k, dtype=mx.int32)
+        return i + (i >= drop).astype(mx.int32)
+    return (cand[:, :, None, :] < kept[:, :, :, None]).sum(-1).astype(mx.int32)
+
+
 def _spec(policy: Spec, key: str) -> Spec:
     contract = dict(policy.contract, exact_rows=False)
     return Spec(
@@ -120,7 +137,7 @@ def evict_then_store(policy: str) -> Method:
                 idx = None
             else:  # candidate index of each kept position (both sorted)
                 cand = mx.concatenate([pstate.positions, evict.new_positions(state.next_pos, s)], 2)
-                idx = (cand[:, :, None, :] < kept[:, :, :, None]).sum(-1).astype(mx.int32)
+                idx = _kept_index(cand, kept)
             fresh = _encode(keys, values, state.bits, state.group_size, state.backend)
             old = tuple(getattr(state, f) for f in _CODEC_FIELDS)
             codec = evict.keep_rows(old, fresh, idx)

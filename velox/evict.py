@@ -13,7 +13,8 @@ import mlx.core as mx
 
 from ._typing import Array, Bool, Float, Int, Shaped
 
-__all__ = ["empty_rows", "new_positions", "protected", "top_budget", "take_rows", "keep_rows", "dims"]
+__all__ = ["empty_rows", "new_positions", "protected", "top_budget", "take_rows", "keep_rows", "dims",
+           "row_sq_norms"]
 
 
 def empty_rows(batch: int, heads: int, head_dim: int, dtype: mx.Dtype):
@@ -115,3 +116,16 @@ def keep_rows(stored: tuple, new: tuple, idx: Int[Array, "b h k"] | None) -> tup
         start = mx.array([0, 0, k - 1] + [0] * (a.ndim - 3))
         out.append(mx.slice_update(kept, last, start, axes=tuple(range(a.ndim))))
     return tuple(out)
+
+
+def row_sq_norms(x: Float[Array, "... d"]) -> Float[Array, "..."]:
+    """Squared L2 norm of every row (last axis), in float32.
+
+    On the CPU this is a matrix-vector product with ones (one BLAS call, ~3x faster than MLX's
+    reduction over short last-axis rows at d=128); elsewhere a plain reduction, which keeps the
+    sums out of reduced-precision (TF32) matmuls on GPUs.
+    """
+    x = x.astype(mx.float32)
+    if mx.default_device() == mx.cpu:
+        return (mx.square(x) @ mx.ones((x.shape[-1], 1), mx.float32))[..., 0]
+    return mx.square(x).sum(axis=-1)

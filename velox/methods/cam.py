@@ -83,25 +83,45 @@ def cam_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.f
 
 
 def _unit(x: mx.array) -> mx.array:
-    norm = mx.sqrt((x * x).sum(axis=-1, keepdims=True))
+    norm = mx.sqrt(evict.row_sq_norms(x))[..., None]
     return x / mx.maximum(norm, 1e-30)
 
 
-def _merge_mlx(state: CaMState, cand: tuple, acc: mx.array, idx: mx.array) -> tuple:
-    """Survivors ``idx`` of the candidates ``(keys, values, positions)`` with the losers merged."""
-    ck, cv, cpos = cand
-    b, h, N, d = ck.shape
-    B, E = idx.shape[2], N - idx.shape[2]
+def _split_mlx(stored: tuple, fresh: tuple, idx: mx.array) -> tuple:
+    """Survivors (rows ``idx``) and losers (the other candidates, ascending) of each
+    ``stored ++ fresh`` pair, and for each loser the number of survivors before it.
+
+    A decode step at a full cache has one loser, the index missing from ``idx``: survivors
+    come from :func:`evict.keep_rows` (no concatenated candidates) and the loser is one row.
+    """
+    n, s = stored[0].shape[2], fresh[0].shape[2]
+    N, B = n + s, idx.shape[2]
+    E = N - B
+    if s == 1 and E == 1:
+        surv = evict.keep_rows(stored, fresh, idx)
+        lose = (N * (N - 1) // 2 - idx.sum(axis=2, keepdims=True)).astype(mx.int32)
+        src, is_new = mx.minimum(lose, n - 1), lose == n
+        losers = tuple(mx.where(is_new.reshape(is_new.shape + (1,) * (a.ndim - 3)), x,
+                                evict.take_rows(a, src)) for a, x in zip(stored, fresh))
+        return surv, losers, lose  # every candidate before the only loser survives
+    cand = tuple(mx.concatenate([a, x], axis=2) for a, x in zip(stored, fresh))
+    b, h = idx.shape[:2]
     kept = mx.put_along_axis(mx.zeros((b, h, N), mx.int32), idx, mx.ones(idx.shape, mx.int32), axis=2)
-    order = mx.argsort(kept * N + mx.arange(N, dtype=mx.int32), axis=2)
-    lose = order[:, :, :E].astype(mx.int32)                                # losers, ascending
-    sk, sv = evict.take_rows(ck, idx).astype(mx.float32), evict.take_rows(cv, idx).astype(mx.float32)
-    lk, lv = evict.take_rows(ck, lose).astype(mx.float32), evict.take_rows(cv, lose).astype(mx.float32)
-    s_acc, l_acc = mx.take_along_axis(acc, idx, axis=2), mx.take_along_axis(acc, lose, axis=2)
+    lose = mx.argsort(kept * N + mx.arange(N, dtype=mx.int32), axis=2)[:, :, :E].astype(mx.int32)
+    before = mx.take_along_axis(mx.cumsum(kept, axis=2), lose, axis=2)
+    return (tuple(evict.take_rows(c, idx) for c in cand),
+            tuple(evict.take_rows(c, lose) for c in cand), before)
+
+
+def _merge_mlx(state: CaMState, stored: tuple, fresh: tuple, idx: mx.array) -> tuple:
+    """Survivors ``idx`` of the candidates ``(keys, values, positions, scores)`` with the
+    losers merged in. Only the target rows are rewritten (in place where MLX can donate)."""
+    (sk, sv, spos, s_acc), (lk, lv, lpos, l_acc), before = _split_mlx(stored, fresh, idx)
+    b, h, B, d = sk.shape
+    lose_count = lk.shape[2]
+    lk, lv = lk.astype(mx.float32), lv.astype(mx.float32)
     if state.merge == "window":
-        width = state.merge_window
-        first = mx.take_along_axis(mx.cumsum(kept, axis=2), lose, axis=2)  # kept tokens before e
-        tgt = first[..., None] + mx.arange(width, dtype=mx.int32)          # [b, h, E, width]
+        tgt = before[..., None] + mx.arange(state.merge_window, dtype=mx.int32)  # [b, h, E, width]
         valid = tgt < B
         tgt = mx.minimum(tgt, B - 1)
         size = valid.astype(mx.float32).sum(axis=-1)                        # [b, h, E]
@@ -110,7 +130,9 @@ def _merge_mlx(state: CaMState, cand: tuple, acc: mx.array, idx: mx.array) -> tu
         weight = valid.astype(mx.float32) / mx.maximum(size, 1.0)[..., None]
         has_target = size > 0
     else:
-        cos = _unit(lk) @ _unit(sk).swapaxes(-1, -2)                        # [b, h, E, B]
+        skf = sk.astype(mx.float32)
+        norms = mx.maximum(mx.sqrt(evict.row_sq_norms(skf)), 1e-30)[:, :, None, :]
+        cos = (_unit(lk) @ skf.swapaxes(-1, -2)) / norms                    # [b, h, E, B]
         cos = mx.where(mx.arange(B) >= state.n_sink, cos, -mx.inf)          # sinks: first slots
         tgt = mx.argmax(cos, axis=-1).astype(mx.int32)[..., None]           # [b, h, E, 1]
         den = mx.take_along_axis(s_acc, tgt[..., 0], axis=2)
@@ -119,44 +141,48 @@ def _merge_mlx(state: CaMState, cand: tuple, acc: mx.array, idx: mx.array) -> tu
         has_target = mx.ones(den.shape, mx.bool_)
     on = has_target
     if state.merge_gate:
-        u = hash_uniform(state.seed, mx.take_along_axis(cpos, lose, axis=2))
+        u = hash_uniform(state.seed, lpos)
         prob = mx.where(l_acc >= den, 1.0, l_acc / mx.maximum(den, 1e-30))
         on = on & (u < prob)
     weight = weight * on[..., None].astype(mx.float32)                      # [b, h, E, t]
     base = (mx.arange(b * h, dtype=mx.int32) * B).reshape(b, h, 1, 1)
     flat = (tgt + base).reshape(-1)
-
-    def scatter(x_surv, x_lose):  # add weight * loser rows into their targets
-        add = (weight[..., None] * x_lose[:, :, :, None, :]).reshape(-1, d)
-        return x_surv.reshape(-1, d).at[flat].add(add).reshape(b, h, B, d)
-
     if state.merge == "window":  # the paper: add x_e / m to each of its m targets
-        sv = scatter(sv, lv)
-        sk = scatter(sk, lk) if state.merge_keys else sk
-        share = weight
+        denom, share = None, weight
     else:  # the weighted mean of each target and the losers merged into it
-        mass = mx.zeros((b * h * B,), mx.float32).at[flat].add(weight.reshape(-1)).reshape(b, h, B, 1)
-        sv = scatter(sv, lv) / (1.0 + mass)
-        sk = scatter(sk, lk) / (1.0 + mass) if state.merge_keys else sk
-        share = (weight > 0).astype(mx.float32)
+        mass = mx.zeros((b * h * B,), mx.float32).at[flat].add(weight.reshape(-1))
+        denom, share = (1.0 + mass[flat])[:, None], (weight > 0).astype(mx.float32)
+
+    def merged(x_surv, x_lose):  # target rows become (row + weighted losers) [/ (1 + mass)]
+        add = (weight[..., None] * x_lose[:, :, :, None, :]).reshape(-1, d)
+        rows = x_surv.reshape(-1, d)
+        if lose_count * tgt.shape[-1] > 1:  # entries may share a target row (several losers,
+            # or window targets clamped to the last row): sum their parts per target
+            add = mx.zeros((b * h * B, d), mx.float32).at[flat].add(add)[flat]
+        new = rows[flat].astype(mx.float32) + add
+        new = new if denom is None else new / denom
+        rows[flat] = new.astype(rows.dtype)  # a scatter into a new array; x_surv is untouched
+        return rows.reshape(b, h, B, d)
+
+    sv = merged(sv, lv)
+    sk = merged(sk, lk) if state.merge_keys else sk
     moved = (share * l_acc[..., None]).reshape(-1)                          # scores follow merges
     s_acc = (s_acc.reshape(-1).at[flat].add(moved)).reshape(b, h, B)
-    return (sk.astype(ck.dtype), sv.astype(cv.dtype), mx.take_along_axis(cpos, idx, axis=2), s_acc)
+    return sk, sv, spos, s_acc
 
 
 def _update_mlx(state: CaMState, keys, values, queries) -> CaMState:
     n, s = state.keys.shape[2], keys.shape[2]
     old, new = accumulated_scores(state.scores, scoring_queries(keys, queries), state.keys, keys,
                                   state.decay)
-    acc = mx.concatenate([old, new], axis=2)
-    idx = evict.top_budget(acc, state.budget, evict.protected(n + s, state.n_sink, state.grace))
+    idx = evict.top_budget(mx.concatenate([old, new], axis=2), state.budget,
+                           evict.protected(n + s, state.n_sink, state.grace))
     stored = (state.keys, state.values, state.positions, old)
     fresh = (keys, values, evict.new_positions(state.next_pos, s), new)
     if idx is None or state.merge == "drop":
         k, v, p, sc = evict.keep_rows(stored, fresh, idx)
     else:
-        cand = tuple(mx.concatenate([a, x], axis=2) for a, x in zip(stored[:3], fresh[:3]))
-        k, v, p, sc = _merge_mlx(state, cand, acc, idx)
+        k, v, p, sc = _merge_mlx(state, stored, fresh, idx)
     return state._replace(keys=k, values=v, positions=p, scores=sc, next_pos=state.next_pos + s)
 
 

@@ -58,8 +58,7 @@ def knorm_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx
 
 
 def _norm_mlx(x: mx.array) -> mx.array:
-    x = x.astype(mx.float32)
-    return mx.sqrt((x * x).sum(axis=-1))
+    return mx.sqrt(evict.row_sq_norms(x))
 
 
 def _update_mlx(state: KNormState, keys, values, queries) -> KNormState:
