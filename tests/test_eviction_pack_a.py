@@ -4,8 +4,11 @@ reductions to H2O / SnapKV, and the cross-layer hooks driven layer by layer with
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import velox
+import velox.testing as vt
 from velox.crosslayer import round_to_total
 from velox.methods.keyformer import hash_uniform, hash_uniform_np
 from velox.methods.pyramidkv import pyramid_budgets
@@ -460,3 +463,20 @@ def test_cam_merges_are_convex_and_keys_stay_exact():
                                 k, v, queries=q) for seed in (1, 1, 2))
     assert mx.array_equal(a.values, b.values).item()
     assert not mx.array_equal(a.values, c.values).item()
+
+
+@settings(max_examples=max(3, settings.default.max_examples))
+@given(data=st.data())
+def test_cam_dense_merge_matches_reference(data):
+    """CaM's dense merge (the form GPUs run) agrees with the reference like the row-wise one."""
+    from velox.methods import cam
+
+    case = data.draw(vt.cases("cam", contents=vt.CONTINUOUS), label="case")
+    atol, rtol = vt.tolerance(case)
+    steps = vt.make_inputs(case)
+    want = vt.run(case, "reference", steps=steps)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cam, "_rowwise", lambda: False)
+        got = vt.run(case, "mlx", steps=steps)
+    for t, (a, b) in enumerate(zip(got, want)):
+        vt.assert_states_close(case, a, b, atol=atol, rtol=rtol, what=f"dense mlx vs reference after update {t}")

@@ -87,17 +87,27 @@ def _unit(x: mx.array) -> mx.array:
     return x / mx.maximum(norm, 1e-30)
 
 
-def _split_mlx(stored: tuple, fresh: tuple, idx: mx.array) -> tuple:
+def _rowwise() -> bool:
+    """Merge a decode step row by row (no concatenated candidates, only target rows rewritten).
+
+    That moves the fewest bytes, which is what counts on a CPU; on a GPU the extra small
+    kernels cost more than the bytes saved (2.0 ms vs 1.0 ms a step on an H200), so there the
+    dense form runs: concatenate, gather, scatter-add, rescale every row.
+    """
+    return mx.default_device() == mx.cpu
+
+
+def _split_mlx(stored: tuple, fresh: tuple, idx: mx.array, rowwise: bool) -> tuple:
     """Survivors (rows ``idx``) and losers (the other candidates, ascending) of each
     ``stored ++ fresh`` pair, and for each loser the number of survivors before it.
 
-    A decode step at a full cache has one loser, the index missing from ``idx``: survivors
-    come from :func:`evict.keep_rows` (no concatenated candidates) and the loser is one row.
+    ``rowwise``: a decode step at a full cache has one loser, the index missing from ``idx``;
+    survivors come from :func:`evict.keep_rows` (no concatenated candidates), the loser is one row.
     """
     n, s = stored[0].shape[2], fresh[0].shape[2]
     N, B = n + s, idx.shape[2]
     E = N - B
-    if s == 1 and E == 1:
+    if rowwise and s == 1 and E == 1:
         surv = evict.keep_rows(stored, fresh, idx)
         lose = (N * (N - 1) // 2 - idx.sum(axis=2, keepdims=True)).astype(mx.int32)
         src, is_new = mx.minimum(lose, n - 1), lose == n
@@ -116,7 +126,8 @@ def _split_mlx(stored: tuple, fresh: tuple, idx: mx.array) -> tuple:
 def _merge_mlx(state: CaMState, stored: tuple, fresh: tuple, idx: mx.array) -> tuple:
     """Survivors ``idx`` of the candidates ``(keys, values, positions, scores)`` with the
     losers merged in. Only the target rows are rewritten (in place where MLX can donate)."""
-    (sk, sv, spos, s_acc), (lk, lv, lpos, l_acc), before = _split_mlx(stored, fresh, idx)
+    rowwise = _rowwise()
+    (sk, sv, spos, s_acc), (lk, lv, lpos, l_acc), before = _split_mlx(stored, fresh, idx, rowwise)
     b, h, B, d = sk.shape
     lose_count = lk.shape[2]
     lk, lv = lk.astype(mx.float32), lv.astype(mx.float32)
@@ -155,6 +166,10 @@ def _merge_mlx(state: CaMState, stored: tuple, fresh: tuple, idx: mx.array) -> t
 
     def merged(x_surv, x_lose):  # target rows become (row + weighted losers) [/ (1 + mass)]
         add = (weight[..., None] * x_lose[:, :, :, None, :]).reshape(-1, d)
+        if not rowwise:  # dense: every row in float32, rescaled (by 1 where nothing merged)
+            out = x_surv.astype(mx.float32).reshape(-1, d).at[flat].add(add)
+            out = out if denom is None else out / (1.0 + mass)[:, None]
+            return out.astype(x_surv.dtype).reshape(b, h, B, d)
         rows = x_surv.reshape(-1, d)
         if lose_count * tgt.shape[-1] > 1:  # entries may share a target row (several losers,
             # or window targets clamped to the last row): sum their parts per target
