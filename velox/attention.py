@@ -91,7 +91,7 @@ def candidate_mass(queries: Float[Array, "b h g m d"], stored: Float[Array, "b h
         w = candidate_weights(queries[:, :, :, start:stop], stored, new[:, :, :visible])
         if coef is not None:
             w = w * coef[start:stop, None]
-        part = w.sum(axis=3).mean(axis=2)
+        part = (w[:, :, :, 0] if stop - start == 1 else w.sum(axis=3)).mean(axis=2)
         if visible < s:
             part = mx.concatenate([part, mx.zeros(part.shape[:2] + (s - visible,), part.dtype)], axis=2)
         total = part if total is None else total + part
@@ -105,9 +105,11 @@ def accumulated_scores(scores: Float[Array, "b h n"], queries: Float[Array, "b h
     chunk's attention mass, query ``i`` of ``s`` weighted by ``decay**(s-1-i)`` (equal to
     token-by-token accumulation). Returns the stored and the new candidates' scores.
 
-    ``mass(queries, stored, new, coef)`` computes the weighted mass (a variant may perturb it).
+    ``mass(queries, stored, new, coef)`` computes the weighted mass (a variant may perturb it);
+    ``coef`` is ``None`` for a single query (weight 1).
     """
     n, s = stored.shape[2], new.shape[2]
-    coef = decay ** mx.arange(s - 1, -1, -1, dtype=mx.float32)
+    # one query (a decode step) has weight decay**0 = 1
+    coef = decay ** mx.arange(s - 1, -1, -1, dtype=mx.float32) if s > 1 else None
     m = mass(queries, stored, new, coef)
     return scores * (decay ** s) + m[:, :, :n], m[:, :, n:]

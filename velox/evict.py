@@ -96,25 +96,30 @@ def keep_rows(stored: tuple, new: tuple, idx: Int[Array, "b h k"] | None) -> tup
 
     A decode step (one new token) gathers from the stored rows alone and writes the new row
     into the last slot when it is kept (the newest kept token is always last), so the
-    candidates are never concatenated; chunks concatenate, then gather. The last slot's old
-    row is gathered on its own so that nothing else references the gathered buffer and the
-    slot write can happen in place (MLX donates a buffer only it holds).
+    candidates are never concatenated; chunks concatenate, then gather. The flat gather index
+    is built once for every array, and with one loser the last slot's other choice is the
+    last stored row (a static slice), so nothing but the slot write references the gathered
+    buffer and the write happens in place (MLX donates a buffer only it holds).
     """
     n, s = stored[0].shape[2], new[0].shape[2]
     if idx is None:
         return tuple(mx.concatenate([a, x], axis=2) for a, x in zip(stored, new))
     if s > 1 or n == 0:
         return tuple(take_rows(mx.concatenate([a, x], axis=2), idx) for a, x in zip(stored, new))
-    k = idx.shape[-1]
+    b, h, k = idx.shape
+    base = (mx.arange(b * h, dtype=mx.int32) * n).reshape(b, h, 1)
+    flat = (mx.minimum(idx, n - 1) + base).reshape(-1)
     new_kept = idx[:, :, -1:] == n
-    old_idx = mx.minimum(idx, n - 1)
     out = []
     for a, x in zip(stored, new):
-        kept = take_rows(a, old_idx)
-        cond = new_kept.reshape(new_kept.shape + (1,) * (a.ndim - 3))
-        last = mx.where(cond, x, take_rows(a, old_idx[:, :, k - 1:]))
-        start = mx.array([0, 0, k - 1] + [0] * (a.ndim - 3))
-        out.append(mx.slice_update(kept, last, start, axes=tuple(range(a.ndim))))
+        rest = a.shape[3:]
+        kept = mx.take(a.reshape(b * h * n, *rest), flat, axis=0).reshape(b, h, k, *rest)
+        # with one loser the slot before the new row holds the last stored row when the new
+        # row goes; otherwise gather that slot's row on its own
+        other = a[:, :, n - 1:] if k == n else take_rows(a, mx.minimum(idx[:, :, k - 1:], n - 1))
+        cond = new_kept.reshape(new_kept.shape + (1,) * len(rest))
+        start = mx.array([0, 0, k - 1] + [0] * len(rest))
+        out.append(mx.slice_update(kept, mx.where(cond, x, other), start, axes=tuple(range(a.ndim))))
     return tuple(out)
 
 

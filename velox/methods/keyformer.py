@@ -139,8 +139,10 @@ def _gumbel_mass(state: KeyformerState, queries, keys, coef, block: int = 256) -
                          qpos[:, :, start:stop, None])                          # [b, h, m, n+stop]
         g = -mx.log(-mx.log(u))
         logits = logits + (tau[:, :, start:stop, None] * g)[:, :, None]
-        w = mx.softmax(logits, axis=-1, precise=True) * coef[start:stop, None]
-        part = w.sum(axis=3).mean(axis=2)
+        w = mx.softmax(logits, axis=-1, precise=True)
+        if coef is not None:
+            w = w * coef[start:stop, None]
+        part = (w[:, :, :, 0] if stop - start == 1 else w.sum(axis=3)).mean(axis=2)
         if stop < s:
             part = mx.concatenate([part, mx.zeros(part.shape[:2] + (s - stop,), part.dtype)], axis=2)
         total = part if total is None else total + part

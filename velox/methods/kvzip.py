@@ -79,12 +79,15 @@ def kvzip_importance(probes: Float[Array, "b h g m d"], stored: Float[Array, "b 
     """
     b, h, g, m, d = probes.shape
     scale = d ** -0.5
-    k = (mx.concatenate([stored, new], axis=2) if stored.shape[2] else new).astype(mx.float32)
+    # stored and new keys are scored apart: no concatenated copy of the cache
+    parts = [p.astype(mx.float32).swapaxes(-1, -2) for p in (stored, new) if p.shape[2]]
     best = None
     for start in range(0, m, block):
         q = probes[:, :, :, start:start + block].astype(mx.float32) * scale
         q = q.reshape(b, h, -1, d)
-        w = mx.softmax(q @ k.swapaxes(-1, -2), axis=-1, precise=True).max(axis=2)
+        logits = [q @ kt for kt in parts]
+        logits = mx.concatenate(logits, axis=-1) if len(logits) > 1 else logits[0]
+        w = mx.softmax(logits, axis=-1, precise=True).max(axis=2)
         best = w if best is None else mx.maximum(best, w)
     return best
 
