@@ -7,7 +7,10 @@ keys stand in for the queries of their own tokens (one "query head" per kv head)
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
+import numpy as np
 
 from ._typing import Array, Bool, Float, Int
 
@@ -42,9 +45,16 @@ def chunk_mask(n: int, s: int, m: int) -> Bool[Array, "m n_plus_s"]:
     ``s - m + i``) sees the new keys up to itself. Static, so compiled updates need no
     position arithmetic; it equals :func:`causal_mask` on absolute positions.
     """
+    if m * (n + s) <= 1 << 16:  # decode-sized: a cached constant, no primitives per call
+        return _small_chunk_mask(n, s, m)
     q = mx.arange(s - m, s)[:, None]
     j = mx.arange(n + s)[None, :] - n
     return j <= q
+
+
+@lru_cache(maxsize=256)
+def _small_chunk_mask(n: int, s: int, m: int) -> mx.array:
+    return mx.array(np.arange(n + s)[None, :] - n <= np.arange(s - m, s)[:, None])
 
 
 def candidate_logits(queries: Float[Array, "b h g m d"], stored: Float[Array, "b h n d"],

@@ -9,7 +9,10 @@ Tie rule (all backends): among equal scores the newer token is kept.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
+import numpy as np
 
 from ._typing import Array, Bool, Float, Int, Shaped
 
@@ -25,7 +28,21 @@ def empty_rows(batch: int, heads: int, head_dim: int, dtype: mx.Dtype):
 
 def new_positions(next_pos: Int[Array, "b h"], s: int) -> Int[Array, "b h s"]:
     """Absolute positions of ``s`` new tokens."""
-    return next_pos[:, :, None] + mx.arange(s, dtype=mx.int32)
+    return next_pos[:, :, None] + _const("arange", s)
+
+
+@lru_cache(maxsize=512)
+def _const(kind: str, *args: int) -> mx.array:
+    """Small static index arrays, built once in NumPy: constants to ``mx.compile`` rather than
+    a chain of primitives run at every call (each costs microseconds on a decode step)."""
+    if kind == "arange":
+        return mx.array(np.arange(args[0], dtype=np.int32))
+    if kind == "base":  # row offsets of [b, h] blocks of n rows: [b, h, 1]
+        b, h, n = args
+        return mx.array((np.arange(b * h, dtype=np.int32) * n).reshape(b, h, 1))
+    n, n_sink, recent = args  # "protected"
+    i = np.arange(n)
+    return mx.array((i < n_sink) | ((i >= n - recent) if recent else False))
 
 
 def protected(n: int, n_sink: int, recent: int = 0) -> Bool[Array, "n"]:
@@ -36,11 +53,7 @@ def protected(n: int, n_sink: int, recent: int = 0) -> Bool[Array, "n"]:
     tokens the last ones (the reference backends test the same rule on positions). A static
     mask also keeps dynamic integer arithmetic out of compiled updates.
     """
-    i = mx.arange(n)
-    keep = i < n_sink
-    if recent:
-        keep = keep | (i >= n - recent)
-    return keep
+    return _const("protected", n, n_sink, recent)
 
 
 def _order_key(scores: Float[Array, "b h n"]) -> Int[Array, "b h n"]:
@@ -66,7 +79,7 @@ def top_budget(scores: Float[Array, "b h n"], budget: int,
         scores = mx.where(protect, mx.inf, scores)
     if n == budget + 1:
         drop = mx.argmin(scores, axis=-1, keepdims=True).astype(mx.int32)
-        i = mx.arange(budget, dtype=mx.int32)
+        i = _const("arange", budget)
         return i + (i >= drop).astype(mx.int32)
     key = _order_key(scores)
     idx = mx.argpartition(-key, kth=budget - 1, axis=-1)[..., :budget]
@@ -80,7 +93,7 @@ def take_rows(x: Shaped[Array, "b h n *rest"], idx: Int[Array, "b h k"] | None) 
     b, h, n = x.shape[:3]
     rest = x.shape[3:]
     k = idx.shape[-1]
-    base = (mx.arange(b * h, dtype=mx.int32) * n).reshape(b, h, 1)
+    base = _const("base", b, h, n)
     flat = mx.take(x.reshape(b * h * n, *rest), (idx + base).reshape(-1), axis=0)
     return flat.reshape(b, h, k, *rest)
 
@@ -107,7 +120,7 @@ def keep_rows(stored: tuple, new: tuple, idx: Int[Array, "b h k"] | None) -> tup
     if s > 1 or n == 0:
         return tuple(take_rows(mx.concatenate([a, x], axis=2), idx) for a, x in zip(stored, new))
     b, h, k = idx.shape
-    base = (mx.arange(b * h, dtype=mx.int32) * n).reshape(b, h, 1)
+    base = _const("base", b, h, n)
     flat = (mx.minimum(idx, n - 1) + base).reshape(-1)
     new_kept = idx[:, :, -1:] == n
     out = []
