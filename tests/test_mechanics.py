@@ -117,3 +117,24 @@ def test_pack_rejects_lengths_that_do_not_fill_words():
         quant.pack(mx.zeros((2, 8), mx.uint32), 2)
     with pytest.raises(ValueError, match="bits=9"):
         quant.pack(mx.zeros((2, 32), mx.uint32), 9)
+
+
+@given(n=st.integers(1, 12), losers=st.integers(0, 4), data=st.data())
+def test_keep_rows_decode_step_equals_gather_of_candidates(n, losers, data):
+    """One new token: keep_rows (no concatenation, in-place slot write) equals gathering rows
+    idx of stored ++ new, whether the new row is kept or not and with any number of losers."""
+    b, h, d = 2, 3, 4
+    losers = min(losers, n)  # keep at least one of the n + 1 candidates
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    stored = rng.standard_normal((b, h, n, d)).astype(np.float32)
+    new = rng.standard_normal((b, h, 1, d)).astype(np.float32)
+    pos = np.broadcast_to(np.arange(n, dtype=np.int32), (b, h, n)).copy()
+    idx = np.stack([np.stack([np.sort(rng.choice(n + 1, n + 1 - losers, replace=False))
+                              for _ in range(h)]) for _ in range(b)]).astype(np.int32)
+    got = evict.keep_rows((mx.array(stored), mx.array(pos)),
+                          (mx.array(new), mx.full((b, h, 1), n, mx.int32)), mx.array(idx))
+    cand = np.concatenate([stored, new], axis=2)
+    cand_pos = np.concatenate([pos, np.full((b, h, 1), n, np.int32)], axis=2)
+    want = np.take_along_axis(cand, idx[..., None], axis=2)
+    np.testing.assert_array_equal(np.array(got[0]), want)
+    np.testing.assert_array_equal(np.array(got[1]), np.take_along_axis(cand_pos, idx, axis=2))

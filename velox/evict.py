@@ -51,7 +51,8 @@ def protected(n: int, n_sink: int, recent: int = 0) -> Bool[Array, "n"]:
     Slots stand for positions because stored rows are position-sorted and protected tokens
     are never evicted: the sinks always occupy the first slots and the ``recent`` newest
     tokens the last ones (the reference backends test the same rule on positions). A static
-    mask also keeps dynamic integer arithmetic out of compiled updates.
+    mask also keeps dynamic integer arithmetic out of compiled updates. The mask is a shared
+    cached constant: read it, do not assign into it.
     """
     return _const("protected", n, n_sink, recent)
 
@@ -127,8 +128,8 @@ def keep_rows(stored: tuple, new: tuple, idx: Int[Array, "b h k"] | None) -> tup
     for a, x in zip(stored, new):
         rest = a.shape[3:]
         kept = mx.take(a.reshape(b * h * n, *rest), flat, axis=0).reshape(b, h, k, *rest)
-        # with one loser the slot before the new row holds the last stored row when the new
-        # row goes; otherwise gather that slot's row on its own
+        # the last slot holds the new row when it is kept, else stored row idx[k-1]: with one
+        # loser (k == n) that is the last stored row, a static slice; else gathered on its own
         other = a[:, :, n - 1:] if k == n else take_rows(a, mx.minimum(idx[:, :, k - 1:], n - 1))
         cond = new_kept.reshape(new_kept.shape + (1,) * len(rest))
         start = mx.array([0, 0, k - 1] + [0] * len(rest))
