@@ -83,19 +83,23 @@ def _fit_basis(x: mx.array, r: int) -> mx.array:
     # float64 and eigh run on the CPU (GPUs have neither); the basis is tiny (d x r).
     gram = mx.astype(x.swapaxes(-1, -2) @ x, mx.float64, stream=mx.cpu)
     _, vecs = mx.linalg.eigh(gram, stream=mx.cpu)  # ascending eigenvalues
-    vecs = mx.astype(vecs, mx.float32, stream=mx.cpu)
-    return vecs[..., d - r:]
+    vecs = mx.astype(vecs, mx.float32, stream=mx.cpu)[..., d - r:]
+    n = x.shape[2]
+    if n < r:  # only n directions carry energy: the rest of the top r is an arbitrary null
+        # space, left out as zero columns (r = min(rank_cap, d, N))
+        vecs = mx.concatenate([mx.zeros(vecs.shape[:-1] + (r - n,), mx.float32), vecs[..., r - n:]], -1)
+    return vecs
 
 
 def _leverage(x: mx.array, basis: mx.array, *more: mx.array) -> mx.array:
     """Energy leverage of the rows of ``x`` (then of ``more``, as one candidate set) in the
     subspace ``basis``; the full-rank energy share where the basis is unfitted (all zero)."""
     parts = [p.astype(mx.float32) for p in (x, *more) if p.shape[2]]
-    energy = [(p * p).sum(axis=-1) for p in parts]
+    energy = [evict.row_sq_norms(p) for p in parts]
     total = mx.maximum(sum(e.sum(axis=-1, keepdims=True) for e in energy), _TINY)
     fitted = (mx.abs(basis).sum(axis=(-2, -1)) > 0)[:, :, None]
     bt = basis.swapaxes(-1, -2)  # [r, d] @ [d, n]: MLX's CPU matmul is far faster this way round
-    lev = [mx.where(fitted, ((bt @ p.swapaxes(-1, -2)) ** 2).sum(axis=-2), e)
+    lev = [mx.where(fitted, mx.square(bt @ p.swapaxes(-1, -2)).sum(axis=-2), e)
            for p, e in zip(parts, energy)]
     return (mx.concatenate(lev, axis=2) if len(lev) > 1 else lev[0]) / total
 
@@ -133,7 +137,10 @@ def _fit_reference(x: np.ndarray, r: int) -> np.ndarray:
     if r >= d:
         return np.eye(d)
     _, _, vt = np.linalg.svd(x, full_matrices=False)  # rows of vt: right singular vectors
-    return vt[:r].T
+    basis = vt[:r].T
+    if basis.shape[1] < r:  # fewer rows than r: zero columns stand for the null space
+        basis = np.concatenate([basis, np.zeros((d, r - basis.shape[1]))], axis=1)
+    return basis
 
 
 def _leverage_reference(x: np.ndarray, basis: np.ndarray) -> np.ndarray:
