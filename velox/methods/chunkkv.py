@@ -106,14 +106,12 @@ def _select_mlx(state: ChunkKVState, keys, values, queries) -> tuple[ChunkKVStat
         old, new = accumulated_scores(state.scores, scoring_queries(keys, queries), state.keys,
                                       keys, state.decay)
     else:
-        x = keys.astype(mx.float32)
-        old, new = state.scores, mx.sqrt((x * x).sum(axis=-1))
+        old, new = state.scores, mx.sqrt(evict.row_sq_norms(keys))
     new_pos = evict.new_positions(state.next_pos, s)
     idx = None
     if n + s > state.budget:
         tokens = mx.concatenate([old, new], axis=2)
-        fresh = state.next_pos[:, :, None] + mx.arange(s, dtype=mx.int32)
-        cand_pos = mx.concatenate([state.positions, fresh], axis=2)
+        cand_pos = mx.concatenate([state.positions, new_pos], axis=2)
         if not state.per_head:  # one selection per layer: every head holds the same positions
             tokens, cand_pos = tokens.mean(axis=1, keepdims=True), cand_pos[:, :1]
         chunk = _chunk_mean_mlx(tokens, cand_pos, state.chunk_size)
