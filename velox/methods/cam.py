@@ -40,8 +40,8 @@ from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
 from ..accounting import state_nbytes
-from ..attention import accumulated_scores, scoring_queries
 from ..registry import dispatch, prepare_init, register
+from .h2o import heavy_hitters
 from .keyformer import hash_uniform, hash_uniform_np
 
 __all__ = ["CaMState", "cam_init", "cam_update", "cam_get_kv", "cam_bytes"]
@@ -187,18 +187,13 @@ def _merge_mlx(state: CaMState, stored: tuple, fresh: tuple, idx: mx.array) -> t
 
 
 def _update_mlx(state: CaMState, keys, values, queries) -> CaMState:
-    n, s = state.keys.shape[2], keys.shape[2]
-    old, new = accumulated_scores(state.scores, scoring_queries(keys, queries), state.keys, keys,
-                                  state.decay)
-    idx = evict.top_budget(mx.concatenate([old, new], axis=2), state.budget,
-                           evict.protected(n + s, state.n_sink, state.grace))
-    stored = (state.keys, state.values, state.positions, old)
-    fresh = (keys, values, evict.new_positions(state.next_pos, s), new)
+    stored, fresh, idx = heavy_hitters(state, keys, values, queries, state.grace)
     if idx is None or state.merge == "drop":
         k, v, p, sc = evict.keep_rows(stored, fresh, idx)
     else:
         k, v, p, sc = _merge_mlx(state, stored, fresh, idx)
-    return state._replace(keys=k, values=v, positions=p, scores=sc, next_pos=state.next_pos + s)
+    return state._replace(keys=k, values=v, positions=p, scores=sc,
+                          next_pos=state.next_pos + keys.shape[2])
 
 
 def _merge_reference(state: CaMState, keys, values, pos, acc, chosen):

@@ -27,7 +27,7 @@ from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
 from ..accounting import state_nbytes
-from ..attention import accumulated_scores, scoring_queries
+from ..attention import accumulated_scores, candidate_mass, scoring_queries
 from ..registry import dispatch, prepare_init, register
 
 __all__ = ["H2OState", "h2o_init", "h2o_update", "h2o_get_kv", "h2o_bytes"]
@@ -61,15 +61,30 @@ def h2o_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.f
     return H2OState(k, v, pos, scores, nxt, **p, backend=backend)
 
 
-def _update_mlx(state: H2OState, keys, values, queries) -> H2OState:
+def heavy_hitters(state, keys, values, queries, recent: int, mass=candidate_mass) -> tuple:
+    """H2O's selection on any state with its fields (``keys``, ``values``, ``positions``,
+    ``scores``, ``next_pos``, ``budget``, ``n_sink``, ``decay``): accumulate the chunk's
+    attention mass (``mass`` as in :func:`accumulated_scores`), protect the sinks and the
+    ``recent`` newest candidates, keep the ``budget`` heaviest.
+
+    Returns ``(stored, fresh, idx)``: the stored and the new ``(keys, values, positions,
+    scores)`` and the kept candidate indices (``None`` keeps all), for :func:`evict.keep_rows`
+    or a merge.
+    """
     n, s = state.keys.shape[2], keys.shape[2]
     old, new = accumulated_scores(state.scores, scoring_queries(keys, queries), state.keys, keys,
-                                  state.decay)
+                                  state.decay, mass=mass)
     idx = evict.top_budget(mx.concatenate([old, new], axis=2), state.budget,
-                           evict.protected(n + s, state.n_sink, state.grace))
-    k, v, p, sc = evict.keep_rows((state.keys, state.values, state.positions, old),
-                                  (keys, values, evict.new_positions(state.next_pos, s), new), idx)
-    return state._replace(keys=k, values=v, positions=p, scores=sc, next_pos=state.next_pos + s)
+                           evict.protected(n + s, state.n_sink, recent))
+    return ((state.keys, state.values, state.positions, old),
+            (keys, values, evict.new_positions(state.next_pos, s), new), idx)
+
+
+def _update_mlx(state: H2OState, keys, values, queries) -> H2OState:
+    stored, fresh, idx = heavy_hitters(state, keys, values, queries, state.grace)
+    k, v, p, sc = evict.keep_rows(stored, fresh, idx)
+    return state._replace(keys=k, values=v, positions=p, scores=sc,
+                          next_pos=state.next_pos + keys.shape[2])
 
 
 def _update_reference(state: H2OState, keys, values, queries) -> H2OState:

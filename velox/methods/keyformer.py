@@ -36,8 +36,9 @@ from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
 from ..accounting import state_nbytes
-from ..attention import accumulated_scores, candidate_logits, scoring_queries
+from ..attention import candidate_logits
 from ..registry import dispatch, prepare_init, register
+from .h2o import heavy_hitters
 
 __all__ = ["KeyformerState", "keyformer_init", "keyformer_update", "keyformer_get_kv",
            "keyformer_bytes", "hash_uniform", "hash_uniform_np"]
@@ -150,15 +151,12 @@ def _gumbel_mass(state: KeyformerState, queries, keys, coef, block: int = 256) -
 
 
 def _update_mlx(state: KeyformerState, keys, values, queries) -> KeyformerState:
-    n, s = state.keys.shape[2], keys.shape[2]
-    old, new = accumulated_scores(state.scores, scoring_queries(keys, queries), state.keys, keys,
-                                  state.decay,
-                                  mass=lambda q, _stored, new_k, coef: _gumbel_mass(state, q, new_k, coef))
-    idx = evict.top_budget(mx.concatenate([old, new], axis=2), state.budget,
-                           evict.protected(n + s, state.n_sink, state.recent))
-    k, v, p, sc = evict.keep_rows((state.keys, state.values, state.positions, old),
-                                  (keys, values, evict.new_positions(state.next_pos, s), new), idx)
-    return state._replace(keys=k, values=v, positions=p, scores=sc, next_pos=state.next_pos + s)
+    stored, fresh, idx = heavy_hitters(
+        state, keys, values, queries, state.recent,
+        mass=lambda q, _stored, new_k, coef: _gumbel_mass(state, q, new_k, coef))
+    k, v, p, sc = evict.keep_rows(stored, fresh, idx)
+    return state._replace(keys=k, values=v, positions=p, scores=sc,
+                          next_pos=state.next_pos + keys.shape[2])
 
 
 def _update_reference(state: KeyformerState, keys, values, queries) -> KeyformerState:
