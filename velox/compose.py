@@ -67,8 +67,7 @@ def _kept_index(cand: mx.array, kept: mx.array) -> mx.array:
         differ = kept != cand[:, :, :k]
         drop = mx.where(differ.any(axis=2, keepdims=True),
                         mx.argmax(differ, axis=2, keepdims=True).astype(mx.int32), k)
-        i = mx.arange(k, dtype=mx.int32)
-        return i + (i >= drop).astype(mx.int32)
+        return evict.all_but(drop, k)
     return (cand[:, :, None, :] < kept[:, :, :, None]).sum(-1).astype(mx.int32)
 
 

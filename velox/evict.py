@@ -16,8 +16,8 @@ import numpy as np
 
 from ._typing import Array, Bool, Float, Int, Shaped
 
-__all__ = ["empty_rows", "new_positions", "protected", "top_budget", "take_rows", "keep_rows", "dims",
-           "row_sq_norms"]
+__all__ = ["empty_rows", "new_positions", "protected", "top_budget", "all_but", "take_rows",
+           "keep_rows", "dims", "row_sq_norms"]
 
 
 def empty_rows(batch: int, heads: int, head_dim: int, dtype: mx.Dtype):
@@ -79,12 +79,16 @@ def top_budget(scores: Float[Array, "b h n"], budget: int,
     if protect is not None:
         scores = mx.where(protect, mx.inf, scores)
     if n == budget + 1:
-        drop = mx.argmin(scores, axis=-1, keepdims=True).astype(mx.int32)
-        i = _const("arange", budget)
-        return i + (i >= drop).astype(mx.int32)
+        return all_but(mx.argmin(scores, axis=-1, keepdims=True).astype(mx.int32), budget)
     key = _order_key(scores)
     idx = mx.argpartition(-key, kth=budget - 1, axis=-1)[..., :budget]
     return mx.sort(idx.astype(mx.int32), axis=-1)
+
+
+def all_but(drop: Int[Array, "... 1"], k: int) -> Int[Array, "... k"]:
+    """Ascending indices of ``k + 1`` candidates with candidate ``drop`` left out."""
+    i = _const("arange", k)
+    return i + (i >= drop).astype(mx.int32)
 
 
 def take_rows(x: Shaped[Array, "b h n *rest"], idx: Int[Array, "b h k"] | None) -> Shaped[Array, "b h k *rest"]:
