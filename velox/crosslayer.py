@@ -3,7 +3,8 @@
 Per-layer budgets (PyramidKV's pyramid, SqueezeAttention's reallocation) are real-valued
 shares of a total number of tokens; :func:`round_to_total` makes them integers that sum to
 the total exactly. :func:`checked_update` validates one layer's ``keys``/``values``/``queries``
-inside a ``layer_update`` hook, as ``<key>_update`` does.
+inside a ``layer_update`` hook, as ``<key>_update`` does; :func:`layer_params` validates the
+per-layer parameters a ``model_init`` hook receives.
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ from fractions import Fraction
 
 import mlx.core as mx
 
+from typing import Any
+
 from . import evict
+from .spec import load_spec, validate_params
 from .validate import check_update
 
-__all__ = ["round_to_total", "checked_update"]
+__all__ = ["round_to_total", "checked_update", "layer_params"]
 
 
 def round_to_total(shares: Sequence[float | Fraction], total: int) -> list[int]:
@@ -44,3 +48,16 @@ def checked_update(state, keys: mx.array, values: mx.array, queries: mx.array | 
     """Validate one layer's update inputs against ``state`` (raises ``ValueError``)."""
     b, h, d, dtype = evict.dims(state)
     check_update(keys, values, queries, batch=b, heads=h, head_dim=d, dtype=dtype)
+
+
+def layer_params(key: str, per_layer_params: list[dict[str, Any]], shared: str) -> tuple[list[dict], Any]:
+    """Each layer's parameters of method ``key`` validated against its spec, and the value of
+    the parameter ``shared``, which every layer must give alike (a model-level choice)."""
+    if not per_layer_params:
+        raise ValueError(f"{key} needs at least one layer")
+    spec = load_spec(key)
+    params = [validate_params(spec, p) for p in per_layer_params]
+    values = {p[shared] for p in params}
+    if len(values) > 1:
+        raise ValueError(f"layers disagree on {shared}: {sorted(values)}")
+    return params, values.pop()

@@ -36,9 +36,8 @@ from .. import reference as ref
 from .._typing import Array, Float, Int
 from ..accounting import state_nbytes
 from ..attention import accumulated_scores, scoring_queries
-from ..crosslayer import checked_update
+from ..crosslayer import checked_update, layer_params
 from ..registry import dispatch, prepare_init, register
-from ..spec import load_spec, validate_params
 
 __all__ = ["ChunkKVState", "ChunkKVRecord", "chunkkv_init", "chunkkv_update", "chunkkv_get_kv",
            "chunkkv_bytes"]
@@ -185,14 +184,9 @@ def chunkkv_bytes(state: ChunkKVState) -> int:
 
 def _model_init(per_layer_params: list[dict[str, Any]]) -> ChunkKVRecord:
     """The ``model_init`` hook: an empty record; layers ``l % reuse_layers == 0`` lead."""
-    if not per_layer_params:
-        raise ValueError("chunkkv needs at least one layer")
-    per_layer_params = [validate_params(load_spec(KEY), p) for p in per_layer_params]
-    reuse = {p["reuse_layers"] for p in per_layer_params}
-    if len(reuse) > 1:
-        raise ValueError(f"layers disagree on reuse_layers: {sorted(reuse)}")
+    _, reuse = layer_params(KEY, per_layer_params, "reuse_layers")
     return ChunkKVRecord(index=mx.zeros((0, 0, 0), mx.int32), scores=mx.zeros((0, 0, 0), mx.float32),
-                         candidates=0, reuse_layers=reuse.pop())
+                         candidates=0, reuse_layers=reuse)
 
 
 def _layer_update(record: ChunkKVRecord, layer: int, state: ChunkKVState,

@@ -38,9 +38,8 @@ import numpy as np
 from .. import evict
 from .._typing import Array, Float, Int
 from ..accounting import state_nbytes
-from ..crosslayer import checked_update, round_to_total
+from ..crosslayer import checked_update, layer_params, round_to_total
 from ..registry import dispatch, get_method, prepare_init, register
-from ..spec import load_spec, validate_params
 from .h2o import H2OState
 from .h2o import _update_mlx as _h2o_mlx
 from .h2o import _update_reference as _h2o_reference
@@ -169,16 +168,11 @@ def squeeze_bytes(state: SqueezeState) -> int:
 
 def _model_init(per_layer_params: list[dict[str, Any]]) -> SqueezeRecord:
     """The ``model_init`` hook: a record holding every layer's average budget, not yet resolved."""
-    if not per_layer_params:
-        raise ValueError("squeeze needs at least one layer")
-    per_layer_params = [validate_params(load_spec(KEY), p) for p in per_layer_params]
-    strengths = {p["strength"] for p in per_layer_params}
-    if len(strengths) > 1:
-        raise ValueError(f"layers disagree on strength: {sorted(strengths)}")
+    per_layer_params, strength = layer_params(KEY, per_layer_params, "strength")
     return SqueezeRecord(
         concentration=mx.zeros((len(per_layer_params),), mx.float32),
         budgets=tuple(int(p["budget"]) for p in per_layer_params), resolved=False,
-        strength=float(strengths.pop()),
+        strength=float(strength),
         floor=max(p["n_sink"] + p["grace"] + 1 for p in per_layer_params))
 
 
