@@ -16,8 +16,8 @@ import numpy as np
 
 from ._typing import Array, Bool, Float, Int, Shaped
 
-__all__ = ["empty_rows", "new_positions", "protected", "top_budget", "all_but", "take_rows",
-           "keep_rows", "dims", "row_sq_norms"]
+__all__ = ["empty_rows", "new_positions", "protected", "top_budget", "row_offsets", "all_but",
+           "take_rows", "keep_rows", "dims", "row_sq_norms"]
 
 
 def empty_rows(batch: int, heads: int, head_dim: int, dtype: mx.Dtype):
@@ -85,6 +85,13 @@ def top_budget(scores: Float[Array, "b h n"], budget: int,
     return mx.sort(idx.astype(mx.int32), axis=-1)
 
 
+def row_offsets(b: int, h: int, n: int) -> Int[Array, "b h 1"]:
+    """Offset of each ``[b, h]`` block of ``n`` rows in the flattened ``[b * h * n]`` row axis:
+    ``index + row_offsets(b, h, n)`` addresses rows of a ``reshape(b * h * n, ...)`` array.
+    A shared cached constant: read it, do not assign into it."""
+    return _const("base", b, h, n)
+
+
 def all_but(drop: Int[Array, "... 1"], k: int) -> Int[Array, "... k"]:
     """Ascending indices of ``k + 1`` candidates with candidate ``drop`` left out."""
     i = _const("arange", k)
@@ -98,7 +105,7 @@ def take_rows(x: Shaped[Array, "b h n *rest"], idx: Int[Array, "b h k"] | None) 
     b, h, n = x.shape[:3]
     rest = x.shape[3:]
     k = idx.shape[-1]
-    base = _const("base", b, h, n)
+    base = row_offsets(b, h, n)
     flat = mx.take(x.reshape(b * h * n, *rest), (idx + base).reshape(-1), axis=0)
     return flat.reshape(b, h, k, *rest)
 
@@ -125,7 +132,7 @@ def keep_rows(stored: tuple, new: tuple, idx: Int[Array, "b h k"] | None) -> tup
     if s > 1 or n == 0:
         return tuple(take_rows(mx.concatenate([a, x], axis=2), idx) for a, x in zip(stored, new))
     b, h, k = idx.shape
-    base = _const("base", b, h, n)
+    base = row_offsets(b, h, n)
     flat = (mx.minimum(idx, n - 1) + base).reshape(-1)
     new_kept = idx[:, :, -1:] == n
     out = []

@@ -156,8 +156,7 @@ def _merge_mlx(state: CaMState, stored: tuple, fresh: tuple, idx: mx.array) -> t
         prob = mx.where(l_acc >= den, 1.0, l_acc / mx.maximum(den, 1e-30))
         on = on & (u < prob)
     weight = weight * on[..., None].astype(mx.float32)                      # [b, h, E, t]
-    base = (mx.arange(b * h, dtype=mx.int32) * B).reshape(b, h, 1, 1)
-    flat = (tgt + base).reshape(-1)
+    flat = (tgt + evict.row_offsets(b, h, B)[..., None]).reshape(-1)
     if state.merge == "window":  # the paper: add x_e / m to each of its m targets
         denom, share = None, weight
     else:  # the weighted mean of each target and the losers merged into it

@@ -93,7 +93,7 @@ def _chunk_mean_mlx(scores: mx.array, positions: mx.array, size: int) -> mx.arra
     cid = positions // size
     start = mx.concatenate([mx.ones((b, h, 1), mx.bool_), cid[:, :, 1:] != cid[:, :, :-1]], axis=2)
     run = mx.cumsum(start.astype(mx.int32), axis=2) - 1            # chunk rank within the row
-    flat = (run + (mx.arange(b * h, dtype=mx.int32) * N).reshape(b, h, 1)).reshape(-1)
+    flat = (run + evict.row_offsets(b, h, N)).reshape(-1)
     sums = mx.zeros((b * h * N,), mx.float32).at[flat].add(scores.reshape(-1))
     counts = mx.zeros((b * h * N,), mx.float32).at[flat].add(mx.ones((b * h * N,), mx.float32))
     return (sums[flat] / counts[flat]).reshape(b, h, N)
