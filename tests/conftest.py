@@ -34,3 +34,21 @@ def smollm2():
     from velox.adapters.smollm2 import load_default_model
 
     return load_default_model()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    """Random mlx-lm llama (3 layers, 4 query and 2 kv heads, head_dim 32, vocabulary 97)
+    whose weights are scaled so that greedy decoding varies."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+    from mlx_lm.models import llama
+
+    mx.random.seed(0)
+    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=3,
+                           intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                           rms_norm_eps=1e-5, vocab_size=97, rope_theta=10000.0)
+    model = llama.Model(args)
+    model.update(tree_map(lambda p: p * 4.0 if p.ndim == 2 else p, model.parameters()))
+    mx.eval(model.parameters())
+    return model

@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
@@ -24,22 +24,9 @@ from velox.registry import get_method, method_keys
 PROMPT = mx.array([1, 5, 7, 9, 11, 13, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 3, 5, 7, 9] * 3)
 
 
-def tiny_model(seed: int = 0, layers: int = 3, kv_heads: int = 2) -> llama.Model:
-    """Random llama (head_dim 32) whose weights are scaled so greedy decoding varies."""
-    mx.random.seed(seed)
-    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=layers,
-                           intermediate_size=128, num_attention_heads=4,
-                           num_key_value_heads=kv_heads, rms_norm_eps=1e-5, vocab_size=97,
-                           rope_theta=10000.0)
-    model = llama.Model(args)
-    model.update(tree_map(lambda p: p * 4.0 if p.ndim == 2 else p, model.parameters()))
-    mx.eval(model.parameters())
-    return model
-
-
 @pytest.fixture(scope="module")
-def model():
-    return tiny_model()
+def model(tiny_llama):
+    return tiny_llama
 
 
 def greedy(model, cache, n=12, step=7, prompt=PROMPT):

@@ -10,8 +10,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_map
-from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
 from velox.adapters import harness
@@ -20,22 +18,9 @@ from velox.adapters.mlxlm import make_cache
 TOKENS = [int(x) for x in np.random.default_rng(3).integers(1, 97, size=72)]
 
 
-def tiny_model(seed: int = 0, layers: int = 3, kv_heads: int = 2) -> llama.Model:
-    """Random llama (head_dim 32) whose weights are scaled so greedy decoding varies."""
-    mx.random.seed(seed)
-    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=layers,
-                           intermediate_size=128, num_attention_heads=4,
-                           num_key_value_heads=kv_heads, rms_norm_eps=1e-5, vocab_size=97,
-                           rope_theta=10000.0)
-    model = llama.Model(args)
-    model.update(tree_map(lambda p: p * 4.0 if p.ndim == 2 else p, model.parameters()))
-    mx.eval(model.parameters())
-    return model
-
-
 @pytest.fixture(scope="module")
-def model():
-    return tiny_model()
+def model(tiny_llama):
+    return tiny_llama
 
 
 def full(model):
