@@ -152,13 +152,7 @@ class VeloxCache(_BaseCache):
             raise RuntimeError(
                 f"{self.method.key} attends through mlx-lm's scaled_dot_product_attention, "
                 "but the last forward did not call it for this layer")
-        self._flush()
-        if self._state is None:
-            b, h, _, d = keys.shape
-            self._state = self.method.init(b, h, d, dtype=keys.dtype, backend=self.backend,
-                                           **self.params)
-        self._pending = (keys, values)
-        self._offset += keys.shape[2]
+        self._accept(keys, values)
         deferred = _capture_installed() and (self._real_queries or self.method.attend is not None)
         self._fused = deferred and self._routed and self._steady(keys)
         if deferred and (self.method.attend is not None or self._fused):
@@ -200,6 +194,11 @@ class VeloxCache(_BaseCache):
         For callers that computed a layer's keys/values themselves, e.g. a prefill whose
         scoring queries come from another pass (KVzip's context reconstruction).
         """
+        self._accept(keys, values)
+        self._absorb(queries)
+
+    def _accept(self, keys: mx.array, values: mx.array) -> None:
+        """Absorb what is pending, create the state on the first tokens, hold these as pending."""
         self._flush()
         if self._state is None:
             b, h, _, d = keys.shape
@@ -207,7 +206,6 @@ class VeloxCache(_BaseCache):
                                            **self.params)
         self._pending = (keys, values)
         self._offset += keys.shape[2]
-        self._absorb(queries)
 
     def _absorb(self, queries: mx.array | None) -> None:
         keys, values = self._pending
