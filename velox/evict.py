@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from ._typing import Array, Bool, Float, Int, Shaped
+from .registry import dims_of
 
 __all__ = ["empty_rows", "new_positions", "protected", "top_budget", "row_offsets", "all_but",
            "take_rows", "keep_rows", "dims", "row_sq_norms"]
@@ -110,10 +111,7 @@ def take_rows(x: Shaped[Array, "b h n *rest"], idx: Int[Array, "b h k"] | None) 
     return flat.reshape(b, h, k, *rest)
 
 
-def dims(state) -> tuple[int, int, int, mx.Dtype]:
-    """``(batch, kv_heads, head_dim, dtype)`` of a state that stores ``keys [b, h, n, d]``."""
-    b, h, _, d = state.keys.shape
-    return b, h, d, state.keys.dtype
+dims = dims_of("keys")  # (batch, kv_heads, head_dim, dtype) of a state storing keys [b, h, n, d]
 
 
 def keep_rows(stored: tuple, new: tuple, idx: Int[Array, "b h k"] | None) -> tuple:

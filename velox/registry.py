@@ -17,7 +17,8 @@ from .spec import Spec, load_spec
 
 State = tuple  # every state record is a typing.NamedTuple
 
-__all__ = ["Method", "register", "register_backend", "get_method", "method_keys", "method_of"]
+__all__ = ["Method", "register", "register_backend", "get_method", "method_keys", "method_of",
+           "dims_of"]
 
 
 @dataclass
@@ -151,3 +152,14 @@ def dispatch(key: str, state: State, keys: mx.array, values: mx.array,
     b, h, d, dtype = dims
     check_update(keys, values, queries, batch=b, heads=h, head_dim=d, dtype=dtype)
     return _REGISTRY[key].backends[state.backend](state, keys, values, queries)
+
+
+def dims_of(field: str) -> Callable[[Any], tuple[int, int, int, mx.Dtype]]:
+    """A ``dims`` function (``register(..., dims=...)``) for states whose array ``field`` is
+    ``[b, h, n, d]``: it returns ``(batch, kv_heads, head_dim, dtype)`` of that array."""
+    def dims(state) -> tuple[int, int, int, mx.Dtype]:
+        rows = getattr(state, field)
+        b, h, _, d = rows.shape
+        return b, h, d, rows.dtype
+    dims.__doc__ = f"``(batch, kv_heads, head_dim, dtype)`` of the state's ``{field} [b, h, n, d]``."
+    return dims

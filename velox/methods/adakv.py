@@ -44,7 +44,7 @@ from .. import quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..accounting import state_nbytes
-from ..registry import dispatch, prepare_init, register
+from ..registry import dims_of, dispatch, prepare_init, register
 
 __all__ = ["AdaKVState", "adakv_init", "adakv_update", "adakv_get_kv", "adakv_bytes",
            "bits_by_rank"]
@@ -323,9 +323,7 @@ def _update_reference(state: AdaKVState, keys, values, queries) -> AdaKVState:
 
 # --- public functions ---------------------------------------------------------------------------
 
-def _dims(state: AdaKVState):
-    b, h, _, d = state.residual_keys.shape
-    return b, h, d, state.residual_keys.dtype
+_dims = dims_of("residual_keys")
 
 
 def adakv_update(state: AdaKVState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],

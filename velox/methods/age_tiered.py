@@ -38,7 +38,7 @@ from .. import quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..accounting import state_nbytes
-from ..registry import dispatch, prepare_init, register
+from ..registry import dims_of, dispatch, prepare_init, register
 
 __all__ = ["AgeTieredState", "age_tiered_init", "age_tiered_update", "age_tiered_get_kv",
            "age_tiered_bytes"]
@@ -275,9 +275,7 @@ def _update_reference(state: AgeTieredState, keys, values, queries) -> AgeTiered
 
 # --- public functions ----------------------------------------------------------------------
 
-def _dims(state: AgeTieredState):
-    b, h, _, d = state.residual_keys.shape
-    return b, h, d, state.residual_keys.dtype
+_dims = dims_of("residual_keys")
 
 
 def age_tiered_update(state: AgeTieredState, keys: Float[Array, "b h s d"],

@@ -46,7 +46,7 @@ from .. import quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..accounting import state_nbytes
-from ..registry import dispatch, prepare_init, register
+from ..registry import dims_of, dispatch, prepare_init, register
 
 __all__ = ["AMCState", "amc_init", "amc_update", "amc_get_kv", "amc_bytes", "tier_ranks",
            "tier_sizes", "TIER_BITS"]
@@ -372,9 +372,7 @@ def _update_reference(state: AMCState, keys, values, queries) -> AMCState:
 
 # --- public functions -----------------------------------------------------------------------------
 
-def _dims(state: AMCState):
-    b, h, _, d = state.high_keys.shape
-    return b, h, d, state.high_keys.dtype
+_dims = dims_of("high_keys")
 
 
 def amc_update(state: AMCState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],

@@ -41,7 +41,7 @@ from .. import entropy, quant
 from .. import reference as ref
 from .._typing import Array, Bool, Float, Int, UInt
 from ..accounting import state_nbytes
-from ..registry import dispatch, prepare_init, register
+from ..registry import dims_of, dispatch, prepare_init, register
 from ..spec import load_spec, validate_params
 
 __all__ = ["CacheGenState", "cachegen_init", "cachegen_update", "cachegen_get_kv",
@@ -255,9 +255,7 @@ def _update_reference(state: CacheGenState, keys, values, queries) -> CacheGenSt
 
 # --- public functions ----------------------------------------------------------------------------
 
-def _dims(state: CacheGenState):
-    b, h, _, d = state.residual_keys.shape
-    return b, h, d, state.residual_keys.dtype
+_dims = dims_of("residual_keys")
 
 
 def cachegen_update(state: CacheGenState, keys: Float[Array, "b h s d"],

@@ -42,7 +42,7 @@ from .. import quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..accounting import state_nbytes
-from ..registry import dispatch, prepare_init, register
+from ..registry import dims_of, dispatch, prepare_init, register
 
 __all__ = ["GearState", "gear_init", "gear_update", "gear_get_kv", "gear_bytes",
            "outlier_count", "base_reconstruction"]
@@ -319,9 +319,7 @@ def _update_reference(state: GearState, keys, values, queries) -> GearState:
 
 # --- public functions ---------------------------------------------------------------------------
 
-def _dims(state: GearState):
-    b, h, _, d = state.residual_keys.shape
-    return b, h, d, state.residual_keys.dtype
+_dims = dims_of("residual_keys")
 
 
 def gear_update(state: GearState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],

@@ -37,7 +37,7 @@ from .. import nuq, quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..accounting import state_nbytes
-from ..registry import dispatch, prepare_init, register
+from ..registry import dims_of, dispatch, prepare_init, register
 
 __all__ = ["KittyState", "kitty_init", "kitty_update", "kitty_get_kv", "kitty_bytes"]
 
@@ -89,9 +89,7 @@ def boosted_channels(hi_fraction: float, head_dim: int) -> int:
     return nuq.round_count(hi_fraction, head_dim)
 
 
-def _dims(state: KittyState):
-    b, h, _, d = state.buffer_keys.shape
-    return b, h, d, state.buffer_keys.dtype
+_dims = dims_of("buffer_keys")
 
 
 def _split(state: KittyState, keys, values, cat):

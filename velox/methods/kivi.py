@@ -30,7 +30,7 @@ from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..accounting import state_nbytes
 from ..qattention import Affine, Dense, attend_segments
-from ..registry import dispatch, prepare_init, register
+from ..registry import dims_of, dispatch, prepare_init, register
 
 __all__ = ["KiviState", "kivi_init", "kivi_update", "kivi_get_kv", "kivi_bytes"]
 
@@ -131,9 +131,7 @@ def _update_reference(state: KiviState, keys, values, queries) -> KiviState:
     return state._replace(**fields)
 
 
-def _dims(state: KiviState):
-    b, h, _, d = state.residual_keys.shape
-    return b, h, d, state.residual_keys.dtype
+_dims = dims_of("residual_keys")
 
 
 def kivi_update(state: KiviState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],

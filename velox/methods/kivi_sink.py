@@ -40,7 +40,7 @@ from .. import nuq
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..accounting import state_nbytes
-from ..registry import dispatch, prepare_init, register
+from ..registry import dims_of, dispatch, prepare_init, register
 from .kivi import KiviState, kivi_error_bound, kivi_get_kv, kivi_init, kivi_positions, kivi_update
 
 __all__ = ["KiviSinkState", "kivi_sink_init", "kivi_sink_update", "kivi_sink_get_kv", "kivi_sink_bytes"]
@@ -94,9 +94,7 @@ def kivi_sink_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype 
                          sink_positions=mx.zeros((b, h, 0), mx.int32), n_sink_tokens=p["n_sink_tokens"])
 
 
-def _dims(state: KiviSinkState):
-    b, h, _, d = state.residual_keys.shape
-    return b, h, d, state.residual_keys.dtype
+_dims = dims_of("residual_keys")
 
 
 def _first_flush(state: KiviSinkState, s: int) -> int:

@@ -48,7 +48,7 @@ from .. import nuq, quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..accounting import state_nbytes
-from ..registry import dispatch, prepare_init, register
+from ..registry import dims_of, dispatch, prepare_init, register
 
 __all__ = ["KVQuantState", "kvquant_init", "kvquant_update", "kvquant_get_kv", "kvquant_bytes"]
 
@@ -109,9 +109,7 @@ def outlier_counts(outlier_fraction: float, group_size: int, head_dim: int) -> t
     return nuq.ceil_count(outlier_fraction, group_size), nuq.ceil_count(outlier_fraction, head_dim)
 
 
-def _dims(state: KVQuantState):
-    b, h, _, d = state.buffer_keys.shape
-    return b, h, d, state.buffer_keys.dtype
+_dims = dims_of("buffer_keys")
 
 
 def _groups(state: KVQuantState) -> int:

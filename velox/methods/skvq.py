@@ -42,7 +42,7 @@ from .. import nuq, quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..accounting import state_nbytes
-from ..registry import dispatch, prepare_init, register
+from ..registry import dims_of, dispatch, prepare_init, register
 
 __all__ = ["SKVQState", "skvq_init", "skvq_update", "skvq_get_kv", "skvq_bytes", "CLIP_GRID"]
 
@@ -104,9 +104,7 @@ def skvq_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.
         **p, backend=backend)
 
 
-def _dims(state: SKVQState):
-    b, h, _, d = state.window_keys.shape
-    return b, h, d, state.window_keys.dtype
+_dims = dims_of("window_keys")
 
 
 def _route(state: SKVQState, keys, values, cat):

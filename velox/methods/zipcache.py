@@ -48,7 +48,7 @@ from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..accounting import state_nbytes
 from ..attention import candidate_mass, scoring_queries
-from ..registry import dispatch, prepare_init, register
+from ..registry import dims_of, dispatch, prepare_init, register
 
 __all__ = ["ZipCacheState", "zipcache_init", "zipcache_update", "zipcache_get_kv", "zipcache_bytes"]
 
@@ -113,9 +113,7 @@ def salient_tokens(hi_fraction: float, group_size: int) -> int:
     return nuq.round_count(hi_fraction, group_size)
 
 
-def _dims(state: ZipCacheState):
-    b, h, _, d = state.buffer_keys.shape
-    return b, h, d, state.buffer_keys.dtype
+_dims = dims_of("buffer_keys")
 
 
 def _groups(state: ZipCacheState) -> int:
