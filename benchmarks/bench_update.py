@@ -1,9 +1,10 @@
 """Decode-step cost of each method's update, beside one attention over the same cache.
 
 For every registered method: fill a state to its steady size (budget 512 by default), then
-time single-token updates with the ``mlx`` backend (plain and ``mx.compile``d) and with the
-``reference`` backend, and one ``mx.fast.scaled_dot_product_attention`` of a single query over
-the kept cache. Prints times, the ratios the targets are stated in, and whether the compiled
+time single-token updates with the ``mlx`` backend (plain and ``mx.compile``d), with the
+method's fused-kernel backend (``cuda``, compiled) where it has one and the machine runs it,
+and with the ``reference`` backend, and one ``mx.fast.scaled_dot_product_attention`` of a
+single query over the kept cache. Prints times, the ratios the targets are stated in, and whether the compiled
 update retraced between steps. Also prints KIVI's measured bytes beside a hand count.
 
     python benchmarks/bench_update.py [--steps 50] [--dtype float32] [--budget 512]
@@ -95,6 +96,10 @@ def bench_method(key: str, budget: int, steps: int, ref_steps: int, dtype: mx.Dt
     # Plain mlx, compiled mlx and one attention over the kept cache, interleaved step by step
     # so that a noisy machine slows all three alike; ratios are medians of per-step ratios.
     plain, comp = fresh("mlx"), fresh("mlx")
+    kernel = _kernel_backend(m) if compile_update else None
+    kern = fresh(kernel) if kernel else None
+    compiled_kernel = mx.compile(m.update)
+    t_kern = []
     q = mx.array(rng.standard_normal((B, H, 1, D)).astype(np.float32)).astype(dtype)
     mx.eval(q)
     t_plain, t_comp, t_sdpa = [], [], []
@@ -122,6 +127,10 @@ def bench_method(key: str, budget: int, steps: int, ref_steps: int, dtype: mx.Dt
                 t_comp.append(dt)
             if i == warm - 1:
                 first = traces
+        if kern is not None:
+            kern, dt = clock(lambda: _evaluated(compiled_kernel(kern, k, v)))
+            if i >= warm:
+                t_kern.append(dt)
         kept, dt = attend(plain)
         if i >= warm:
             t_sdpa.append(dt)
@@ -130,6 +139,11 @@ def bench_method(key: str, budget: int, steps: int, ref_steps: int, dtype: mx.Dt
     row["mlx_us"] = statistics.median(t_plain) * 1e6
     row["mlx/sdpa"] = statistics.median(a / b for a, b in zip(t_plain, t_sdpa))
     row["reference/mlx"] = row["reference_us"] / row["mlx_us"]
+    row["kernel"] = kernel or "-"
+    row["kernel_us"] = statistics.median(t_kern) * 1e6 if t_kern else float("nan")
+    row["kernel/sdpa"] = (statistics.median(a / b for a, b in zip(t_kern, t_sdpa)) if t_kern
+                          else float("nan"))
+    row["reference/kernel"] = row["reference_us"] / row["kernel_us"]
     if not compilable:
         row["compiled_us"] = row["compiled/sdpa"] = float("nan")
         row["retraces_after_warmup"] = "n/a"
@@ -138,6 +152,14 @@ def bench_method(key: str, budget: int, steps: int, ref_steps: int, dtype: mx.Dt
     row["compiled/sdpa"] = statistics.median(a / b for a, b in zip(t_comp, t_sdpa))
     row["retraces_after_warmup"] = traces - first
     return row
+
+
+def _kernel_backend(m) -> str | None:
+    """The method's fused-kernel backend that runs on this machine, if any."""
+    for name in ("cuda", "metal"):
+        if name in m.backends and velox.backend.device_supports(name):
+            return name
+    return None
 
 
 def _evaluated(state):
@@ -183,7 +205,8 @@ def main(argv=None) -> int:
         rows.append(bench_method(k, args.budget, args.steps, args.ref_steps, dtype, not args.no_compile))
         print(f"  {k}: done", file=sys.stderr, flush=True)
     cols = ["method", "kept", "sdpa_us", "mlx_us", "compiled_us", "reference_us", "mlx/sdpa",
-            "compiled/sdpa", "reference/mlx", "retraces_after_warmup"]
+            "compiled/sdpa", "reference/mlx", "retraces_after_warmup", "kernel", "kernel_us",
+            "kernel/sdpa", "reference/kernel"]
     print(" | ".join(f"{c:>14s}" for c in cols))
     for r in rows:
         print(" | ".join(f"{r[c]:>14.1f}" if isinstance(r[c], float) else f"{r[c]!s:>14s}" for c in cols))

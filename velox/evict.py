@@ -9,6 +9,7 @@ Tie rule (all backends): among equal scores the newer token is kept.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 
 import mlx.core as mx
@@ -18,7 +19,7 @@ from ._typing import Array, Bool, Float, Int, Shaped
 from .registry import dims_of
 
 __all__ = ["empty_rows", "new_positions", "protected", "top_budget", "row_offsets", "all_but",
-           "take_rows", "keep_rows", "dims", "row_sq_norms"]
+           "take_rows", "keep_rows", "dims", "row_sq_norms", "cuda_update", "with_compacted"]
 
 
 def empty_rows(batch: int, heads: int, head_dim: int, dtype: mx.Dtype):
@@ -157,3 +158,30 @@ def row_sq_norms(x: Float[Array, "... d"]) -> Float[Array, "..."]:
     if mx.default_device() == mx.cpu:
         return (mx.square(x) @ mx.ones((x.shape[-1], 1), mx.float32))[..., 0]
     return mx.square(x).sum(axis=-1)
+
+
+
+
+def cuda_update(mlx_update, capacity, decode_step):
+    """The ``cuda`` backend's update for a per-step evictor (kernels in ``velox.kernels.evict``).
+
+    A decode step at a full cache (one new token, ``capacity(state)`` rows stored) runs
+    ``decode_step(state, keys, values, queries)``, the method's fused kernels. Every other
+    call (prefill, chunks, a cache still filling) is a step the kernels do not cover and runs
+    ``mlx_update``, the vectorised MLX ops of the ``mlx`` backend, on the same GPU.
+    """
+    def update(state, keys, values, queries):
+        if keys.shape[2] != 1 or state.keys.shape[2] != capacity(state):
+            return mlx_update(state, keys, values, queries)
+        return decode_step(state, keys, values, queries)
+
+    return update
+
+
+def with_compacted(state, out: Sequence[mx.array]):
+    """``state`` holding the outputs of ``velox.kernels.evict.compact``: keys, values,
+    positions, next_pos (and scores)."""
+    fields = dict(keys=out[0], values=out[1], positions=out[2], next_pos=out[3])
+    if len(out) > 4:
+        fields["scores"] = out[4]
+    return state._replace(**fields)

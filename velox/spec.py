@@ -250,12 +250,15 @@ def load_spec(key: str) -> Spec:
 
 
 def method_table(keys: tuple[str, ...] | None = None) -> str:
-    """Markdown table of the methods: key, name, family, phases, queries, paper, parameters."""
-    lines = ["| key | method | family | phases | queries | paper | parameters (defaults) |",
-             "|---|---|---|---|---|---|---|"]
+    """Markdown table of the methods: key, name, family, phases, queries, backends beyond
+    ``reference`` and ``mlx``, paper, parameters."""
+    lines = ["| key | method | family | phases | queries | kernels | paper | parameters (defaults) |",
+             "|---|---|---|---|---|---|---|---|"]
     for key in keys or spec_keys():
         s = load_spec(key)
         params = ", ".join(f"`{p.name}={p.default!r}`" for p in s.params.values())
         paper = f"[{s.arxiv}](https://arxiv.org/abs/{s.arxiv})" if s.arxiv else s.venue
-        lines.append(f"| `{s.key}` | {s.name} | {s.family} | {s.phases} | {s.queries} | {paper} | {params} |")
+        kernels = ", ".join(b for b in s.backends if b not in ("reference", "mlx")) or "-"
+        lines.append(f"| `{s.key}` | {s.name} | {s.family} | {s.phases} | {s.queries} | {kernels} "
+                     f"| {paper} | {params} |")
     return "\n".join(lines) + "\n"

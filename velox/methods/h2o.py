@@ -5,6 +5,9 @@ References:
     H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language Models.
     NeurIPS 2023. arXiv:2306.14048.
 
+Backends: ``reference``, ``mlx`` and ``cuda`` (fused kernels for a decode step at a full
+cache, ``velox.kernels.evict``; every other step runs the ``mlx`` ops).
+
 Deviations from the paper:
     * ``grace`` newest tokens are never evicted (the paper's recent-token share of the budget)
       and ``decay`` multiplies old scores each step; ``grace=0, decay=1`` is the paper's rule.
@@ -87,6 +90,15 @@ def _update_mlx(state: H2OState, keys, values, queries) -> H2OState:
                           next_pos=state.next_pos + keys.shape[2])
 
 
+def _decode_cuda(state: H2OState, keys, values, queries) -> H2OState:
+    from ..kernels.evict import compact, weights
+    _, scores = weights((keys if queries is None else queries)[:, :, -1], state.keys, keys,
+                        old_scores=state.scores, decay=state.decay)
+    return evict.with_compacted(state, compact(
+        state.keys, state.values, state.positions, keys, values, state.next_pos, scores=scores,
+        n_sink=state.n_sink, recent=state.grace))
+
+
 def _update_reference(state: H2OState, keys, values, queries) -> H2OState:
     c = ref.candidates(state, keys, values, queries)
     b, h, N = c.positions.shape
@@ -125,4 +137,6 @@ def h2o_bytes(state: H2OState) -> int:
 
 
 register(KEY, state_type=H2OState, init=h2o_init, update=h2o_update, get_kv=h2o_get_kv,
-         nbytes=h2o_bytes, backends={"reference": _update_reference, "mlx": _update_mlx})
+         nbytes=h2o_bytes, backends={"reference": _update_reference, "mlx": _update_mlx,
+                                      "cuda": evict.cuda_update(_update_mlx, lambda st: st.budget,
+                                                                _decode_cuda)})

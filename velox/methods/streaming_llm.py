@@ -4,6 +4,9 @@ References:
     Xiao, Tian, Chen, Han, Lewis. Efficient Streaming Language Models with Attention Sinks.
     ICLR 2024. arXiv:2309.17453.
 
+Backends: ``reference``, ``mlx`` and ``cuda`` (fused kernels for a decode step at a full
+cache, ``velox.kernels.evict``; every other step runs the ``mlx`` ops).
+
 Deviations from the paper:
     * Kept tokens keep their original absolute positions (the adapter's RoPE offset is the
       true position); the paper re-indexes positions inside the cache.
@@ -61,6 +64,14 @@ def _update_mlx(state: StreamingLLMState, keys, values, queries) -> StreamingLLM
     return state._replace(keys=k, values=v, positions=p, next_pos=state.next_pos + s)
 
 
+def _decode_cuda(state: StreamingLLMState, keys, values, queries) -> StreamingLLMState:
+    from ..kernels.evict import compact
+    # the loser is the oldest non-sink token, or the new one when there is no window
+    drop = state.n_sink if state.window_size else state.keys.shape[2]
+    return evict.with_compacted(state, compact(
+        state.keys, state.values, state.positions, keys, values, state.next_pos, drop=drop))
+
+
 def _update_reference(state: StreamingLLMState, keys, values, queries) -> StreamingLLMState:
     # Executable spec: score every candidate by recency, protect the sinks, keep the best.
     c = ref.candidates(state, keys, values, queries)
@@ -89,4 +100,6 @@ def streaming_llm_bytes(state: StreamingLLMState) -> int:
 
 register(KEY, state_type=StreamingLLMState, init=streaming_llm_init, update=streaming_llm_update,
          get_kv=streaming_llm_get_kv, nbytes=streaming_llm_bytes,
-         backends={"reference": _update_reference, "mlx": _update_mlx})
+         backends={"reference": _update_reference, "mlx": _update_mlx,
+                   "cuda": evict.cuda_update(_update_mlx, lambda st: st.n_sink + st.window_size,
+                                             _decode_cuda)})

@@ -4,6 +4,9 @@ References:
     Oren, Hassid, Yarden, Adi, Schwartz. Transformers are Multi-State RNNs. EMNLP 2024.
     arXiv:2401.06104.
 
+Backends: ``reference``, ``mlx`` and ``cuda`` (fused kernels for a decode step at a full
+cache, ``velox.kernels.evict``; every other step runs the ``mlx`` ops).
+
 Deviations from the paper:
     * ``n_sink`` protects the first tokens (the paper protects none; ``n_sink=0`` is the paper).
     * A multi-token chunk is one selection, scored by the chunk's last query (the paper's rule
@@ -69,6 +72,14 @@ def _update_mlx(state: TovaState, keys, values, queries) -> TovaState:
     return state._replace(keys=k, values=v, positions=p, next_pos=state.next_pos + s)
 
 
+def _decode_cuda(state: TovaState, keys, values, queries) -> TovaState:
+    from ..kernels.evict import compact, weights
+    w, _ = weights((keys if queries is None else queries)[:, :, -1], state.keys, keys)
+    return evict.with_compacted(state, compact(
+        state.keys, state.values, state.positions, keys, values, state.next_pos, weights=w,
+        shared=not state.per_head, n_sink=state.n_sink))
+
+
 def _update_reference(state: TovaState, keys, values, queries) -> TovaState:
     c = ref.candidates(state, keys, values, queries)
     b, h, N = c.positions.shape
@@ -104,4 +115,6 @@ def tova_bytes(state: TovaState) -> int:
 
 
 register(KEY, state_type=TovaState, init=tova_init, update=tova_update, get_kv=tova_get_kv,
-         nbytes=tova_bytes, backends={"reference": _update_reference, "mlx": _update_mlx})
+         nbytes=tova_bytes, backends={"reference": _update_reference, "mlx": _update_mlx,
+                                       "cuda": evict.cuda_update(_update_mlx, lambda st: st.budget,
+                                                                 _decode_cuda)})

@@ -1,0 +1,94 @@
+"""The fused kernel backend (``cuda``) of the per-step evictors against the ``mlx`` backend.
+
+At a decode step of a full cache the kernel backend runs its two fused kernels; these tests
+drive many such steps (GQA queries and the key proxy, several shapes and dtypes, per-head and
+per-layer selection) and compare every state with the ``mlx`` backend's: positions exactly,
+kept rows bit for bit (eviction copies rows), scores within float32 rounding. They need an
+NVIDIA GPU; the contract suite (``test_contract.py``) covers the same backend against the
+reference wherever it runs.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from velox.backend import BackendUnavailable, device_supports
+from velox.registry import get_method, method_keys
+
+KERNEL_METHODS = ("streaming_llm", "tova", "h2o")
+
+
+def test_kernel_backends_are_registered_and_refused_without_a_gpu():
+    for key in KERNEL_METHODS:
+        m = get_method(key)
+        assert "cuda" in m.backends
+        if not device_supports("cuda"):
+            with pytest.raises(BackendUnavailable, match="NVIDIA GPU"):
+                m.init(1, 1, 32, backend="cuda")
+
+
+@pytest.mark.parametrize("key", method_keys())
+def test_spec_declares_the_registered_backends(key):
+    m = get_method(key)
+    assert set(m.spec.backends) == set(m.backends), key
+
+
+needs_cuda = pytest.mark.skipif(not device_supports("cuda"), reason="needs an NVIDIA GPU (MLX CUDA)")
+
+SHAPES = [(1, 8, 0, 128), (2, 4, 3, 64), (3, 2, 2, 96), (1, 1, 1, 32)]  # b, h, groups (0 = proxy), d
+
+
+def _params(key: str, budget: int, per_head: bool) -> dict:
+    if key == "streaming_llm":
+        return dict(n_sink=3, window_size=budget - 3)
+    if key == "tova":
+        return dict(budget=budget, n_sink=3, per_head=per_head)
+    return dict(budget=budget, n_sink=3, grace=5, decay=0.95)
+
+
+def _compare(key, a, b, step):
+    what = f"{key} step {step}"
+    np.testing.assert_array_equal(np.array(a.positions), np.array(b.positions), err_msg=what)
+    np.testing.assert_array_equal(np.array(a.next_pos), np.array(b.next_pos), err_msg=what)
+    for f in ("keys", "values"):
+        np.testing.assert_array_equal(np.array(getattr(a, f).astype(mx.float32)),
+                                      np.array(getattr(b, f).astype(mx.float32)), err_msg=what)
+    if key == "h2o":
+        np.testing.assert_allclose(np.array(a.scores), np.array(b.scores), rtol=2e-5, atol=1e-6,
+                                   err_msg=what)
+
+
+@needs_cuda
+@pytest.mark.parametrize("key,per_head", [("streaming_llm", False), ("tova", False),
+                                          ("tova", True), ("h2o", False)])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_kernel_decode_steps_match_mlx(key, per_head, shape, dtype):
+    b, h, g, d = shape
+    budget, steps = 40, 30
+    dt = getattr(mx, dtype)
+    rng = np.random.default_rng(hash((key, per_head, shape, dtype)) % 2**32)
+
+    def arr(*s):
+        return mx.array(rng.standard_normal(s).astype(np.float32)).astype(dt)
+
+    m = get_method(key)
+    params = _params(key, budget, per_head)
+    states = {be: m.init(b, h, d, dtype=dt, backend=be, **params) for be in ("mlx", "cuda")}
+    assert states["cuda"].backend == "cuda"
+    compiled = mx.compile(m.update)
+    prefill = (arr(b, h, budget + 7, d), arr(b, h, budget + 7, d),
+               arr(b, h * g, budget + 7, d) if g else None)
+    for step in range(steps + 1):
+        k, v, q = prefill if step == 0 else (arr(b, h, 1, d), arr(b, h, 1, d),
+                                             arr(b, h * g, 1, d) if g else None)
+        states = {be: m.update(st, k, v, queries=q) for be, st in states.items()}
+        mx.eval(states)
+        _compare(key, states["cuda"], states["mlx"], step)
+        if step > 0:  # the compiled kernel update equals the plain one
+            again = compiled(prev, k, v) if q is None else mx.compile(
+                lambda s_, k_, v_, q_: m.update(s_, k_, v_, queries=q_))(prev, k, v, q)
+            _compare(key, again, states["cuda"], step)
+        prev = states["cuda"]
