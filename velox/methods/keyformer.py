@@ -36,7 +36,7 @@ from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
 from ..accounting import state_nbytes
-from ..attention import candidate_logits
+from ..attention import candidate_logits, softmax
 from ..registry import dispatch, prepare_init, register
 from .h2o import heavy_hitters
 
@@ -140,7 +140,7 @@ def _gumbel_mass(state: KeyformerState, queries, keys, coef, block: int = 256) -
                          qpos[:, :, start:stop, None])                          # [b, h, m, n+stop]
         g = -mx.log(-mx.log(u))
         logits = logits + (tau[:, :, start:stop, None] * g)[:, :, None]
-        w = mx.softmax(logits, axis=-1, precise=True)
+        w = softmax(logits)
         if coef is not None:
             w = w * coef[start:stop, None]
         part = (w[:, :, :, 0] if stop - start == 1 else w.sum(axis=3)).mean(axis=2)

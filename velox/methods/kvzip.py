@@ -36,7 +36,7 @@ from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
 from ..accounting import state_nbytes
-from ..attention import candidate_weights, scoring_queries
+from ..attention import candidate_weights, scoring_queries, softmax
 from ..registry import dispatch, prepare_init, register
 
 __all__ = ["KVzipState", "kvzip_init", "kvzip_update", "kvzip_get_kv", "kvzip_bytes",
@@ -87,7 +87,7 @@ def kvzip_importance(probes: Float[Array, "b h g m d"], stored: Float[Array, "b 
         q = q.reshape(b, h, -1, d)
         logits = [q @ kt for kt in parts]
         logits = mx.concatenate(logits, axis=-1) if len(logits) > 1 else logits[0]
-        w = mx.softmax(logits, axis=-1, precise=True).max(axis=2)
+        w = softmax(logits).max(axis=2)
         best = w if best is None else mx.maximum(best, w)
     return best
 
