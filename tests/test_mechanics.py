@@ -138,3 +138,20 @@ def test_keep_rows_decode_step_equals_gather_of_candidates(n, losers, data):
     want = np.take_along_axis(cand, idx[..., None], axis=2)
     np.testing.assert_array_equal(np.array(got[0]), want)
     np.testing.assert_array_equal(np.array(got[1]), np.take_along_axis(cand_pos, idx, axis=2))
+
+
+def test_softmax_matches_mlx_and_zeroes_masked_entries():
+    from velox.attention import softmax
+    rng = np.random.default_rng(3)
+    x = mx.array((rng.standard_normal((4, 3, 257)) * 12).astype(np.float32))
+    x = mx.where(mx.arange(257) % 7 == 3, -mx.inf, x)
+    x = mx.concatenate([x, mx.full((4, 3, 1), 80.0)], axis=-1)  # one dominant logit
+    want = np.array(mx.softmax(x, axis=-1, precise=True))
+    for fn in (softmax, mx.compile(softmax)):
+        got = np.array(fn(x))
+        np.testing.assert_allclose(got, want, rtol=5e-7, atol=1e-37)
+        assert ((got == 0) == (want == 0)).all()
+        np.testing.assert_allclose(got.sum(-1), 1.0, rtol=1e-6)
+    # axis other than the last
+    np.testing.assert_allclose(np.array(softmax(x[:, :, :50], axis=1)),
+                               np.array(mx.softmax(x[:, :, :50], axis=1, precise=True)), rtol=5e-7)
