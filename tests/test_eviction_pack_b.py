@@ -301,7 +301,7 @@ def test_curdkv_leverage_energy_shares(rank_cap):
     assert (lev >= 0).all()
     assert np.allclose(lev.sum(-1), retained, atol=1e-5)  # 1 at full rank
     x12 = x[1, 2].astype(np.float64)
-    want = curdkv._leverage_reference(x12, curdkv._fit_reference(x12, r))
+    want = curdkv._energy_reference(x12, curdkv._fit_reference(x12, r)) / (x12 ** 2).sum()
     assert np.allclose(lev[1, 2], want, atol=1e-6)
     zero = np.array(curdkv.curdkv_leverage(mx.zeros((1, 1, 5, 8)), rank_cap))
     assert np.isfinite(zero).all() and (zero == 0).all()
@@ -323,6 +323,10 @@ def test_curdkv_decode_steps_reuse_the_chunk_subspace():
     proj = np.array(cand) @ basis
     want = (proj ** 2).sum(-1) / (np.array(cand) ** 2).sum(axis=(2, 3))[..., None]
     assert np.allclose(lev, want, atol=1e-6)
+    # the state carries each kept row's score in the stored subspaces: ||k V||^2 * ||v W||^2
+    pk = np.array(st2.keys) @ basis
+    pv = np.array(st2.values) @ np.array(st2.value_basis)
+    np.testing.assert_allclose(np.array(st2.scores), (pk ** 2).sum(-1) * (pv ** 2).sum(-1), rtol=1e-5)
     fresh = velox.curdkv_init(1, 2, 16, budget=4, n_sink=0, rank_cap=3)
     for t in range(5):
         fresh = velox.curdkv_update(fresh, x[:, :, t:t + 1], x[:, :, t:t + 1])

@@ -13,10 +13,13 @@ distinctive key and a value that carries energy. Sinks are protected; the ``budg
 kept. A chunk is one selection.
 
 The subspaces ``V_r`` of keys and values are fitted (eigendecomposition) on the candidates of
-every multi-token update and stored; single-token updates score with the stored subspaces
-(leverage of the current candidates in the last fitted subspace), which keeps a decode step
-a pair of small matmuls. Before any fit (a cache fed token by token from the start), a
-token's score uses its full-rank energy share ``||x_i||^2 / ||X||_F^2``.
+every multi-token update that overflows the budget, and stored; other updates score with the
+stored subspaces (leverage of the current candidates in the last fitted subspace). Before any
+fit (a cache fed token by token from the start), a token's score uses its full-rank energy
+share ``||x_i||^2 / ||X||_F^2``. Within a head the denominators ``||X||_F^2`` are one constant,
+so the ranking is that of ``||x_i V_r||^2 * ||y_i W_r||^2``; the state keeps this product for
+every stored row (``scores``, constant while the subspaces are), so a decode step projects only
+the new token.
 
 Deviations from the paper:
     * Exact rank-capped leverage from the eigendecomposition of the ``d x d`` Gram matrices
@@ -49,11 +52,12 @@ _TINY = 1e-30  # an all-zero block has zero energy: its leverage is 0, not NaN
 
 
 class CurDKVState(NamedTuple):
-    """Kept rows and their absolute positions; no score memory."""
+    """Kept rows, their absolute positions, the fitted subspaces and each row's score in them."""
 
     keys: Float[Array, "b h n d"]
     values: Float[Array, "b h n d"]
     positions: Int[Array, "b h n"]
+    scores: Float[Array, "b h n"]  # ||x V_r||^2 * ||y W_r||^2 in the stored subspaces
     key_basis: Float[Array, "b h d r"]
     value_basis: Float[Array, "b h d r"]
     next_pos: Int[Array, "b h"]
@@ -71,7 +75,8 @@ def curdkv_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = m
                               dict(budget=budget, n_sink=n_sink, rank_cap=rank_cap))
     k, v, pos, nxt = evict.empty_rows(batch, kv_heads, head_dim, dtype)
     basis = mx.zeros((batch, kv_heads, head_dim, min(p["rank_cap"], head_dim)), mx.float32)
-    return CurDKVState(k, v, pos, basis, basis, nxt, **p, backend=backend)
+    scores = mx.zeros((batch, kv_heads, 0), mx.float32)
+    return CurDKVState(k, v, pos, scores, basis, basis, nxt, **p, backend=backend)
 
 
 def _fit_basis(x: mx.array, r: int) -> mx.array:
@@ -104,6 +109,20 @@ def _leverage(x: mx.array, basis: mx.array, *more: mx.array) -> mx.array:
     return (mx.concatenate(lev, axis=2) if len(lev) > 1 else lev[0]) / total
 
 
+def _energy_in(x: mx.array, basis: mx.array) -> mx.array:
+    """``||x_i V_r||^2`` of each row ``[b, h, n]`` (float32); ``||x_i||^2`` where the basis is
+    unfitted (all zero). One row (a decode step) is projected elementwise, not by a matmul."""
+    x = x.astype(mx.float32)
+    fitted = (mx.abs(basis).sum(axis=(-2, -1)) > 0)[:, :, None]
+    if x.shape[2] == 1:
+        energy = mx.square(x).sum(axis=-1)
+        inside = mx.square((x[:, :, 0, :, None] * basis).sum(axis=-2)).sum(axis=-1, keepdims=True)
+    else:
+        energy = evict.row_sq_norms(x)
+        inside = mx.square(basis.swapaxes(-1, -2) @ x.swapaxes(-1, -2)).sum(axis=-2)
+    return mx.where(fitted, inside, energy)
+
+
 def curdkv_leverage(x: Float[Array, "b h n d"], rank_cap: int) -> Float[Array, "b h n"]:
     """Rank-capped energy leverage of each row: ``||x_i V_r||^2 / ||X||_F^2`` (float32)."""
     n, d = x.shape[2], x.shape[3]
@@ -116,18 +135,20 @@ def curdkv_leverage(x: Float[Array, "b h n d"], rank_cap: int) -> Float[Array, "
 
 def _update_mlx(state: CurDKVState, keys, values, queries) -> CurDKVState:
     n, s = state.keys.shape[2], keys.shape[2]
+    kb, vb, stored = state.key_basis, state.value_basis, state.scores
+    if s > 1 and n + s > state.budget:  # a chunk that overflows refits the subspaces
+        r = kb.shape[-1]
+        kb = _fit_basis(mx.concatenate([state.keys, keys], axis=2), r)
+        vb = _fit_basis(mx.concatenate([state.values, values], axis=2), r)
+        stored = _energy_in(state.keys, kb) * _energy_in(state.values, vb) if n else stored
+    fresh = _energy_in(keys, kb) * _energy_in(values, vb)
     idx = None
-    kb, vb = state.key_basis, state.value_basis
     if n + s > state.budget:
-        if s > 1:  # a chunk refits the subspaces
-            r = kb.shape[-1]
-            kb = _fit_basis(mx.concatenate([state.keys, keys], axis=2), r)
-            vb = _fit_basis(mx.concatenate([state.values, values], axis=2), r)
-        score = _leverage(state.keys, kb, keys) * _leverage(state.values, vb, values)
-        idx = evict.top_budget(score, state.budget, evict.protected(n + s, state.n_sink))
-    k, v, p = evict.keep_rows((state.keys, state.values, state.positions),
-                              (keys, values, evict.new_positions(state.next_pos, s)), idx)
-    return state._replace(keys=k, values=v, positions=p, key_basis=kb, value_basis=vb,
+        idx = evict.top_budget(mx.concatenate([stored, fresh], axis=2), state.budget,
+                               evict.protected(n + s, state.n_sink))
+    k, v, p, sc = evict.keep_rows((state.keys, state.values, state.positions, stored),
+                                  (keys, values, evict.new_positions(state.next_pos, s), fresh), idx)
+    return state._replace(keys=k, values=v, positions=p, scores=sc, key_basis=kb, value_basis=vb,
                           next_pos=state.next_pos + s)
 
 
@@ -143,13 +164,14 @@ def _fit_reference(x: np.ndarray, r: int) -> np.ndarray:
     return basis
 
 
-def _leverage_reference(x: np.ndarray, basis: np.ndarray) -> np.ndarray:
-    """One head: energy leverage ``[N]`` of rows ``[N, d]`` in ``basis`` (float64)."""
-    total = max(float((x * x).sum()), _TINY)
-    if not np.abs(basis).sum():  # never fitted: full-rank energy share
-        return (x * x).sum(axis=1) / total
+def _energy_reference(x: np.ndarray, basis: np.ndarray) -> np.ndarray:
+    """One head: ``||x_i V_r||^2`` ``[N]`` of rows ``[N, d]`` in ``basis`` (float64); the row's
+    energy when the basis is unfitted. Divided by ``||X||_F^2`` it is the leverage; the
+    ranking within a head needs no division."""
+    if not np.abs(basis).sum():  # never fitted: full-rank energy
+        return (x * x).sum(axis=1)
     proj = x @ basis
-    return (proj * proj).sum(axis=1) / total
+    return (proj * proj).sum(axis=1)
 
 
 def _update_reference(state: CurDKVState, keys, values, queries) -> CurDKVState:
@@ -158,18 +180,18 @@ def _update_reference(state: CurDKVState, keys, values, queries) -> CurDKVState:
     s = keys.shape[2]
     kb = ref.to_np(state.key_basis)
     vb = ref.to_np(state.value_basis)
-    if N <= state.budget:
-        return ref.keep(state, c, [[None] * h for _ in range(b)])
+    score = np.zeros((b, h, N))
     chosen = []
     for i in range(b):
         chosen.append([])
         for j in range(h):
             x, y = c.keys[i, j].astype(np.float64), c.values[i, j].astype(np.float64)
-            if s > 1:  # a chunk refits the subspaces
+            if s > 1 and N > state.budget:  # a chunk that overflows refits the subspaces
                 kb[i, j], vb[i, j] = _fit_reference(x, kb.shape[-1]), _fit_reference(y, vb.shape[-1])
-            score = _leverage_reference(x, kb[i, j]) * _leverage_reference(y, vb[i, j])
-            chosen[i].append(ref.top_budget(score, state.budget, c.positions[i, j] < state.n_sink))
-    new = ref.keep(state, c, chosen)
+            score[i, j] = _energy_reference(x, kb[i, j]) * _energy_reference(y, vb[i, j])
+            chosen[i].append(None if N <= state.budget else
+                             ref.top_budget(score[i, j], state.budget, c.positions[i, j] < state.n_sink))
+    new = ref.keep(state, c, chosen, scores=score)
     return new._replace(key_basis=ref.to_mx(kb, mx.float32), value_basis=ref.to_mx(vb, mx.float32))
 
 
