@@ -92,3 +92,22 @@ def test_kernel_decode_steps_match_mlx(key, per_head, shape, dtype):
                 lambda s_, k_, v_, q_: m.update(s_, k_, v_, queries=q_))(prev, k, v, q)
             _compare(key, again, states["cuda"], step)
         prev = states["cuda"]
+
+
+def test_kernel_update_routes_only_full_cache_decode_steps_to_the_kernels():
+    """``evict.cuda_update``: a single token at a full cache goes to the kernels; prefill,
+    chunks and a filling cache go to the mlx ops (checked with stand-ins, on any machine)."""
+    from velox import evict
+    calls = []
+    mlx_path = lambda st, k, v, q: calls.append("mlx") or st  # noqa: E731
+    kernel_path = lambda st, k, v, q: calls.append("kernel") or st  # noqa: E731
+    update = evict.cuda_update(mlx_path, lambda st: st.budget, kernel_path)
+    m = get_method("tova")
+    full = m.update(m.init(1, 2, 8, budget=6, n_sink=1, backend="mlx"), mx.ones((1, 2, 9, 8)),
+                    mx.ones((1, 2, 9, 8)))
+    filling = m.update(m.init(1, 2, 8, budget=6, n_sink=1, backend="mlx"), mx.ones((1, 2, 3, 8)),
+                       mx.ones((1, 2, 3, 8)))
+    one, chunk = mx.ones((1, 2, 1, 8)), mx.ones((1, 2, 4, 8))
+    for st, k in ((full, one), (full, chunk), (filling, one), (filling, chunk)):
+        update(st, k, k, None)
+    assert calls == ["kernel", "mlx", "mlx", "mlx"]
