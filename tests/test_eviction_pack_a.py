@@ -491,3 +491,18 @@ def test_model_init_refuses_layers_that_disagree_on_a_model_level_parameter(key,
     with pytest.raises(ValueError, match=f"{key} needs at least one layer"):
         init([])
     init([{shared: a}, {shared: a}])  # agreeing layers are accepted
+
+
+@pytest.mark.parametrize("size", [1, 3, 8])
+def test_chunkkv_chunk_means_match_numpy(size):
+    """Chunk means of position-sorted candidates (runs of equal ``position // size``), with
+    gaps in the positions and runs cut at the row ends, equal NumPy's float64 means."""
+    from velox.methods.chunkkv import _chunk_mean_mlx, _chunk_mean_reference
+    rng = np.random.default_rng(size)
+    scores = rng.random((2, 3, 50)).astype(np.float32) * 10 ** rng.uniform(-3, 1, (2, 3, 50))
+    pos = np.stack([np.stack([np.sort(rng.choice(120, 50, replace=False)) for _ in range(3)])
+                    for _ in range(2)]).astype(np.int32)
+    got = np.array(mx.compile(lambda s, p: _chunk_mean_mlx(s, p, size))(mx.array(scores), mx.array(pos)))
+    want = np.array([[_chunk_mean_reference(scores[i, j].astype(np.float64), pos[i, j], size)
+                      for j in range(3)] for i in range(2)])
+    np.testing.assert_allclose(got, want, rtol=2e-7, atol=0)

@@ -88,9 +88,26 @@ def chunkkv_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = 
 
 
 def _chunk_mean_mlx(scores: mx.array, positions: mx.array, size: int) -> mx.array:
-    """Each candidate's chunk mean: candidates are position-sorted, so chunks are contiguous runs."""
+    """Each candidate's chunk mean: candidates are position-sorted, so chunks are contiguous runs.
+
+    On the CPU a run's sum is a difference of float64 prefix sums at the run's ends (found by
+    a running max / min of the run boundaries), ~4x faster there than scatter-adds and exact
+    to float32 rounding; devices without float64 scatter-add the runs.
+    """
     b, h, N = scores.shape
     cid = positions // size
+    if mx.default_device() == mx.cpu:
+        t = mx.arange(N, dtype=mx.int32)
+        change = cid[:, :, 1:] != cid[:, :, :-1]
+        edge = mx.ones((b, h, 1), mx.bool_)
+        first = mx.cummax(mx.where(mx.concatenate([edge, change], axis=2), t, 0), axis=2)
+        last = mx.cummin(mx.where(mx.concatenate([change, edge], axis=2), t, N - 1), axis=2,
+                         reverse=True)
+        prefix = mx.cumsum(scores.astype(mx.float64), axis=2)
+        prefix = mx.concatenate([mx.zeros((b, h, 1), mx.float64), prefix], axis=2)
+        total = (mx.take_along_axis(prefix, last + 1, axis=2)
+                 - mx.take_along_axis(prefix, first, axis=2))
+        return (total / (last - first + 1).astype(mx.float64)).astype(mx.float32)
     start = mx.concatenate([mx.ones((b, h, 1), mx.bool_), cid[:, :, 1:] != cid[:, :, :-1]], axis=2)
     run = mx.cumsum(start.astype(mx.int32), axis=2) - 1            # chunk rank within the row
     flat = (run + evict.row_offsets(b, h, N)).reshape(-1)
