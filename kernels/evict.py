@@ -2,18 +2,20 @@
 
 A decode step at a full cache drops exactly one of the ``n + 1`` candidates per selection.
 With vectorised MLX ops that step is a chain of ~20 small primitives, and on a GPU each one
-costs launch and bookkeeping time that dwarfs its work at decode sizes. Three kernels do it:
+costs launch and bookkeeping time that dwarfs its work at decode sizes. Two kernels do it:
 
-* ``logits``: one warp per (batch row, kv head, candidate) computes the scaled float32 logits
-  of the kv head's query heads against the stored and new keys (coalesced, warp-reduced).
-* ``select``: one block per selection unit (a kv head, or every kv head of a batch row when
-  the layer keeps one token set): softmax per query head, the mean over the unit's query
-  heads, optionally H2O's accumulation (``old * decay + w``), protected slots left out, and
-  the argmin (first occurrence: the older of equal scores goes).
-* ``drop_rows``: one thread per element moves every kept row of keys, values, positions (and
-  scores) into place, writes the new row into the last slot and advances ``next_pos``.
+* ``weights``: one block per (batch row, kv head); a warp per candidate computes the scaled
+  float32 logits of the kv head's query heads against the stored and new keys (lanes across
+  head_dim, warp-reduced), then the softmax per query head and the mean over them; H2O's
+  variant adds the decayed old scores (``old * decay + w``).
+* ``compact``: a few blocks per (batch row, kv head); each finds the row's loser (a given
+  candidate, or the argmin of the weights or scores, averaged over the heads of a batch row
+  when the layer keeps one token set, protected slots left out, the older of equal scores
+  going first) and moves its share of the kept rows of keys, values, positions (and scores)
+  into place, the new row last; ``next_pos`` advances.
 
-MLX compiles each kernel at its first launch and caches it per template values and dtypes.
+StreamingLLM's loser is fixed, so its step is ``compact`` alone. MLX compiles each kernel at
+its first launch and caches it per template values and dtypes.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-__all__ = ["available", "weights", "compact"]
+__all__ = ["weights", "compact"]
 
 THREADS = 1024  # threads per block of the weights kernel (a power of two)
 COMPACT_THREADS = 256  # threads per block of the compact kernel (a power of two)
@@ -193,11 +195,6 @@ _COMPACT_BODY = """
 """
 
 _COMPACT = "os_[rows + i] = S[bh * N + src];"
-
-
-def available() -> bool:
-    """Whether MLX can launch CUDA kernels here."""
-    return getattr(mx, "cuda", None) is not None and mx.cuda.is_available()
 
 
 @lru_cache(maxsize=None)
