@@ -160,8 +160,6 @@ def row_sq_norms(x: Float[Array, "... d"]) -> Float[Array, "..."]:
     return mx.square(x).sum(axis=-1)
 
 
-
-
 def cuda_update(mlx_update, capacity, decode_step):
     """The ``cuda`` backend's update for a per-step evictor (kernels in ``velox.kernels.evict``).
 
