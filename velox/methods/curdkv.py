@@ -96,19 +96,6 @@ def _fit_basis(x: mx.array, r: int) -> mx.array:
     return vecs
 
 
-def _leverage(x: mx.array, basis: mx.array, *more: mx.array) -> mx.array:
-    """Energy leverage of the rows of ``x`` (then of ``more``, as one candidate set) in the
-    subspace ``basis``; the full-rank energy share where the basis is unfitted (all zero)."""
-    parts = [p.astype(mx.float32) for p in (x, *more) if p.shape[2]]
-    energy = [evict.row_sq_norms(p) for p in parts]
-    total = mx.maximum(sum(e.sum(axis=-1, keepdims=True) for e in energy), _TINY)
-    fitted = (mx.abs(basis).sum(axis=(-2, -1)) > 0)[:, :, None]
-    bt = basis.swapaxes(-1, -2)  # [r, d] @ [d, n]: MLX's CPU matmul is far faster this way round
-    lev = [mx.where(fitted, mx.square(bt @ p.swapaxes(-1, -2)).sum(axis=-2), e)
-           for p, e in zip(parts, energy)]
-    return (mx.concatenate(lev, axis=2) if len(lev) > 1 else lev[0]) / total
-
-
 def _energy_in(x: mx.array, basis: mx.array) -> mx.array:
     """``||x_i V_r||^2`` of each row ``[b, h, n]`` (float32); ``||x_i||^2`` where the basis is
     unfitted (all zero). One row (a decode step) is projected elementwise, not by a matmul."""
@@ -121,6 +108,13 @@ def _energy_in(x: mx.array, basis: mx.array) -> mx.array:
         energy = evict.row_sq_norms(x)
         inside = mx.square(basis.swapaxes(-1, -2) @ x.swapaxes(-1, -2)).sum(axis=-2)
     return mx.where(fitted, inside, energy)
+
+
+def _leverage(x: mx.array, basis: mx.array) -> mx.array:
+    """Energy leverage ``||x_i V_r||^2 / ||X||_F^2`` of the rows of ``x`` in the subspace
+    ``basis``; the full-rank energy share where the basis is unfitted (all zero)."""
+    total = mx.maximum(evict.row_sq_norms(x).sum(axis=-1, keepdims=True), _TINY)
+    return _energy_in(x, basis) / total
 
 
 def curdkv_leverage(x: Float[Array, "b h n d"], rank_cap: int) -> Float[Array, "b h n"]:
