@@ -96,11 +96,12 @@ def _chunk_mean_mlx(scores: mx.array, positions: mx.array, size: int) -> mx.arra
     """
     b, h, N = scores.shape
     cid = positions // size
+    change = cid[:, :, 1:] != cid[:, :, :-1]
+    edge = mx.ones((b, h, 1), mx.bool_)
+    start = mx.concatenate([edge, change], axis=2)  # a run (chunk) begins here
     if mx.default_device() == mx.cpu:
         t = mx.arange(N, dtype=mx.int32)
-        change = cid[:, :, 1:] != cid[:, :, :-1]
-        edge = mx.ones((b, h, 1), mx.bool_)
-        first = mx.cummax(mx.where(mx.concatenate([edge, change], axis=2), t, 0), axis=2)
+        first = mx.cummax(mx.where(start, t, 0), axis=2)
         last = mx.cummin(mx.where(mx.concatenate([change, edge], axis=2), t, N - 1), axis=2,
                          reverse=True)
         prefix = mx.cumsum(scores.astype(mx.float64), axis=2)
@@ -108,7 +109,6 @@ def _chunk_mean_mlx(scores: mx.array, positions: mx.array, size: int) -> mx.arra
         total = (mx.take_along_axis(prefix, last + 1, axis=2)
                  - mx.take_along_axis(prefix, first, axis=2))
         return (total / (last - first + 1).astype(mx.float64)).astype(mx.float32)
-    start = mx.concatenate([mx.ones((b, h, 1), mx.bool_), cid[:, :, 1:] != cid[:, :, :-1]], axis=2)
     run = mx.cumsum(start.astype(mx.int32), axis=2) - 1            # chunk rank within the row
     flat = (run + evict.row_offsets(b, h, N)).reshape(-1)
     sums = mx.zeros((b * h * N,), mx.float32).at[flat].add(scores.reshape(-1))
