@@ -49,16 +49,17 @@ def test_morphkv_by_hand(backend):
     st = velox.morphkv_init(1, 1, 1, budget=3, n_sink=0, window=1, backend=backend)
     st = velox.morphkv_update(velox.morphkv_update(st, k[:, :, :3], k[:, :, :3]), k[:, :, 3:], k[:, :, 3:])
     assert pos(st) == [0, 1, 3]
-    # Real queries equal to the keys: t2's query is kept from the first update and votes with
-    # t3's, so the result is the proxy's; afterwards the buffer holds t3's query.
+    # Real queries equal to the keys: t2's profile is stored by the first update and votes with
+    # t3's, so the result is the proxy's; afterwards the state holds t3's profile over the
+    # kept rows t0, t2, t3.
     st = velox.morphkv_init(1, 1, 1, budget=3, n_sink=0, window=2, backend=backend)
     st = velox.morphkv_update(st, k[:, :, :3], k[:, :, :3], queries=k[:, :, :3])
-    assert np.array(st.voters).ravel().tolist() == [-1.0]
+    assert np.allclose(np.array(st.profiles).ravel(), softmax([-1, 0, 1]), atol=1e-6)
     st = velox.morphkv_update(st, k[:, :, 3:], k[:, :, 3:], queries=k[:, :, 3:])
     assert pos(st) == [0, 2, 3]
-    assert np.array(st.voters).ravel().tolist() == [1.0]
-    # Bytes: 3 kept rows x (key, value) x 4 B + positions 12 + next_pos 4 + one voter query 4.
-    assert velox.morphkv_bytes(st) == 24 + 12 + 4 + 4
+    assert np.allclose(np.array(st.profiles).ravel(), softmax([1, 0, -1, 1])[[0, 2, 3]], atol=1e-6)
+    # Bytes: 3 kept rows x (key, value) x 4 B + positions 12 + next_pos 4 + one profile 3 x 4 B.
+    assert velox.morphkv_bytes(st) == 24 + 12 + 4 + 12
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -267,12 +268,21 @@ def test_morphkv_protects_the_next_voters(backend):
     for s in (15, 1, 1, 5, 1):
         k = mx.array(rng.standard_normal((1, 2, s, 8)).astype(np.float32))
         q = mx.array(rng.standard_normal((1, 4, s, 8)).astype(np.float32))
+        cand = np.concatenate([np.array(st.keys), np.array(k)], axis=2)  # [1, 2, N, 8]
+        cand_pos = np.concatenate([np.array(st.positions)[0], np.array(st.next_pos)[0, :, None]
+                                   + np.arange(s)], axis=-1)  # [2, N]
         st = velox.morphkv_update(st, k, k, queries=q)
         seen = int(np.array(st.next_pos)[0, 0])
         p = np.array(st.positions)
         assert (p[..., -3:] == np.arange(seen - 3, seen)).all()  # window - 1 newest stay
-        assert np.array(st.voters).shape == (1, 2, 2, 3, 8)  # their real queries (2 per kv head)
-        assert np.array_equal(np.array(st.voters)[0, 0, :, -1], np.array(q)[0, :2, -1])
+        prof = np.array(st.profiles)
+        assert prof.shape == (1, 2, 10, 3)  # profiles of the 3 newest tokens over the kept rows
+        for j in range(2):  # the newest token's profile: its 2 query heads' mean attention over
+            # the candidates at this update, read at the rows that stayed
+            logits = np.array(q)[0, 2 * j:2 * j + 2, -1] @ cand[0, j].T / np.sqrt(8)
+            want = np.mean([softmax(row) for row in logits], axis=0)
+            assert np.allclose(prof[0, j, :, -1], want[np.searchsorted(cand_pos[j], p[0, j])], atol=1e-6)
+        assert np.all(prof[0, :, -1, :2] == 0)  # older voters give the newest token nothing
 
 
 def test_kvzip_importance_is_a_max_over_probes():

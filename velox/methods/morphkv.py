@@ -1,24 +1,30 @@
-"""MorphKV: keep the tokens the most recent window of queries attends to; memoryless.
+"""MorphKV: keep the tokens the most recent window of queries attends to.
 
 References:
     Ghadia, Kumar, Jain, Nair, Das. Dialogue Without Limits: Constant-Sized KV Caches for
     Extended Responses in LLMs. ICML 2025. arXiv:2503.00979.
 
-Rule: the ``window`` newest tokens vote (the chunk's newest queries, preceded where the chunk
-is shorter than the window by the stored real queries of the tokens before it); each candidate
-(stored + new) scores the sum (or max) over voters of the causal attention it receives, averaged
-over the kv head's query heads. Sinks and the ``window - 1`` newest tokens (the next update's
-voters) are protected; the ``budget`` best candidates are kept. A chunk is one selection.
+Rule: the ``window`` newest tokens vote. Each voter's *attention profile* is its causal
+attention over the cache at its own step, averaged over the kv head's query heads; a candidate
+(stored + new) scores the sum (or max) of the voters' profiles at it (0 from voters older than
+it). As in the paper, a profile is computed once, when its token arrives, and the state keeps
+the profiles of the ``window - 1`` newest tokens beside the rows they cover (``profiles``,
+``[b, h, n, window - 1]``, float32), so a decode step scores with one query, like TOVA. Sinks and
+the ``window - 1`` newest tokens (the next update's voters) are protected; the ``budget`` best
+candidates are kept. A chunk is one selection, voted by its newest ``window`` queries (preceded,
+when it is shorter than the window, by the stored profiles).
 
 Deviations from the paper:
     * ``window - 1`` recent tokens are protected instead of ``window``: the window's oldest
       token competes like every other, so ``window=1`` is TOVA's rule exactly.
     * ``n_sink`` protects the first tokens; the paper protects none.
-    * Without real queries the voters' keys stand in for their queries (key-as-query proxy);
-      an update whose query head count differs from the stored voters' restarts the window.
-    * The voters' attention is recomputed over the current candidates at every update (the
-      paper reuses each recent token's attention profile from its own step).
-    * ``per_head=False`` keeps one token set per layer (attention averaged over kv heads).
+    * Without real queries a token's key stands in for its query (key-as-query proxy).
+    * A profile is averaged over the kv head's query heads before the voters combine, so with
+      ``aggregate='max'`` and grouped queries the max is taken over the group means.
+    * ``per_head=False`` keeps one token set per layer (scores averaged over kv heads).
+
+Memory: the profiles add ``4 * (window - 1)`` bytes per stored token and kv head (28 B at the
+default window 8), counted by :func:`morphkv_bytes`.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
 from ..accounting import state_nbytes
-from ..attention import candidate_weights, group_queries
+from ..attention import candidate_weights, scoring_queries
 from ..registry import dispatch, prepare_init, register
 
 __all__ = ["MorphKVState", "morphkv_init", "morphkv_update", "morphkv_get_kv", "morphkv_bytes"]
@@ -41,13 +47,14 @@ KEY = "morphkv"
 
 
 class MorphKVState(NamedTuple):
-    """Kept rows, their positions, and the real queries of the newest ``window - 1`` tokens."""
+    """Kept rows, their positions, and the attention profiles of the ``window - 1`` newest
+    tokens over them (column ``j``: the ``j``-th of those voters, oldest first)."""
 
     keys: Float[Array, "b h n d"]
     values: Float[Array, "b h n d"]
     positions: Int[Array, "b h n"]
     next_pos: Int[Array, "b h"]
-    voters: Float[Array, "b h g m d"]  # queries of the m <= window-1 newest tokens (g=0: none)
+    profiles: Float[Array, "b h n w"]
     budget: int
     n_sink: int
     window: int
@@ -63,78 +70,61 @@ def morphkv_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = 
     p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
                               dict(budget=budget, n_sink=n_sink, window=window,
                                    aggregate=aggregate, per_head=per_head))
-    voters = mx.zeros((batch, kv_heads, 0, 0, head_dim), dtype)
-    return MorphKVState(*evict.empty_rows(batch, kv_heads, head_dim, dtype), voters, **p,
+    profiles = mx.zeros((batch, kv_heads, 0, window - 1), mx.float32)
+    return MorphKVState(*evict.empty_rows(batch, kv_heads, head_dim, dtype), profiles, **p,
                         backend=backend)
-
-
-def _voters_mlx(state: MorphKVState, keys, queries) -> tuple[mx.array, mx.array]:
-    """Scoring queries of the newest ``W`` candidates ``[b, h, g, W, d]`` and the new buffer."""
-    n, s = state.keys.shape[2], keys.shape[2]
-    keep = state.window - 1
-    if queries is None:  # proxies: the newest stored keys (protected, so still stored) and the new
-        w = min(state.window, n + s)
-        prev = state.keys[:, :, n - (w - s):] if w > s else state.keys[:, :, :0]
-        voters = mx.concatenate([prev, keys], axis=2)[:, :, -w:][:, :, None]
-        b, h, _, d = keys.shape
-        return voters, mx.zeros((b, h, 0, 0, d), keys.dtype)
-    q = group_queries(queries, keys.shape[1])  # [b, h, g, s, d]
-    prev = state.voters if state.voters.shape[2] == q.shape[2] else state.voters[:, :, :0, :0]
-    if prev.shape[3]:
-        q = mx.concatenate([prev.astype(q.dtype), q], axis=3)
-    voters = q[:, :, :, -state.window:]
-    buffer = q[:, :, :, q.shape[3] - min(keep, q.shape[3]):] if keep else q[:, :, :, :0]
-    return voters, buffer.astype(keys.dtype)
 
 
 def _update_mlx(state: MorphKVState, keys, values, queries) -> MorphKVState:
     n, s = state.keys.shape[2], keys.shape[2]
-    voters, buffer = _voters_mlx(state, keys, queries)
+    b, h = state.positions.shape[:2]
+    keep, over = state.window - 1, n + s > state.budget
+    m = min(state.window, s) if over else min(keep, s)  # this update's voters that matter
+    prof = mx.concatenate([state.profiles, mx.zeros((b, h, s, keep), mx.float32)], axis=2)
+    if m:  # the newest m queries' profiles over the candidates, one column each
+        q = scoring_queries(keys, queries)[:, :, :, s - m:]
+        w = candidate_weights(q, state.keys, keys).mean(axis=2)  # [b, h, m, n+s], causal
+        prof = mx.concatenate([prof, w.swapaxes(-1, -2)], axis=3)
     idx = None
-    if n + s > state.budget:
-        w = candidate_weights(voters, state.keys, keys)  # [b, h, g, W, n+s], causal on slots
-        score = (w.sum(axis=3) if state.aggregate == "sum" else w.max(axis=3)).mean(axis=2)
+    if over:
+        votes = prof[..., prof.shape[3] - state.window:]
+        score = votes.sum(axis=-1) if state.aggregate == "sum" else votes.max(axis=-1)
         if not state.per_head:
             score = score.mean(axis=1, keepdims=True)
-        idx = evict.top_budget(score, state.budget,
-                               evict.protected(n + s, state.n_sink, state.window - 1))
+        idx = evict.top_budget(score, state.budget, evict.protected(n + s, state.n_sink, keep))
         idx = mx.broadcast_to(idx, state.positions.shape[:2] + idx.shape[2:])
-    k, v, p = evict.keep_rows((state.keys, state.values, state.positions),
-                              (keys, values, evict.new_positions(state.next_pos, s)), idx)
-    return state._replace(keys=k, values=v, positions=p, voters=buffer,
-                          next_pos=state.next_pos + s)
+    prof = prof[..., prof.shape[3] - keep:]
+    k, v, p, pr = evict.keep_rows(
+        (state.keys, state.values, state.positions, prof[:, :, :n]),
+        (keys, values, evict.new_positions(state.next_pos, s), prof[:, :, n:]), idx)
+    return state._replace(keys=k, values=v, positions=p, profiles=pr, next_pos=state.next_pos + s)
 
 
 def _update_reference(state: MorphKVState, keys, values, queries) -> MorphKVState:
     c = ref.candidates(state, keys, values, queries)
     b, h, N = c.positions.shape
-    keep = state.window - 1
-    if c.queries is None:  # proxies: every candidate's key stands in for its query
-        q = c.keys.astype(np.float64)[:, :, None]
-        buffer = np.zeros((b, h, 0, 0, keys.shape[3]))
-    else:
-        q = ref.scoring_queries(c.new_keys, c.queries)  # [b, h, g, s, d]
-        prev = ref.to_np(state.voters)
-        if prev.shape[2] == q.shape[2] and prev.shape[3]:
-            q = np.concatenate([prev, q], axis=3)
-        buffer = q[:, :, :, q.shape[3] - min(keep, q.shape[3]):] if keep else q[:, :, :, :0]
-    W = min(state.window, q.shape[3])
-    voters = q[:, :, :, q.shape[3] - W:]
-    buffer = ref.to_mx(buffer, state.keys.dtype)
-    if N <= state.budget:
-        return ref.keep(state, c, [[None] * h for _ in range(b)])._replace(voters=buffer)
-    score = np.zeros((b, h, N))
+    s = keys.shape[2]
+    keep, over = state.window - 1, N > state.budget
+    m = min(state.window, s) if over else min(keep, s)
+    q = ref.scoring_queries(c.new_keys, c.queries)  # [b, h, g, s, d]
+    prof = np.zeros((b, h, N, keep + m))
+    prof[:, :, : N - s, :keep] = ref.to_np(state.profiles)
     for i in range(b):
-        for j in range(h):  # voter t sits at candidate slot N - W + t (the newest tokens)
+        for j in range(h):  # voter t (of the newest m) sits at candidate slot N - m + t
             pos = c.positions[i, j]
-            w = ref.attention_weights(voters[i, j].astype(np.float64), c.keys[i, j], pos, pos[N - W:])
-            score[i, j] = (w.sum(axis=1) if state.aggregate == "sum" else w.max(axis=1)).mean(0)
-    if not state.per_head:
-        score[:] = score.mean(axis=1, keepdims=True)
-    chosen = [[ref.top_budget(score[i, j], state.budget,
-                              ref.protected(c.positions[i, j], c.total[i, j], state.n_sink, keep))
-               for j in range(h)] for i in range(b)]
-    return ref.keep(state, c, chosen)._replace(voters=buffer)
+            w = ref.attention_weights(q[i, j, :, s - m:].astype(np.float64), c.keys[i, j], pos,
+                                      pos[N - m:])
+            prof[i, j, :, keep:] = w.mean(axis=0).T
+    chosen = [[None] * h for _ in range(b)]
+    if over:
+        votes = prof[..., keep + m - state.window:]
+        score = votes.sum(axis=-1) if state.aggregate == "sum" else votes.max(axis=-1)
+        if not state.per_head:
+            score[:] = score.mean(axis=1, keepdims=True)
+        chosen = [[ref.top_budget(score[i, j], state.budget,
+                                  ref.protected(c.positions[i, j], c.total[i, j], state.n_sink, keep))
+                   for j in range(h)] for i in range(b)]
+    return ref.keep(state, c, chosen, profiles=prof[..., m:])
 
 
 def morphkv_update(state: MorphKVState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
@@ -149,7 +139,7 @@ def morphkv_get_kv(state: MorphKVState) -> tuple[Float[Array, "b h n d"], Float[
 
 
 def morphkv_bytes(state: MorphKVState) -> int:
-    """Bytes of every array the state holds (the voters' queries included)."""
+    """Bytes of every array the state holds (the voters' attention profiles included)."""
     return state_nbytes(state)
 
 
