@@ -482,6 +482,32 @@ def test_cam_dense_merge_matches_reference(data):
         vt.assert_states_close(case, a, b, atol=atol, rtol=rtol, what=f"dense mlx vs reference after update {t}")
 
 
+@pytest.mark.parametrize("backend,rowwise", [("reference", True), ("mlx", True), ("mlx", False)])
+@pytest.mark.parametrize("merge", ["sim_weighted", "window", "drop"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_cam_key_norms_are_the_stored_keys_norms(dtype, merge, backend, rowwise):
+    """The carried key norms stay the norms of the keys the state holds, merged ones too."""
+    from velox.methods import cam
+
+    rng = np.random.default_rng(5)
+    st = velox.cam_init(1, 2, 16, dtype=dtype, budget=12, n_sink=2, grace=2, merge=merge,
+                        merge_keys=True, merge_gate=False, backend=backend)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cam, "_rowwise", lambda: rowwise)
+        seen = []
+        for s in (20, 1, 1, 3, 1, 1):
+            k, v = (mx.array(rng.standard_normal((1, 2, s, 16)).astype(np.float32)).astype(dtype)
+                    for _ in range(2))
+            seen.append(np.array(k.astype(mx.float32)))
+            st = velox.cam_update(st, k, v)
+            keys = np.array(st.keys.astype(mx.float32)).astype(np.float64)
+            assert st.key_norms.dtype == mx.float32 and st.key_norms.shape == st.positions.shape
+            assert np.allclose(np.array(st.key_norms), np.linalg.norm(keys, axis=-1), rtol=1e-6, atol=1e-6)
+    inputs = np.take_along_axis(np.concatenate(seen, axis=2), np.array(st.positions)[..., None], axis=2)
+    merged = ~(np.array(st.keys.astype(mx.float32)) == inputs).all(axis=-1)
+    assert merged.any() == (merge != "drop")  # the norms of merged keys were checked too
+
+
 @pytest.mark.parametrize("key,shared,a,b", [("squeeze", "strength", 0.3, 0.6),
                                             ("chunkkv", "reuse_layers", 1, 2)])
 def test_model_init_refuses_layers_that_disagree_on_a_model_level_parameter(key, shared, a, b):

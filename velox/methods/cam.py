@@ -17,6 +17,10 @@ merges every loser):
 Values always merge, keys too with ``merge_keys``; a merged loser's score moves to its targets
 (split evenly in ``window``). A multi-token chunk is one selection whose losers merge at once.
 
+The state keeps each stored key's L2 norm (``key_norms``, float32, 4 bytes per token and kv
+head), computed once when the key arrives (and again for a key changed by a merge), so that
+the cosines of a decode step read the kept keys once.
+
 References:
     Zhang, Du, Luo, Zhong, Zhang, Liu, Ji. CaM: Cache Merging for Memory-efficient LLMs
     Inference. ICML 2024 (PMLR 235:58840-58850).
@@ -50,12 +54,14 @@ KEY = "cam"
 
 
 class CaMState(NamedTuple):
-    """Kept (possibly merged) rows, their absolute positions and accumulated ``scores``."""
+    """Kept (possibly merged) rows, their absolute positions, accumulated ``scores`` and the
+    L2 norms of the stored keys."""
 
     keys: Float[Array, "b h n d"]
     values: Float[Array, "b h n d"]
     positions: Int[Array, "b h n"]
     scores: Float[Array, "b h n"]
+    key_norms: Float[Array, "b h n"]
     next_pos: Int[Array, "b h"]
     budget: int
     n_sink: int
@@ -79,12 +85,13 @@ def cam_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.f
                                    merge_gate=merge_gate, merge_window=merge_window, grace=grace,
                                    decay=decay, seed=seed))
     k, v, pos, nxt = evict.empty_rows(batch, kv_heads, head_dim, dtype)
-    return CaMState(k, v, pos, mx.zeros((batch, kv_heads, 0), mx.float32), nxt, **p, backend=backend)
+    empty = mx.zeros((batch, kv_heads, 0), mx.float32)
+    return CaMState(k, v, pos, empty, empty, nxt, **p, backend=backend)
 
 
-def _unit(x: mx.array) -> mx.array:
-    norm = mx.sqrt(evict.row_sq_norms(x))[..., None]
-    return x / mx.maximum(norm, 1e-30)
+def _norms(x: mx.array) -> mx.array:
+    """L2 norm of every row, float32."""
+    return mx.sqrt(evict.row_sq_norms(x))
 
 
 def _rowwise() -> bool:
@@ -124,10 +131,12 @@ def _split_mlx(stored: tuple, fresh: tuple, idx: mx.array, rowwise: bool) -> tup
 
 
 def _merge_mlx(state: CaMState, stored: tuple, fresh: tuple, idx: mx.array) -> tuple:
-    """Survivors ``idx`` of the candidates ``(keys, values, positions, scores)`` with the
-    losers merged in. Only the target rows are rewritten (in place where MLX can donate)."""
+    """Survivors ``idx`` of the candidates ``(keys, values, positions, scores, key_norms)``
+    with the losers merged in. Only the target rows are rewritten (in place where MLX can
+    donate)."""
     rowwise = _rowwise()
-    (sk, sv, spos, s_acc), (lk, lv, lpos, l_acc), before = _split_mlx(stored, fresh, idx, rowwise)
+    (sk, sv, spos, s_acc, s_norm), (lk, lv, lpos, l_acc, l_norm), before = _split_mlx(
+        stored, fresh, idx, rowwise)
     b, h, B, d = sk.shape
     lose_count = lk.shape[2]
     lk, lv = lk.astype(mx.float32), lv.astype(mx.float32)
@@ -141,9 +150,8 @@ def _merge_mlx(state: CaMState, stored: tuple, fresh: tuple, idx: mx.array) -> t
         weight = valid.astype(mx.float32) / mx.maximum(size, 1.0)[..., None]
         has_target = size > 0
     else:
-        skf = sk.astype(mx.float32)
-        norms = mx.maximum(mx.sqrt(evict.row_sq_norms(skf)), 1e-30)[:, :, None, :]
-        cos = (_unit(lk) @ skf.swapaxes(-1, -2)) / norms                    # [b, h, E, B]
+        unit = lk / mx.maximum(l_norm, 1e-30)[..., None]
+        cos = (unit @ sk.astype(mx.float32).swapaxes(-1, -2)) / mx.maximum(s_norm, 1e-30)[:, :, None, :]
         cos = mx.where(mx.arange(B) >= state.n_sink, cos, -mx.inf)          # sinks: first slots
         tgt = mx.argmax(cos, axis=-1).astype(mx.int32)[..., None]           # [b, h, E, 1]
         den = mx.take_along_axis(s_acc, tgt[..., 0], axis=2)
@@ -179,19 +187,24 @@ def _merge_mlx(state: CaMState, stored: tuple, fresh: tuple, idx: mx.array) -> t
         return rows.reshape(b, h, B, d)
 
     sv = merged(sv, lv)
-    sk = merged(sk, lk) if state.merge_keys else sk
+    if state.merge_keys:  # merged keys: the targets' norms are those of their new rows
+        sk = merged(sk, lk)
+        s_norm = s_norm.reshape(-1)
+        s_norm[flat] = _norms(sk.reshape(-1, d)[flat])
+        s_norm = s_norm.reshape(b, h, B)
     moved = (share * l_acc[..., None]).reshape(-1)                          # scores follow merges
     s_acc = (s_acc.reshape(-1).at[flat].add(moved)).reshape(b, h, B)
-    return sk, sv, spos, s_acc
+    return sk, sv, spos, s_acc, s_norm
 
 
 def _update_mlx(state: CaMState, keys, values, queries) -> CaMState:
     stored, fresh, idx = heavy_hitters(state, keys, values, queries, state.grace)
+    stored, fresh = stored + (state.key_norms,), fresh + (_norms(keys),)
     if idx is None or state.merge == "drop":
-        k, v, p, sc = evict.keep_rows(stored, fresh, idx)
+        k, v, p, sc, kn = evict.keep_rows(stored, fresh, idx)
     else:
-        k, v, p, sc = _merge_mlx(state, stored, fresh, idx)
-    return state._replace(keys=k, values=v, positions=p, scores=sc,
+        k, v, p, sc, kn = _merge_mlx(state, stored, fresh, idx)
+    return state._replace(keys=k, values=v, positions=p, scores=sc, key_norms=kn,
                           next_pos=state.next_pos + keys.shape[2])
 
 
@@ -255,7 +268,9 @@ def _update_reference(state: CaMState, keys, values, queries) -> CaMState:
                 sel = chosen[i][j]
                 sk, sv, sacc = _merge_reference(state, c.keys[i, j], c.values[i, j], pos, acc[i, j], sel)
                 merged_k[i, j, sel], merged_v[i, j, sel], acc[i, j, sel] = sk, sv, sacc
-    return ref.keep(state, c._replace(keys=merged_k, values=merged_v), chosen, scores=acc)
+    stored_k = ref.round_to(merged_k, state.keys.dtype).astype(np.float64)  # as the state holds them
+    return ref.keep(state, c._replace(keys=merged_k, values=merged_v), chosen, scores=acc,
+                    key_norms=np.linalg.norm(stored_k, axis=-1))
 
 
 def cam_update(state: CaMState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
@@ -270,7 +285,7 @@ def cam_get_kv(state: CaMState) -> tuple[Float[Array, "b h n d"], Float[Array, "
 
 
 def cam_bytes(state: CaMState) -> int:
-    """Bytes of every array the state holds (scores included)."""
+    """Bytes of every array the state holds (scores and key norms included)."""
     return state_nbytes(state)
 
 
