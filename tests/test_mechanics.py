@@ -121,23 +121,26 @@ def test_pack_rejects_lengths_that_do_not_fill_words():
 
 @given(n=st.integers(1, 12), losers=st.integers(0, 4), data=st.data())
 def test_keep_rows_decode_step_equals_gather_of_candidates(n, losers, data):
-    """One new token: keep_rows (no concatenation, in-place slot write) equals gathering rows
-    idx of stored ++ new, whether the new row is kept or not and with any number of losers."""
-    b, h, d = 2, 3, 4
+    """One new token: keep_rows (no concatenation; a gather and an in-place slot write for
+    wide rows, shifted views for narrow ones) equals gathering rows idx of stored ++ new,
+    whether the new row is kept or not and with any number of losers."""
+    b, h = 2, 3
     losers = min(losers, n)  # keep at least one of the n + 1 candidates
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
-    stored = rng.standard_normal((b, h, n, d)).astype(np.float32)
-    new = rng.standard_normal((b, h, 1, d)).astype(np.float32)
+    widths = (4, evict._SHIFT_MAX + 1)  # a narrow and a wide row: both paths
+    stored = [rng.standard_normal((b, h, n, d)).astype(np.float32) for d in widths]
+    new = [rng.standard_normal((b, h, 1, d)).astype(np.float32) for d in widths]
     pos = np.broadcast_to(np.arange(n, dtype=np.int32), (b, h, n)).copy()
     idx = np.stack([np.stack([np.sort(rng.choice(n + 1, n + 1 - losers, replace=False))
                               for _ in range(h)]) for _ in range(b)]).astype(np.int32)
-    got = evict.keep_rows((mx.array(stored), mx.array(pos)),
-                          (mx.array(new), mx.full((b, h, 1), n, mx.int32)), mx.array(idx))
-    cand = np.concatenate([stored, new], axis=2)
+    got = evict.keep_rows(tuple(mx.array(x) for x in stored) + (mx.array(pos),),
+                          tuple(mx.array(x) for x in new) + (mx.full((b, h, 1), n, mx.int32),),
+                          mx.array(idx))
+    for g, a, x in zip(got, stored, new):
+        want = np.take_along_axis(np.concatenate([a, x], axis=2), idx[..., None], axis=2)
+        np.testing.assert_array_equal(np.array(g), want)
     cand_pos = np.concatenate([pos, np.full((b, h, 1), n, np.int32)], axis=2)
-    want = np.take_along_axis(cand, idx[..., None], axis=2)
-    np.testing.assert_array_equal(np.array(got[0]), want)
-    np.testing.assert_array_equal(np.array(got[1]), np.take_along_axis(cand_pos, idx, axis=2))
+    np.testing.assert_array_equal(np.array(got[-1]), np.take_along_axis(cand_pos, idx, axis=2))
 
 
 def test_softmax_matches_mlx_and_zeroes_masked_entries():

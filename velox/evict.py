@@ -10,6 +10,7 @@ Tie rule (all backends): among equal scores the newer token is kept.
 from __future__ import annotations
 
 from collections.abc import Sequence
+import math
 from functools import lru_cache
 
 import mlx.core as mx
@@ -118,12 +119,16 @@ dims = dims_of("keys")  # (batch, kv_heads, head_dim, dtype) of a state storing 
 def keep_rows(stored: tuple, new: tuple, idx: Int[Array, "b h k"] | None) -> tuple:
     """Rows ``idx`` of each ``stored ++ new`` pair (token axis 2); ``None`` keeps all.
 
-    A decode step (one new token) gathers from the stored rows alone and writes the new row
-    into the last slot when it is kept (the newest kept token is always last), so the
-    candidates are never concatenated; chunks concatenate, then gather. The flat gather index
-    is built once for every array, and with one loser the last slot's other choice is the
-    last stored row (a static slice), so nothing but the slot write references the gathered
-    buffer and the write happens in place (MLX donates a buffer only it holds).
+    A decode step (one new token) never concatenates the candidates of a large array: it
+    gathers from the stored rows alone and writes the new row into the last slot when it is
+    kept (the newest kept token is always last). The flat gather index is built once for
+    every array, and with one loser the last slot's other choice is the last stored row (a
+    static slice), so nothing but the slot write references the gathered buffer and the write
+    happens in place (MLX donates a buffer only it holds). Chunks concatenate, then gather.
+
+    With one loser, arrays of a few values per token (positions, scores) are instead two
+    shifted views and a select: slot ``i`` holds candidate ``i`` or ``i + 1``. A gather moves
+    one index per value, which for such arrays costs far more than the select's fused loop.
     """
     n, s = stored[0].shape[2], new[0].shape[2]
     if idx is None:
@@ -134,17 +139,27 @@ def keep_rows(stored: tuple, new: tuple, idx: Int[Array, "b h k"] | None) -> tup
     base = row_offsets(b, h, n)
     flat = (mx.minimum(idx, n - 1) + base).reshape(-1)
     new_kept = idx[:, :, -1:] == n
+    same = idx == _const("arange", k) if k == n else None  # slot i holds candidate i (not i + 1)
     out = []
     for a, x in zip(stored, new):
         rest = a.shape[3:]
+        trailing = (1,) * len(rest)
+        if same is not None and math.prod(rest) <= _SHIFT_MAX:
+            shifted = mx.concatenate([a[:, :, 1:], x], axis=2)
+            out.append(mx.where(same.reshape(same.shape + trailing), a, shifted))
+            continue
         kept = mx.take(a.reshape(b * h * n, *rest), flat, axis=0).reshape(b, h, k, *rest)
         # the last slot holds the new row when it is kept, else stored row idx[k-1]: with one
         # loser (k == n) that is the last stored row, a static slice; else gathered on its own
         other = a[:, :, n - 1:] if k == n else take_rows(a, mx.minimum(idx[:, :, k - 1:], n - 1))
-        cond = new_kept.reshape(new_kept.shape + (1,) * len(rest))
+        cond = new_kept.reshape(new_kept.shape + trailing)
         start = mx.array([0, 0, k - 1] + [0] * len(rest))
         out.append(mx.slice_update(kept, mx.where(cond, x, other), start, axes=tuple(range(a.ndim))))
     return tuple(out)
+
+
+# Largest row (values per token) that keep_rows moves by shifted views rather than a gather.
+_SHIFT_MAX = 16
 
 
 def row_sq_norms(x: Float[Array, "... d"]) -> Float[Array, "..."]:
