@@ -168,10 +168,27 @@ def _merge_mlx(state: CaMState, stored: tuple, fresh: tuple, idx: mx.array) -> t
     if state.merge == "window":  # the paper: add x_e / m to each of its m targets
         denom, share = None, weight
     else:  # the weighted mean of each target and the losers merged into it
-        mass = mx.zeros((b * h * B,), mx.float32).at[flat].add(weight.reshape(-1))
-        denom, share = (1.0 + mass[flat])[:, None], (weight > 0).astype(mx.float32)
+        share = (weight > 0).astype(mx.float32)
+        if rowwise and lose_count == 1:  # one loser per row: a target's mass is its weight
+            denom = 1.0 + weight.reshape(-1, 1)
+        else:
+            mass = mx.zeros((b * h * B,), mx.float32).at[flat].add(weight.reshape(-1))
+            denom = (1.0 + mass[flat])[:, None]
 
-    def merged(x_surv, x_lose):  # target rows become (row + weighted losers) [/ (1 + mass)]
+    if rowwise:  # where each target row comes from in the inputs: stored row or new row
+        n, s = stored[0].shape[2], fresh[0].shape[2]
+        cand = mx.take_along_axis(idx, tgt.reshape(b, h, -1), axis=2)     # [b, h, E * t]
+        from_new = (cand >= n).reshape(-1)[:, None]
+        at_new = (mx.maximum(cand - n, 0) + evict.row_offsets(b, h, s)).reshape(-1)
+        at_stored = (mx.minimum(cand, max(n - 1, 0)) + evict.row_offsets(b, h, n)).reshape(-1)
+
+    def candidate_rows(x_stored, x_fresh):
+        """The targets' rows as they were before merging, read from the inputs."""
+        new = x_fresh.reshape(-1, d)[at_new]
+        return new if n == 0 else mx.where(from_new, new, x_stored.reshape(-1, d)[at_stored])
+
+    def merged(x_surv, x_lose, x_stored, x_fresh):
+        """Target rows become (row + weighted losers) [/ (1 + mass)]."""
         add = (weight[..., None] * x_lose[:, :, :, None, :]).reshape(-1, d)
         if not rowwise:  # dense: every row in float32, rescaled (by 1 where nothing merged)
             out = x_surv.astype(mx.float32).reshape(-1, d).at[flat].add(add)
@@ -181,14 +198,16 @@ def _merge_mlx(state: CaMState, stored: tuple, fresh: tuple, idx: mx.array) -> t
         if lose_count * tgt.shape[-1] > 1:  # entries may share a target row (several losers,
             # or window targets clamped to the last row): sum their parts per target
             add = mx.zeros((b * h * B, d), mx.float32).at[flat].add(add)[flat]
-        new = rows[flat].astype(mx.float32) + add
+        # the targets' rows come from the inputs, not from x_surv: a read of x_surv would
+        # keep the scatter below from writing into it in place (a copy of every row)
+        new = candidate_rows(x_stored, x_fresh).astype(mx.float32) + add
         new = new if denom is None else new / denom
         rows[flat] = new.astype(rows.dtype)  # a scatter into a new array; x_surv is untouched
         return rows.reshape(b, h, B, d)
 
-    sv = merged(sv, lv)
+    sv = merged(sv, lv, stored[1], fresh[1])
     if state.merge_keys:  # merged keys: the targets' norms are those of their new rows
-        sk = merged(sk, lk)
+        sk = merged(sk, lk, stored[0], fresh[0])
         s_norm = s_norm.reshape(-1)
         s_norm[flat] = _norms(sk.reshape(-1, d)[flat])
         s_norm = s_norm.reshape(b, h, B)
