@@ -154,4 +154,6 @@ def accumulated_scores(scores: Float[Array, "b h n"], queries: Float[Array, "b h
     # one query (a decode step) has weight decay**0 = 1
     coef = decay ** mx.arange(s - 1, -1, -1, dtype=mx.float32) if s > 1 else None
     m = mass(queries, stored, new, coef)
+    if n == 0:  # no arithmetic on empty arrays: MLX's compiled CUDA kernels fault on them
+        return scores, m
     return scores * (decay ** s) + m[:, :, :n], m[:, :, n:]

@@ -133,9 +133,13 @@ def keep_rows(stored: tuple, new: tuple, idx: Int[Array, "b h k"] | None) -> tup
     n, s = stored[0].shape[2], new[0].shape[2]
     if idx is None:
         return tuple(mx.concatenate([a, x], axis=2) for a, x in zip(stored, new))
+    b, h, k = idx.shape
+    if any(math.prod(a.shape[3:]) == 0 for a in stored):  # rows of no values: nothing to move
+        # (and no op on empty arrays: MLX's compiled CUDA kernels fault on them)
+        return tuple(mx.zeros((b, h, k) + a.shape[3:], a.dtype) if math.prod(a.shape[3:]) == 0
+                     else keep_rows((a,), (x,), idx)[0] for a, x in zip(stored, new))
     if s > 1 or n == 0:
         return tuple(take_rows(mx.concatenate([a, x], axis=2), idx) for a, x in zip(stored, new))
-    b, h, k = idx.shape
     base = row_offsets(b, h, n)
     flat = (mx.minimum(idx, n - 1) + base).reshape(-1)
     new_kept = idx[:, :, -1:] == n
