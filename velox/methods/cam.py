@@ -157,13 +157,14 @@ def _merge_mlx(state: CaMState, stored: tuple, fresh: tuple, idx: mx.array) -> t
         den = mx.take_along_axis(s_acc, tgt[..., 0], axis=2)
         sim = mx.take_along_axis(cos, tgt, axis=3)
         weight = mx.clip(sim, 0.0, 1.0) if state.merge == "sim_weighted" else mx.ones_like(sim)
-        has_target = mx.ones(den.shape, mx.bool_)
+        has_target = None  # every loser has one
     on = has_target
     if state.merge_gate:
         u = hash_uniform(state.seed, lpos)
         prob = mx.where(l_acc >= den, 1.0, l_acc / mx.maximum(den, 1e-30))
-        on = on & (u < prob)
-    weight = weight * on[..., None].astype(mx.float32)                      # [b, h, E, t]
+        on = u < prob if on is None else on & (u < prob)
+    if on is not None:
+        weight = weight * on[..., None].astype(mx.float32)                  # [b, h, E, t]
     flat = (tgt + evict.row_offsets(b, h, B)[..., None]).reshape(-1)
     if state.merge == "window":  # the paper: add x_e / m to each of its m targets
         denom, share = None, weight
@@ -177,14 +178,19 @@ def _merge_mlx(state: CaMState, stored: tuple, fresh: tuple, idx: mx.array) -> t
 
     if rowwise:  # where each target row comes from in the inputs: stored row or new row
         n, s = stored[0].shape[2], fresh[0].shape[2]
-        cand = mx.take_along_axis(idx, tgt.reshape(b, h, -1), axis=2)     # [b, h, E * t]
+        per_row = tgt.shape[2] * tgt.shape[3]                               # targets a row
+        t = tgt.reshape(b, h, per_row)
+        one_loser = s == 1 and lose_count == 1  # _split_mlx's row-wise step: before = loser
+        # survivor slot j is candidate j, or j + 1 from the loser on
+        cand = t + (t >= before) if one_loser else mx.take_along_axis(idx, t, axis=2)
         from_new = (cand >= n).reshape(-1)[:, None]
         at_new = (mx.maximum(cand - n, 0) + evict.row_offsets(b, h, s)).reshape(-1)
         at_stored = (mx.minimum(cand, max(n - 1, 0)) + evict.row_offsets(b, h, n)).reshape(-1)
 
     def candidate_rows(x_stored, x_fresh):
         """The targets' rows as they were before merging, read from the inputs."""
-        new = x_fresh.reshape(-1, d)[at_new]
+        # one new token and one target a row: the new row of each row is the target's
+        new = x_fresh.reshape(-1, d) if s == 1 and per_row == 1 else x_fresh.reshape(-1, d)[at_new]
         return new if n == 0 else mx.where(from_new, new, x_stored.reshape(-1, d)[at_stored])
 
     def merged(x_surv, x_lose, x_stored, x_fresh):
