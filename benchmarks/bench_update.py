@@ -7,17 +7,20 @@ and with the ``reference`` backend, and one ``mx.fast.scaled_dot_product_attenti
 single query over the kept cache. Prints times, the ratios the targets are stated in, and whether the compiled
 update retraced between steps. Also prints KIVI's measured bytes beside a hand count.
 
-    python benchmarks/bench_update.py [--steps 50] [--dtype float32] [--budget 512]
+    python benchmarks/bench_update.py [--steps 50] [--dtype float32] [--budget 512] [--rounds 1]
 
 Times are per step, median of the measured steps, on whatever device MLX uses by default. The
 mlx updates and the attention are timed in turn within each step and the ratios are medians
-of the per-step ratios, so that a shared machine's noise touches both sides alike.
+of the per-step ratios, so that a shared machine's noise touches both sides alike. With
+``--rounds R`` every method is measured R times (fresh states each time, the methods taken in
+turn); a row then gives the median of the rounds and the range of its ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -154,6 +157,23 @@ def bench_method(key: str, budget: int, steps: int, ref_steps: int, dtype: mx.Dt
     return row
 
 
+RATIOS = ("mlx/sdpa", "compiled/sdpa", "kernel/sdpa")
+
+
+def combine_rounds(rounds: list[dict]) -> dict:
+    """One row from the rows of several rounds of one method: the median of every number,
+    the ``min-max`` range of each ratio (``<ratio> range``), and the rounds themselves."""
+    row = dict(rounds[0])
+    for key, value in rounds[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            row[key] = statistics.median(r[key] for r in rounds)
+    for key in RATIOS:
+        vals = [r[key] for r in rounds if math.isfinite(r[key])]
+        row[f"{key} range"] = f"{min(vals):.1f}-{max(vals):.1f}" if vals else "n/a"
+    row["rounds"] = rounds
+    return row
+
+
 def _kernel_backend(m) -> str | None:
     """The method's fused-kernel backend that runs on this machine, if any."""
     for name in ("cuda", "metal"):
@@ -193,6 +213,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--methods", nargs="*", default=None)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure every method this many times and report medians and ranges")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     ap.add_argument("--no-compile", action="store_true",
                     help="skip the compiled update (for backends where compiling a method fails)")
@@ -200,13 +222,21 @@ def main(argv=None) -> int:
     dtype = getattr(mx, args.dtype)
     print(f"device {mx.default_device()}, mlx {mx.__version__}, b={B} h={H} d={D}, "
           f"budget {args.budget}, {args.dtype}")
-    rows = []
-    for k in args.methods or method_keys():
-        rows.append(bench_method(k, args.budget, args.steps, args.ref_steps, dtype, not args.no_compile))
-        print(f"  {k}: done", file=sys.stderr, flush=True)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    keys = args.methods or method_keys()
+    runs = {k: [] for k in keys}
+    for i in range(args.rounds):
+        for k in keys:
+            runs[k].append(bench_method(k, args.budget, args.steps, args.ref_steps, dtype,
+                                        not args.no_compile))
+            print(f"  {k}: round {i + 1} done", file=sys.stderr, flush=True)
+    rows = [combine_rounds(runs[k]) if args.rounds > 1 else runs[k][0] for k in keys]
     cols = ["method", "kept", "sdpa_us", "mlx_us", "compiled_us", "reference_us", "mlx/sdpa",
             "compiled/sdpa", "reference/mlx", "retraces_after_warmup", "kernel", "kernel_us",
             "kernel/sdpa", "reference/kernel"]
+    if args.rounds > 1:
+        cols += [f"{key} range" for key in RATIOS]
     print(" | ".join(f"{c:>14s}" for c in cols))
     for r in rows:
         print(" | ".join(f"{r[c]:>14.1f}" if isinstance(r[c], float) else f"{r[c]!s:>14s}" for c in cols))

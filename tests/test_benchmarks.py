@@ -7,6 +7,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -41,3 +43,24 @@ def test_bench_update_without_compile(capsys):
     row = bench.bench_method("streaming_llm", 32, 3, 1, bench.mx.float32, compile_update=False)
     assert row["retraces_after_warmup"] == "n/a" and math.isnan(row["compiled_us"])
     assert row["kept"] == 32 and row["mlx_us"] > 0
+
+
+def test_bench_update_rounds_give_medians_and_ranges(tmp_path, capsys):
+    bench = _load("bench_update")
+    out = tmp_path / "rows.json"
+    assert bench.main(["--methods", "streaming_llm", "--steps", "3", "--ref-steps", "1",
+                       "--budget", "32", "--rounds", "3", "--json", str(out)]) == 0
+    assert "compiled/sdpa range" in capsys.readouterr().out
+    row = json.loads(out.read_text())["rows"][0]
+    rounds = row["rounds"]
+    assert len(rounds) == 3 and all(r["kept"] == 32 for r in rounds)
+    ratios = sorted(r["compiled/sdpa"] for r in rounds)
+    assert row["compiled/sdpa"] == ratios[1]  # the median of three
+    assert row["compiled/sdpa range"] == f"{ratios[0]:.1f}-{ratios[2]:.1f}"
+
+
+def test_bench_update_refuses_zero_rounds(capsys):
+    bench = _load("bench_update")
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--methods", "tova", "--rounds", "0"])
+    assert exc.value.code == 2 and "--rounds must be at least 1" in capsys.readouterr().err
