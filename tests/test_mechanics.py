@@ -158,3 +158,16 @@ def test_softmax_matches_mlx_and_zeroes_masked_entries():
     # axis other than the last
     np.testing.assert_allclose(np.array(softmax(x[:, :, :50], axis=1)),
                                np.array(mx.softmax(x[:, :, :50], axis=1, precise=True)), rtol=5e-7)
+
+
+@given(n=st.integers(0, 9), s=st.integers(1, 12), width=st.sampled_from([1, 4, 17, 40]),
+       dtype=st.sampled_from(["float32", "float16", "int32"]), data=st.data())
+def test_append_rows_equals_concatenation(n, s, width, dtype, data):
+    """append_rows (a gather and an in-place write for wide rows and short appends, else a
+    concatenation) equals NumPy's concatenation on the token axis."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    a = (rng.standard_normal((2, 3, n, width)) * 100).astype(dtype)
+    x = (rng.standard_normal((2, 3, s, width)) * 100).astype(dtype)
+    got = evict.append_rows(mx.array(a), mx.array(x))
+    np.testing.assert_array_equal(np.array(got), np.concatenate([a, x], axis=2))
+    assert got.dtype == getattr(mx, dtype)

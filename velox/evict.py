@@ -20,7 +20,7 @@ from ._typing import Array, Bool, Float, Int, Shaped
 from .registry import dims_of
 
 __all__ = ["empty_rows", "new_positions", "protected", "top_budget", "row_offsets", "all_but",
-           "take_rows", "keep_rows", "dims", "row_sq_norms", "cuda_update", "with_compacted"]
+           "take_rows", "append_rows", "keep_rows", "dims", "row_sq_norms", "cuda_update", "with_compacted"]
 
 
 def empty_rows(batch: int, heads: int, head_dim: int, dtype: mx.Dtype):
@@ -43,6 +43,10 @@ def _const(kind: str, *args: int) -> mx.array:
     if kind == "base":  # row offsets of [b, h] blocks of n rows: [b, h, 1]
         b, h, n = args
         return mx.array((np.arange(b * h, dtype=np.int32) * n).reshape(b, h, 1))
+    if kind == "append":  # flat rows of [b, h] blocks of n rows, each followed by s copies of its last
+        b, h, n, s = args
+        rows = np.minimum(np.arange(n + s), n - 1)[None, :] + (np.arange(b * h) * n)[:, None]
+        return mx.array(rows.reshape(-1).astype(np.int32))
     n, n_sink, recent = args  # "protected"
     i = np.arange(n)
     return mx.array((i < n_sink) | ((i >= n - recent) if recent else False))
@@ -113,6 +117,24 @@ def take_rows(x: Shaped[Array, "b h n *rest"], idx: Int[Array, "b h k"] | None) 
     return flat.reshape(b, h, k, *rest)
 
 
+def append_rows(a: Shaped[Array, "b h n *rest"], x: Shaped[Array, "b h s *rest"]) -> Shaped[Array, "b h ns *rest"]:
+    """``a ++ x`` along the token axis (axis 2).
+
+    For wide rows (keys, values) and a few new rows this is a gather of ``a``'s rows into the
+    longer array (its last row repeated into the new slots) and an in-place write of ``x``
+    there: MLX's CPU concatenation copies ~2x slower than its row gather. Otherwise (narrow
+    rows, an empty ``a``, more new rows than old, mixed dtypes) a concatenation.
+    """
+    n, s = a.shape[2], x.shape[2]
+    rest = a.shape[3:]
+    if n == 0 or s == 0 or s > n or a.dtype != x.dtype or math.prod(rest) <= _SHIFT_MAX:
+        return mx.concatenate([a, x], axis=2)
+    b, h = a.shape[:2]
+    out = mx.take(a.reshape(b * h * n, *rest), _const("append", b, h, n, s), axis=0)
+    start = mx.array([0, 0, n] + [0] * len(rest))
+    return mx.slice_update(out.reshape(b, h, n + s, *rest), x, start, axes=tuple(range(a.ndim)))
+
+
 dims = dims_of("keys")  # (batch, kv_heads, head_dim, dtype) of a state storing keys [b, h, n, d]
 
 
@@ -132,7 +154,7 @@ def keep_rows(stored: tuple, new: tuple, idx: Int[Array, "b h k"] | None) -> tup
     """
     n, s = stored[0].shape[2], new[0].shape[2]
     if idx is None:
-        return tuple(mx.concatenate([a, x], axis=2) for a, x in zip(stored, new))
+        return tuple(append_rows(a, x) for a, x in zip(stored, new))
     b, h, k = idx.shape
     if any(math.prod(a.shape[3:]) == 0 for a in stored):  # rows of no values: nothing to move
         # (and no op on empty arrays: MLX's compiled CUDA kernels fault on them)

@@ -154,13 +154,14 @@ def _update_mlx(state: RocketKVState, keys, values, queries) -> RocketKVState:
     k, v, p = evict.keep_rows((state.keys, state.values, state.positions),
                               (keys, values, evict.new_positions(state.next_pos, s)), idx)
     if s == 1 and n % state.page_size:  # the token joins the last, partial page
+        last = mx.array([0, 0, state.page_max.shape[2] - 1, 0])
         hi = mx.maximum(state.page_max[:, :, -1:], keys)
         lo = mx.minimum(state.page_min[:, :, -1:], keys)
-        page_max = mx.concatenate([state.page_max[:, :, :-1], hi], axis=2)
-        page_min = mx.concatenate([state.page_min[:, :, :-1], lo], axis=2)
+        page_max = mx.slice_update(state.page_max, hi, last, axes=(0, 1, 2, 3))
+        page_min = mx.slice_update(state.page_min, lo, last, axes=(0, 1, 2, 3))
     elif s == 1:  # the token opens a page
-        page_max = mx.concatenate([state.page_max, keys], axis=2)
-        page_min = mx.concatenate([state.page_min, keys], axis=2)
+        page_max = evict.append_rows(state.page_max, keys)
+        page_min = evict.append_rows(state.page_min, keys)
     else:
         page_max, page_min = _pages_mlx(k, state.page_size)
     return state._replace(keys=k, values=v, positions=p, page_max=page_max, page_min=page_min,
