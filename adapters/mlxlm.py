@@ -38,6 +38,7 @@ from mlx_lm.models import base as _mlx_base
 from mlx_lm.models.cache import KVCache, _BaseCache, make_prompt_cache
 
 import velox
+from velox import evict
 from velox.registry import Method, get_method
 from velox.spec import validate_params
 
@@ -158,7 +159,7 @@ class VeloxCache(_BaseCache):
         if deferred and (self.method.attend is not None or self._fused):
             return keys, values
         k, v = self.method.get_kv(self._state)
-        out = mx.concatenate([k, keys], axis=2), mx.concatenate([v, values], axis=2)
+        out = evict.append_rows(k, keys), evict.append_rows(v, values)
         if not deferred:
             self._absorb(None)
         return out
@@ -182,7 +183,7 @@ class VeloxCache(_BaseCache):
         else:
             if self._fused:  # handed the new tokens only; rebuild what attention reads
                 k, v = self.method.get_kv(self._state)
-                keys, values = mx.concatenate([k, new_k], axis=2), mx.concatenate([v, new_v], axis=2)
+                keys, values = evict.append_rows(k, new_k), evict.append_rows(v, new_v)
             out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                        mask=mask, sinks=sinks)
         self._absorb(queries)
@@ -271,8 +272,7 @@ def _fused_step(m: Method):
             else:
                 k, v = m.get_kv(state)
                 out = mx.fast.scaled_dot_product_attention(
-                    queries, mx.concatenate([k, keys], axis=2),
-                    mx.concatenate([v, values], axis=2), scale=scale)
+                    queries, evict.append_rows(k, keys), evict.append_rows(v, values), scale=scale)
             return out, m.update(state, keys, values, queries=queries)
 
         fn = _FUSED[m.key] = mx.compile(step)

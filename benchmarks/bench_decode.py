@@ -22,6 +22,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from velox.adapters import harness
+from velox.evict import append_rows
 from velox.adapters.mlxlm import VeloxCache, make_cache
 from velox.adapters.smollm2 import load_default_model
 
@@ -67,12 +68,12 @@ def profile(model, velox_caches, kv_caches) -> dict[str, float]:
     def velox_update():
         mx.eval(update(state, k1, v1, q1))
 
-    def velox_concat():
+    def velox_concat():  # what the adapter hands the attention: stored ++ new
         k, v = m.get_kv(state)
-        mx.eval(mx.concatenate([k, k1], axis=2), mx.concatenate([v, v1], axis=2))
+        mx.eval(append_rows(k, k1), append_rows(v, v1))
 
     kk, vv = m.get_kv(state)
-    keys, values = mx.concatenate([kk, k1], axis=2), mx.concatenate([vv, v1], axis=2)
+    keys, values = append_rows(kk, k1), append_rows(vv, v1)
     mx.eval(keys, values)
     scale = d ** -0.5
 
@@ -92,7 +93,7 @@ def profile(model, velox_caches, kv_caches) -> dict[str, float]:
         mx.eval(mx.fast.scaled_dot_product_attention(q1, fk, fv, scale=scale))
 
     for name, fn in (("velox update (compiled)", velox_update),
-                     ("velox get_kv + concatenate", velox_concat),
+                     ("velox get_kv + append", velox_concat),
                      ("velox attention", velox_attention),
                      ("KVCache update_and_fetch", kv_update),
                      ("KVCache attention", kv_attention)):

@@ -165,8 +165,10 @@ def combine_rounds(rounds: list[dict]) -> dict:
     the ``min-max`` range of each ratio (``<ratio> range``), and the rounds themselves."""
     row = dict(rounds[0])
     for key, value in rounds[0].items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            row[key] = statistics.median(r[key] for r in rounds)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        values = [r[key] for r in rounds]
+        row[key] = statistics.median_low(values) if isinstance(value, int) else statistics.median(values)
     for key in RATIOS:
         vals = [r[key] for r in rounds if math.isfinite(r[key])]
         row[f"{key} range"] = f"{min(vals):.1f}-{max(vals):.1f}" if vals else "n/a"
