@@ -120,14 +120,16 @@ def take_rows(x: Shaped[Array, "b h n *rest"], idx: Int[Array, "b h k"] | None) 
 def append_rows(a: Shaped[Array, "b h n *rest"], x: Shaped[Array, "b h s *rest"]) -> Shaped[Array, "b h ns *rest"]:
     """``a ++ x`` along the token axis (axis 2).
 
-    For wide rows (keys, values) and a few new rows this is a gather of ``a``'s rows into the
-    longer array (its last row repeated into the new slots) and an in-place write of ``x``
-    there: MLX's CPU concatenation copies ~2x slower than its row gather. Otherwise (narrow
-    rows, an empty ``a``, more new rows than old, mixed dtypes) a concatenation.
+    On the CPU, for wide rows (keys, values) and a few new rows, this is a gather of ``a``'s
+    rows into the longer array (its last row repeated into the new slots) and an in-place
+    write of ``x`` there: MLX's CPU concatenation copies ~2x slower than its row gather.
+    Otherwise (other devices, narrow rows, an empty ``a``, more new rows than old, mixed
+    dtypes) a concatenation.
     """
     n, s = a.shape[2], x.shape[2]
     rest = a.shape[3:]
-    if n == 0 or s == 0 or s > n or a.dtype != x.dtype or math.prod(rest) <= _SHIFT_MAX:
+    if (mx.default_device() != mx.cpu or n == 0 or s == 0 or s > n or a.dtype != x.dtype
+            or math.prod(rest) <= _SHIFT_MAX):
         return mx.concatenate([a, x], axis=2)
     b, h = a.shape[:2]
     out = mx.take(a.reshape(b * h * n, *rest), _const("append", b, h, n, s), axis=0)
