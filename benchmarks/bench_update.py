@@ -148,11 +148,12 @@ def bench_method(key: str, budget: int, steps: int, ref_steps: int, dtype: mx.Dt
                           else float("nan"))
     row["reference/kernel"] = row["reference_us"] / row["kernel_us"]
     if not compilable:
-        row["compiled_us"] = row["compiled/sdpa"] = float("nan")
+        row["compiled_us"] = row["compiled/sdpa"] = row["reference/compiled"] = float("nan")
         row["retraces_after_warmup"] = "n/a"
         return row
     row["compiled_us"] = statistics.median(t_comp) * 1e6
     row["compiled/sdpa"] = statistics.median(a / b for a, b in zip(t_comp, t_sdpa))
+    row["reference/compiled"] = row["reference_us"] / row["compiled_us"]
     row["retraces_after_warmup"] = traces - first
     return row
 
@@ -235,7 +236,8 @@ def main(argv=None) -> int:
             print(f"  {k}: round {i + 1} done", file=sys.stderr, flush=True)
     rows = [combine_rounds(runs[k]) if args.rounds > 1 else runs[k][0] for k in keys]
     cols = ["method", "kept", "sdpa_us", "mlx_us", "compiled_us", "reference_us", "mlx/sdpa",
-            "compiled/sdpa", "reference/mlx", "retraces_after_warmup", "kernel", "kernel_us",
+            "compiled/sdpa", "reference/mlx", "reference/compiled", "retraces_after_warmup",
+            "kernel", "kernel_us",
             "kernel/sdpa", "reference/kernel"]
     if args.rounds > 1:
         cols += [f"{key} range" for key in RATIOS]

@@ -33,6 +33,7 @@ def test_bench_update_short_run(tmp_path, capsys):
     assert tova["retraces_after_warmup"] == 0  # a bounded state keeps its shapes
     for col in ("sdpa_us", "mlx_us", "compiled_us", "reference_us"):
         assert tova[col] > 0 and math.isfinite(tova[col])
+    assert tova["reference/compiled"] == tova["reference_us"] / tova["compiled_us"]
     assert rows["kivi"]["kept"] > 64  # unbounded: grows by one token a step
     kb = data["kivi_bytes"]
     assert abs(kb["measured/hand"] - 1) < 0.05 and kb["fp16/measured"] > 4.5
@@ -42,6 +43,7 @@ def test_bench_update_without_compile(capsys):
     bench = _load("bench_update")
     row = bench.bench_method("streaming_llm", 32, 3, 1, bench.mx.float32, compile_update=False)
     assert row["retraces_after_warmup"] == "n/a" and math.isnan(row["compiled_us"])
+    assert math.isnan(row["reference/compiled"])
     assert row["kept"] == 32 and row["mlx_us"] > 0
 
 
