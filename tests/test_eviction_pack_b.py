@@ -448,3 +448,19 @@ def test_rocketkv_attend_is_dense_when_every_page_is_read():
         assert np.allclose(np.array(got), np.array(want), atol=1e-5)
     # A chunk reads everything: 8 pages of 2 (ceil(sqrt(c2 ~ 1.008))), 16 stored + 3 new.
     assert rocketkv.rocketkv_read_size(st, s=3) == rocketkv.ReadSize(8, 8, 19, 16)
+
+
+def test_morphkv_profiles_carry_across_proxy_and_real_query_updates():
+    """Profiles are per kv head, so updates may switch between real queries (of any group
+    size) and the key proxy; both backends agree on every state."""
+    rng = np.random.default_rng(6)
+    states = {b: velox.morphkv_init(1, 2, 8, budget=12, n_sink=1, window=4, backend=b)
+              for b in ("reference", "mlx")}
+    for s, groups in ((16, 2), (1, None), (1, 3), (3, None), (1, 2), (1, 1)):
+        k = mx.array(rng.standard_normal((1, 2, s, 8)).astype(np.float32))
+        q = None if groups is None else mx.array(rng.standard_normal((1, 2 * groups, s, 8)).astype(np.float32))
+        states = {b: velox.morphkv_update(st, k, k, queries=q) for b, st in states.items()}
+        ref, got = states["reference"], states["mlx"]
+        assert np.array_equal(np.array(ref.positions), np.array(got.positions))
+        assert np.allclose(np.array(ref.profiles), np.array(got.profiles), atol=1e-6)
+        assert got.profiles.shape == (1, 2, 12, 3)
