@@ -148,7 +148,7 @@ def keep_rows(stored: tuple, new: tuple, idx: Int[Array, "b h k"] | None) -> tup
     kept (the newest kept token is always last). The flat gather index is built once for
     every array, and with one loser the last slot's other choice is the last stored row (a
     static slice), so nothing but the slot write references the gathered buffer and the write
-    happens in place (MLX donates a buffer only it holds). Chunks concatenate, then gather.
+    happens in place (MLX donates a buffer only it holds). Chunks append, then gather.
 
     With one loser, arrays of a few values per token (positions, scores) are instead two
     shifted views and a select: slot ``i`` holds candidate ``i`` or ``i + 1``. A gather moves
@@ -163,7 +163,7 @@ def keep_rows(stored: tuple, new: tuple, idx: Int[Array, "b h k"] | None) -> tup
         return tuple(mx.zeros((b, h, k) + a.shape[3:], a.dtype) if math.prod(a.shape[3:]) == 0
                      else keep_rows((a,), (x,), idx)[0] for a, x in zip(stored, new))
     if s > 1 or n == 0:
-        return tuple(take_rows(mx.concatenate([a, x], axis=2), idx) for a, x in zip(stored, new))
+        return tuple(take_rows(append_rows(a, x), idx) for a, x in zip(stored, new))
     base = row_offsets(b, h, n)
     flat = (mx.minimum(idx, n - 1) + base).reshape(-1)
     new_kept = idx[:, :, -1:] == n
