@@ -222,11 +222,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true",
                     help="skip the compiled update (for backends where compiling a method fails)")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     dtype = getattr(mx, args.dtype)
     print(f"device {mx.default_device()}, mlx {mx.__version__}, b={B} h={H} d={D}, "
           f"budget {args.budget}, {args.dtype}")
-    if args.rounds < 1:
-        ap.error("--rounds must be at least 1")
     keys = args.methods or method_keys()
     runs = {k: [] for k in keys}
     for i in range(args.rounds):
@@ -237,8 +237,7 @@ def main(argv=None) -> int:
     rows = [combine_rounds(runs[k]) if args.rounds > 1 else runs[k][0] for k in keys]
     cols = ["method", "kept", "sdpa_us", "mlx_us", "compiled_us", "reference_us", "mlx/sdpa",
             "compiled/sdpa", "reference/mlx", "reference/compiled", "retraces_after_warmup",
-            "kernel", "kernel_us",
-            "kernel/sdpa", "reference/kernel"]
+            "kernel", "kernel_us", "kernel/sdpa", "reference/kernel"]
     if args.rounds > 1:
         cols += [f"{key} range" for key in RATIOS]
     print(" | ".join(f"{c:>14s}" for c in cols))
