@@ -20,7 +20,8 @@ from ._typing import Array, Bool, Float, Int, Shaped
 from .registry import dims_of
 
 __all__ = ["empty_rows", "new_positions", "protected", "top_budget", "row_offsets", "all_but",
-           "take_rows", "append_rows", "keep_rows", "dims", "row_sq_norms", "cuda_update", "with_compacted"]
+           "take_rows", "append_rows", "keep_rows", "dims", "row_sq_norms", "row_norms",
+           "cuda_update", "with_compacted"]
 
 
 def empty_rows(batch: int, heads: int, head_dim: int, dtype: mx.Dtype):
@@ -117,6 +118,11 @@ def take_rows(x: Shaped[Array, "b h n *rest"], idx: Int[Array, "b h k"] | None) 
     return flat.reshape(b, h, k, *rest)
 
 
+# Rows of at most this many values per token are narrow (positions, scores): keep_rows moves
+# them by shifted views rather than a gather, and append_rows concatenates them.
+_SHIFT_MAX = 16
+
+
 def append_rows(a: Shaped[Array, "b h n *rest"], x: Shaped[Array, "b h s *rest"]) -> Shaped[Array, "b h ns *rest"]:
     """``a ++ x`` along the token axis (axis 2).
 
@@ -186,10 +192,6 @@ def keep_rows(stored: tuple, new: tuple, idx: Int[Array, "b h k"] | None) -> tup
     return tuple(out)
 
 
-# Largest row (values per token) that keep_rows moves by shifted views rather than a gather.
-_SHIFT_MAX = 16
-
-
 def row_sq_norms(x: Float[Array, "... d"]) -> Float[Array, "..."]:
     """Squared L2 norm of every row (last axis), in float32.
 
@@ -201,6 +203,11 @@ def row_sq_norms(x: Float[Array, "... d"]) -> Float[Array, "..."]:
     if mx.default_device() == mx.cpu:
         return (mx.square(x) @ mx.ones((x.shape[-1], 1), mx.float32))[..., 0]
     return mx.square(x).sum(axis=-1)
+
+
+def row_norms(x: Float[Array, "... d"]) -> Float[Array, "..."]:
+    """L2 norm of every row (last axis), in float32 (see :func:`row_sq_norms`)."""
+    return mx.sqrt(row_sq_norms(x))
 
 
 def cuda_update(mlx_update, capacity, decode_step):

@@ -89,11 +89,6 @@ def cam_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.f
     return CaMState(k, v, pos, empty, empty, nxt, **p, backend=backend)
 
 
-def _norms(x: mx.array) -> mx.array:
-    """L2 norm of every row, float32."""
-    return mx.sqrt(evict.row_sq_norms(x))
-
-
 def _rowwise() -> bool:
     """Merge a decode step row by row (no concatenated candidates, only target rows rewritten).
 
@@ -215,7 +210,7 @@ def _merge_mlx(state: CaMState, stored: tuple, fresh: tuple, idx: mx.array) -> t
     if state.merge_keys:  # merged keys: the targets' norms are those of their new rows
         sk = merged(sk, lk, stored[0], fresh[0])
         s_norm = s_norm.reshape(-1)
-        s_norm[flat] = _norms(sk.reshape(-1, d)[flat])
+        s_norm[flat] = evict.row_norms(sk.reshape(-1, d)[flat])
         s_norm = s_norm.reshape(b, h, B)
     moved = (share * l_acc[..., None]).reshape(-1)                          # scores follow merges
     s_acc = (s_acc.reshape(-1).at[flat].add(moved)).reshape(b, h, B)
@@ -224,7 +219,7 @@ def _merge_mlx(state: CaMState, stored: tuple, fresh: tuple, idx: mx.array) -> t
 
 def _update_mlx(state: CaMState, keys, values, queries) -> CaMState:
     stored, fresh, idx = heavy_hitters(state, keys, values, queries, state.grace)
-    stored, fresh = stored + (state.key_norms,), fresh + (_norms(keys),)
+    stored, fresh = stored + (state.key_norms,), fresh + (evict.row_norms(keys),)
     if idx is None or state.merge == "drop":
         k, v, p, sc, kn = evict.keep_rows(stored, fresh, idx)
     else:

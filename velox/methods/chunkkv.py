@@ -122,7 +122,7 @@ def _select_mlx(state: ChunkKVState, keys, values, queries) -> tuple[ChunkKVStat
         old, new = accumulated_scores(state.scores, scoring_queries(keys, queries), state.keys,
                                       keys, state.decay)
     else:
-        old, new = state.scores, mx.sqrt(evict.row_sq_norms(keys))
+        old, new = state.scores, evict.row_norms(keys)
     new_pos = evict.new_positions(state.next_pos, s)
     idx = None
     if n + s > state.budget:

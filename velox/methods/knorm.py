@@ -57,15 +57,11 @@ def knorm_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx
     return KNormState(*evict.empty_rows(batch, kv_heads, head_dim, dtype), **p, backend=backend)
 
 
-def _norm_mlx(x: mx.array) -> mx.array:
-    return mx.sqrt(evict.row_sq_norms(x))
-
-
 def _update_mlx(state: KNormState, keys, values, queries) -> KNormState:
     n, s = state.keys.shape[2], keys.shape[2]
     idx = None
     if n + s > state.budget:
-        norms = mx.concatenate([_norm_mlx(state.keys), _norm_mlx(keys)], axis=2)
+        norms = mx.concatenate([evict.row_norms(state.keys), evict.row_norms(keys)], axis=2)
         scores = -norms if state.keep == "low" else norms
         idx = evict.top_budget(scores, state.budget, evict.protected(n + s, state.n_sink, state.recent))
     k, v, p = evict.keep_rows((state.keys, state.values, state.positions),
