@@ -15,7 +15,8 @@ costs launch and bookkeeping time that dwarfs its work at decode sizes. Two kern
   into place, the new row last; ``next_pos`` advances.
 
 StreamingLLM's loser is fixed, so its step is ``compact`` alone. MLX compiles each kernel at
-its first launch and caches it per template values and dtypes.
+its first launch and caches it per template values and dtypes; ``weights`` takes head_dim as
+one, so each lane's loads of a key row unroll and issue together.
 """
 
 from __future__ import annotations
@@ -30,28 +31,17 @@ THREADS = 1024  # threads per block of the weights kernel (a power of two)
 COMPACT_THREADS = 256  # threads per block of the compact kernel (a power of two)
 COMPACT_SPAN = 8 * COMPACT_THREADS  # elements of a row's keys a compact block moves
 
-# Block-wide reductions over THREADS lanes through shared memory; every lane gets the result.
+# Block-wide reductions (max, sum, argmin) through shared memory; every lane gets the result.
 _HEADER = """
-template <int NT>
-__device__ float velox_block_max(float v, float* red) {
+struct VeloxMax { __device__ float operator()(float a, float b) const { return a > b ? a : b; } };
+struct VeloxSum { __device__ float operator()(float a, float b) const { return a + b; } };
+template <int NT, typename Op>
+__device__ float velox_block_reduce(float v, float* red, Op op) {
     const unsigned int tid = threadIdx.x;
     red[tid] = v;
     __syncthreads();
     for (int w = NT / 2; w > 0; w >>= 1) {
-        if ((int)tid < w) red[tid] = red[tid] > red[tid + w] ? red[tid] : red[tid + w];
-        __syncthreads();
-    }
-    const float r = red[0];
-    __syncthreads();
-    return r;
-}
-template <int NT>
-__device__ float velox_block_sum(float v, float* red) {
-    const unsigned int tid = threadIdx.x;
-    red[tid] = v;
-    __syncthreads();
-    for (int w = NT / 2; w > 0; w >>= 1) {
-        if ((int)tid < w) red[tid] += red[tid + w];
+        if ((int)tid < w) red[tid] = op(red[tid], red[tid + w]);
         __syncthreads();
     }
     const float r = red[0];
@@ -104,7 +94,8 @@ _WEIGHTS_BODY = """
         for (int j = 0; j < G; ++j) {
             const size_t qo = (bi * QH + hk * G + j) * d;
             float acc = 0.0f;
-            for (int c = lane; c < d; c += 32) {
+            #pragma unroll
+            for (int c = lane; c < HEAD_DIM; c += 32) {
                 const float kc = t < n ? static_cast<float>(K[ko + c]) : static_cast<float>(knew[ko + c]);
                 acc += (static_cast<float>(q[qo + c]) * scale) * kc;
             }
@@ -118,10 +109,10 @@ _WEIGHTS_BODY = """
         const float* lj = l + (size_t)j * N;
         float m = -inf;
         for (int t = tid; t < N; t += THREADS) m = lj[t] > m ? lj[t] : m;
-        m = velox_block_max<THREADS>(m, red);
+        m = velox_block_reduce<THREADS>(m, red, VeloxMax());
         float se = 0.0f;
         for (int t = tid; t < N; t += THREADS) se += expf(lj[t] - m);
-        const float inv = 1.0f / velox_block_sum<THREADS>(se, red);
+        const float inv = 1.0f / velox_block_reduce<THREADS>(se, red, VeloxSum());
         for (int t = tid; t < N; t += THREADS) {
             const float p = expf(lj[t] - m) * inv;
             ws[t] = j == 0 ? p : ws[t] + p;
@@ -225,6 +216,11 @@ def _compact_kernel(mode: str):
         source=src, header=_HEADER + f"#define SCORE_OF(X) ({score_of})\n")
 
 
+@lru_cache(maxsize=None)
+def _params(scale: float, decay: float) -> mx.array:
+    return mx.array([scale, decay], mx.float32)
+
+
 def weights(queries, keys, new_keys, *, old_scores=None, decay: float = 1.0):
     """Attention weights of a decode step's scoring queries over the ``n + 1`` candidates.
 
@@ -239,10 +235,11 @@ def weights(queries, keys, new_keys, *, old_scores=None, decay: float = 1.0):
     accumulate = old_scores is not None
     shapes = [(b, h, n + 1), (b, h, g, n + 1)]
     out = _weights_kernel(accumulate)(
-        inputs=[queries, keys, new_keys, mx.array([d ** -0.5, decay], mx.float32)]
+        inputs=[queries, keys, new_keys, _params(d ** -0.5, decay)]
         + ([old_scores] if accumulate else []),
         grid=(b * h * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-        output_shapes=shapes, output_dtypes=[mx.float32] * len(shapes))
+        output_shapes=shapes, output_dtypes=[mx.float32] * len(shapes),
+        template=[("HEAD_DIM", d)])
     return (None, out[0]) if accumulate else (out[0], None)
 
 
