@@ -1,6 +1,6 @@
 """The fused kernel backend (``cuda``) of the per-step evictors against the ``mlx`` backend.
 
-At a decode step of a full cache the kernel backend runs its two fused kernels; these tests
+At a decode step of a full cache the kernel backend runs its fused kernels; these tests
 drive many such steps (GQA queries and the key proxy, several shapes and dtypes, per-head and
 per-layer selection) and compare every state with the ``mlx`` backend's: positions exactly,
 kept rows bit for bit (eviction copies rows), scores within float32 rounding. They need an
@@ -10,6 +10,8 @@ reference wherever it runs.
 
 from __future__ import annotations
 
+import zlib
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -17,7 +19,7 @@ import pytest
 from velox.backend import BackendUnavailable, device_supports
 from velox.registry import get_method, method_keys
 
-KERNEL_METHODS = ("streaming_llm", "tova", "h2o")
+KERNEL_METHODS = ("streaming_llm", "tova", "h2o", "squeeze", "knorm", "qfilters")
 
 
 def test_kernel_backends_are_registered_and_refused_without_a_gpu():
@@ -40,11 +42,16 @@ needs_cuda = pytest.mark.skipif(not device_supports("cuda"), reason="needs an NV
 SHAPES = [(1, 8, 0, 128), (2, 4, 3, 64), (3, 2, 2, 96), (1, 1, 1, 32)]  # b, h, groups (0 = proxy), d
 
 
-def _params(key: str, budget: int, per_head: bool) -> dict:
+def _params(key: str, budget: int, variant: bool) -> dict:
+    """The method's parameters; ``variant`` is TOVA's per-head selection, KNorm's keep='high'."""
     if key == "streaming_llm":
         return dict(n_sink=3, window_size=budget - 3)
     if key == "tova":
-        return dict(budget=budget, n_sink=3, per_head=per_head)
+        return dict(budget=budget, n_sink=3, per_head=variant)
+    if key == "knorm":
+        return dict(budget=budget, n_sink=3, recent=2, keep="high" if variant else "low")
+    if key == "qfilters":  # online filters: still calibrating over the first decode steps
+        return dict(budget=budget, n_sink=3, recent=2, calib_tokens=budget + 20)
     return dict(budget=budget, n_sink=3, grace=5, decay=0.95)
 
 
@@ -55,27 +62,30 @@ def _compare(key, a, b, step):
     for f in ("keys", "values"):
         np.testing.assert_array_equal(np.array(getattr(a, f).astype(mx.float32)),
                                       np.array(getattr(b, f).astype(mx.float32)), err_msg=what)
-    if key == "h2o":
+    if key == "qfilters":  # the online filters, from the same mlx ops on both
+        np.testing.assert_array_equal(np.array(a.filters), np.array(b.filters), err_msg=what)
+    if key in ("h2o", "squeeze"):
         np.testing.assert_allclose(np.array(a.scores), np.array(b.scores), rtol=2e-5, atol=1e-6,
                                    err_msg=what)
 
 
 @needs_cuda
-@pytest.mark.parametrize("key,per_head", [("streaming_llm", False), ("tova", False),
-                                          ("tova", True), ("h2o", False)])
+@pytest.mark.parametrize("key,variant", [("streaming_llm", False), ("tova", False),
+                                          ("tova", True), ("h2o", False), ("squeeze", False),
+                                          ("knorm", False), ("knorm", True), ("qfilters", False)])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_kernel_decode_steps_match_mlx(key, per_head, shape, dtype):
+def test_kernel_decode_steps_match_mlx(key, variant, shape, dtype):
     b, h, g, d = shape
     budget, steps = 40, 30
     dt = getattr(mx, dtype)
-    rng = np.random.default_rng(hash((key, per_head, shape, dtype)) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr((key, variant, shape, dtype)).encode()))
 
     def arr(*s):
         return mx.array(rng.standard_normal(s).astype(np.float32)).astype(dt)
 
     m = get_method(key)
-    params = _params(key, budget, per_head)
+    params = _params(key, budget, variant)
     states = {be: m.init(b, h, d, dtype=dt, backend=be, **params) for be in ("mlx", "cuda")}
     assert states["cuda"].backend == "cuda"
     compiled = mx.compile(m.update)
@@ -111,3 +121,28 @@ def test_kernel_update_routes_only_full_cache_decode_steps_to_the_kernels():
     for st, k in ((full, one), (full, chunk), (filling, one), (filling, chunk)):
         update(st, k, k, None)
     assert calls == ["kernel", "mlx", "mlx", "mlx"]
+
+
+@needs_cuda
+def test_squeeze_kernel_follows_a_reallocated_budget():
+    """A layer whose budget the reallocation changed shrinks (mlx ops) or grows, then its full
+    decode steps run the kernels again; every state equals the mlx backend's."""
+    b, h, d = 1, 4, 64
+    rng = np.random.default_rng(7)
+
+    def arr(*s):
+        return mx.array(rng.standard_normal(s).astype(np.float32)).astype(mx.float16)
+
+    m = get_method("squeeze")
+    params = dict(budget=40, n_sink=3, grace=5, decay=0.95)
+    states = {be: m.init(b, h, d, dtype=mx.float16, backend=be, **params) for be in ("mlx", "cuda")}
+    k, v = arr(b, h, 47, d), arr(b, h, 47, d)
+    states = {be: m.update(st, k, v) for be, st in states.items()}
+    for step, budget in enumerate([40] * 5 + [30] * 8 + [36] * 12):
+        kept = states["cuda"].keys.shape[2]
+        states = {be: st._replace(budget=budget) for be, st in states.items()}
+        k, v = arr(b, h, 1, d), arr(b, h, 1, d)
+        states = {be: m.update(st, k, v) for be, st in states.items()}
+        mx.eval(states)
+        _compare("squeeze", states["cuda"], states["mlx"], step)
+        assert states["cuda"].keys.shape[2] == min(budget, kept + 1), step

@@ -136,7 +136,8 @@ def h2o_bytes(state: H2OState) -> int:
     return state_nbytes(state)
 
 
+_update_cuda = evict.cuda_update(_update_mlx, lambda st: st.budget, _decode_cuda)
+
 register(KEY, state_type=H2OState, init=h2o_init, update=h2o_update, get_kv=h2o_get_kv,
          nbytes=h2o_bytes, backends={"reference": _update_reference, "mlx": _update_mlx,
-                                      "cuda": evict.cuda_update(_update_mlx, lambda st: st.budget,
-                                                                _decode_cuda)})
+                                      "cuda": _update_cuda})

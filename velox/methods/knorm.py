@@ -6,6 +6,10 @@ the ``recent`` newest tokens and the best-scoring rest, ``budget`` in all; a mul
 is one selection over stored + new tokens. With ``recent=0`` the kept set is a function of the
 tokens seen only (one chunk or token by token end alike).
 
+Backends: ``reference``, ``mlx`` and ``cuda`` (a decode step at a full cache scores with the
+``mlx`` ops and finds the loser and moves the rows in one fused kernel,
+``velox.kernels.evict.compact``; every other step runs the ``mlx`` ops).
+
 References:
     Devoto, Zhao, Scardapane, Minervini. A Simple and Effective L2 Norm-Based Strategy for KV
     Cache Compression. EMNLP 2024. arXiv:2406.11430.
@@ -57,16 +61,28 @@ def knorm_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx
     return KNormState(*evict.empty_rows(batch, kv_heads, head_dim, dtype), **p, backend=backend)
 
 
+def _scores(state: KNormState, keys) -> mx.array:
+    """Every candidate's score (stored ++ new): its key norm, negated for ``keep='low'``."""
+    norms = mx.concatenate([evict.row_norms(state.keys), evict.row_norms(keys)], axis=2)
+    return -norms if state.keep == "low" else norms
+
+
 def _update_mlx(state: KNormState, keys, values, queries) -> KNormState:
     n, s = state.keys.shape[2], keys.shape[2]
     idx = None
     if n + s > state.budget:
-        norms = mx.concatenate([evict.row_norms(state.keys), evict.row_norms(keys)], axis=2)
-        scores = -norms if state.keep == "low" else norms
-        idx = evict.top_budget(scores, state.budget, evict.protected(n + s, state.n_sink, state.recent))
+        idx = evict.top_budget(_scores(state, keys), state.budget,
+                               evict.protected(n + s, state.n_sink, state.recent))
     k, v, p = evict.keep_rows((state.keys, state.values, state.positions),
                               (keys, values, evict.new_positions(state.next_pos, s)), idx)
     return state._replace(keys=k, values=v, positions=p, next_pos=state.next_pos + s)
+
+
+def _decode_cuda(state: KNormState, keys, values, queries) -> KNormState:
+    from ..kernels.evict import compact
+    return evict.with_compacted(state, compact(
+        state.keys, state.values, state.positions, keys, values, state.next_pos,
+        weights=_scores(state, keys), n_sink=state.n_sink, recent=state.recent))
 
 
 def _update_reference(state: KNormState, keys, values, queries) -> KNormState:
@@ -100,4 +116,6 @@ def knorm_bytes(state: KNormState) -> int:
 
 
 register(KEY, state_type=KNormState, init=knorm_init, update=knorm_update, get_kv=knorm_get_kv,
-         nbytes=knorm_bytes, backends={"reference": _update_reference, "mlx": _update_mlx})
+         nbytes=knorm_bytes, backends={"reference": _update_reference, "mlx": _update_mlx,
+                                        "cuda": evict.cuda_update(_update_mlx, lambda st: st.budget,
+                                                                  _decode_cuda)})

@@ -21,6 +21,10 @@ queries of the first ``calib_tokens`` tokens it sees (their keys when no queries
 the paper's ``u = argmax_u E<Q, u>`` is the mean query direction, estimated online. The
 estimate changes while calibration lasts, then freezes.
 
+Backends: ``reference``, ``mlx`` and ``cuda`` (a decode step at a full cache scores with the
+``mlx`` ops and finds the loser and moves the rows in one fused kernel,
+``velox.kernels.evict.compact``; every other step runs the ``mlx`` ops).
+
 Deviations from the paper:
     * Fallback (no calibrated filters): the online mean-query direction above; the paper
       always calibrates offline.
@@ -149,25 +153,44 @@ def qfilters_init_calibrated(filters: Float[Array, "h d"] | Float[np.ndarray, "h
     return state._replace(filters=mx.array(f), calibrated=True)
 
 
+def _filters(state: QFiltersState, keys, queries) -> mx.array:
+    """The filters after this update: online, the sum of the queries of tokens at positions
+    below ``calib_tokens`` grows; calibrated, they stay."""
+    if state.calibrated:
+        return state.filters
+    s = keys.shape[2]
+    q = scoring_queries(keys, queries).astype(mx.float32)  # [b, h, g, s, d]
+    at = state.next_pos.astype(mx.float32)[:, :, None] + mx.arange(s, dtype=mx.float32)
+    inside = (at < state.calib_tokens).astype(mx.float32)  # [b, h, s]
+    return state.filters + (q.sum(axis=2) * inside[..., None]).sum(axis=2)
+
+
+def _scores(state: QFiltersState, filters, keys) -> mx.array:
+    """Every candidate's score (stored ++ new): its key's projection on the filter, signed."""
+    f = filters[:, :, :, None]
+    return mx.concatenate([state.keys.astype(mx.float32) @ f, keys.astype(mx.float32) @ f],
+                          axis=2)[..., 0] * state.sign
+
+
 def _update_mlx(state: QFiltersState, keys, values, queries) -> QFiltersState:
     n, s = state.keys.shape[2], keys.shape[2]
-    filters = state.filters
-    if not state.calibrated:  # add the queries of tokens at positions < calib_tokens
-        q = scoring_queries(keys, queries).astype(mx.float32)  # [b, h, g, s, d]
-        at = state.next_pos.astype(mx.float32)[:, :, None] + mx.arange(s, dtype=mx.float32)
-        inside = (at < state.calib_tokens).astype(mx.float32)  # [b, h, s]
-        filters = filters + (q.sum(axis=2) * inside[..., None]).sum(axis=2)
+    filters = _filters(state, keys, queries)
     idx = None
     if n + s > state.budget:
-        f = filters[:, :, :, None]
-        score = mx.concatenate([state.keys.astype(mx.float32) @ f, keys.astype(mx.float32) @ f],
-                               axis=2)[..., 0] * state.sign
-        idx = evict.top_budget(score, state.budget,
+        idx = evict.top_budget(_scores(state, filters, keys), state.budget,
                                evict.protected(n + s, state.n_sink, state.recent))
     k, v, p = evict.keep_rows((state.keys, state.values, state.positions),
                               (keys, values, evict.new_positions(state.next_pos, s)), idx)
     return state._replace(keys=k, values=v, positions=p, filters=filters,
                           next_pos=state.next_pos + s)
+
+
+def _decode_cuda(state: QFiltersState, keys, values, queries) -> QFiltersState:
+    from ..kernels.evict import compact
+    filters = _filters(state, keys, queries)
+    return evict.with_compacted(state._replace(filters=filters), compact(
+        state.keys, state.values, state.positions, keys, values, state.next_pos,
+        weights=_scores(state, filters, keys), n_sink=state.n_sink, recent=state.recent))
 
 
 def _update_reference(state: QFiltersState, keys, values, queries) -> QFiltersState:
@@ -213,4 +236,5 @@ def qfilters_bytes(state: QFiltersState) -> int:
 
 register(KEY, state_type=QFiltersState, init=qfilters_init, update=qfilters_update,
          get_kv=qfilters_get_kv, nbytes=qfilters_bytes, layer_params=_layer_params,
-         backends={"reference": _update_reference, "mlx": _update_mlx})
+         backends={"reference": _update_reference, "mlx": _update_mlx,
+                   "cuda": evict.cuda_update(_update_mlx, lambda st: st.budget, _decode_cuda)})

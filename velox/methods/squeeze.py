@@ -11,6 +11,9 @@ and rounded so they sum to exactly the total. Every later forward runs each laye
 budget (a layer given less shrinks at its next update, one given more grows into it).
 ``strength = 0`` keeps the uniform budget: every layer is H2O.
 
+Backends: ``reference``, ``mlx`` and ``cuda`` (H2O's fused kernels for a decode step at a
+full cache of the layer's budget; every other step runs the ``mlx`` ops).
+
 References:
     Wang, Cui, Gan. SqueezeAttention: 2D Management of KV-Cache in LLM Inference via
     Layer-wise Optimal Budget. ICLR 2025. arXiv:2404.04793.
@@ -41,6 +44,7 @@ from ..accounting import state_nbytes
 from ..crosslayer import checked_update, layer_params, round_to_total
 from ..registry import dispatch, get_method, prepare_init, register
 from .h2o import H2OState
+from .h2o import _update_cuda as _h2o_cuda
 from .h2o import _update_mlx as _h2o_mlx
 from .h2o import _update_reference as _h2o_reference
 
@@ -150,6 +154,10 @@ def _update_reference(state: SqueezeState, keys, values, queries) -> SqueezeStat
     return _from_h2o(state, _h2o_reference(_as_h2o(state), keys, values, queries))
 
 
+def _update_cuda(state: SqueezeState, keys, values, queries) -> SqueezeState:
+    return _from_h2o(state, _h2o_cuda(_as_h2o(state), keys, values, queries))
+
+
 def squeeze_update(state: SqueezeState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
                    *, queries: Float[Array, "b q s d"] | None = None) -> SqueezeState:
     """One layer alone: H2O with this layer's ``budget`` (no reallocation)."""
@@ -200,5 +208,5 @@ def _layer_update(record: SqueezeRecord, layer: int, state: SqueezeState,
 
 register(KEY, state_type=SqueezeState, init=squeeze_init, update=squeeze_update,
          get_kv=squeeze_get_kv, nbytes=squeeze_bytes,
-         backends={"reference": _update_reference, "mlx": _update_mlx},
+         backends={"reference": _update_reference, "mlx": _update_mlx, "cuda": _update_cuda},
          model_init=_model_init, layer_update=_layer_update)
