@@ -100,7 +100,7 @@ _WEIGHTS_BODY = """
                 acc += (static_cast<float>(q[qo + c]) * scale) * kc;
             }
             for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-            if (lane == 0) l[(size_t)j * N + t] = acc;
+            if (lane == 0) l[(size_t)j * N + t] = acc BIAS;
         }
     }
     __syncthreads();
@@ -189,12 +189,14 @@ _COMPACT = "os_[rows + i] = S[bh * N + src];"
 
 
 @lru_cache(maxsize=None)
-def _weights_kernel(accumulate: bool):
+def _weights_kernel(accumulate: bool, biased: bool):
     return mx.fast.cuda_kernel(
-        name="velox_weights" + ("_acc" if accumulate else ""),
-        input_names=["q", "K", "knew", "params"] + (["old"] if accumulate else []),
+        name="velox_weights" + ("_acc" if accumulate else "") + ("_bias" if biased else ""),
+        input_names=["q", "K", "knew", "params"] + (["old"] if accumulate else [])
+        + (["bias"] if biased else []),
         output_names=["scores" if accumulate else "w", "lg"],
         source=_WEIGHTS_BODY.replace("ACCUMULATE", _ACCUMULATE if accumulate else "")
+                            .replace("BIAS", "+ bias[bh * N + t]" if biased else "")
                             .replace("WEIGHTS_OUT", "scores" if accumulate else "w")
                             .replace("THREADS", str(THREADS)),
         header=_HEADER)
@@ -221,22 +223,23 @@ def _params(scale: float, decay: float) -> mx.array:
     return mx.array([scale, decay], mx.float32)
 
 
-def weights(queries, keys, new_keys, *, old_scores=None, decay: float = 1.0):
+def weights(queries, keys, new_keys, *, old_scores=None, decay: float = 1.0, bias=None):
     """Attention weights of a decode step's scoring queries over the ``n + 1`` candidates.
 
     ``queries [b, qh, d]`` (qh a multiple of the kv heads), ``keys [b, h, n, d]`` stored,
     ``new_keys [b, h, 1, d]``. Returns ``w [b, h, n + 1]`` (softmax per query head in
     float32, averaged over each kv head's query heads) and, with ``old_scores [b, h, n]``,
     H2O's accumulated scores ``old * decay + w`` of every candidate in place of ``w``
-    (``(None, scores)``).
+    (``(None, scores)``). ``bias [b, h, n + 1]`` (float32) is added to every query head's
+    scaled logits before the softmax (Keyformer's scaled Gumbel noise).
     """
     b, h, n, d = keys.shape
     g = queries.shape[1] // h
     accumulate = old_scores is not None
     shapes = [(b, h, n + 1), (b, h, g, n + 1)]
-    out = _weights_kernel(accumulate)(
+    out = _weights_kernel(accumulate, bias is not None)(
         inputs=[queries, keys, new_keys, _params(d ** -0.5, decay)]
-        + ([old_scores] if accumulate else []),
+        + ([old_scores] if accumulate else []) + ([bias] if bias is not None else []),
         grid=(b * h * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=shapes, output_dtypes=[mx.float32] * len(shapes),
         template=[("HEAD_DIM", d)])

@@ -19,7 +19,7 @@ import pytest
 from velox.backend import BackendUnavailable, device_supports
 from velox.registry import get_method, method_keys
 
-KERNEL_METHODS = ("streaming_llm", "tova", "h2o", "squeeze", "knorm", "qfilters")
+KERNEL_METHODS = ("streaming_llm", "tova", "h2o", "squeeze", "knorm", "qfilters", "keyformer")
 
 
 def test_kernel_backends_are_registered_and_refused_without_a_gpu():
@@ -52,6 +52,9 @@ def _params(key: str, budget: int, variant: bool) -> dict:
         return dict(budget=budget, n_sink=3, recent=2, keep="high" if variant else "low")
     if key == "qfilters":  # online filters: still calibrating over the first decode steps
         return dict(budget=budget, n_sink=3, recent=2, calib_tokens=budget + 20)
+    if key == "keyformer":  # the temperature still annealing over the decode steps
+        return dict(budget=budget, n_sink=3, recent=5, tau_init=1.0, tau_end=0.25,
+                    anneal_steps=budget + 20, decay=0.95, seed=3)
     return dict(budget=budget, n_sink=3, grace=5, decay=0.95)
 
 
@@ -64,7 +67,7 @@ def _compare(key, a, b, step):
                                       np.array(getattr(b, f).astype(mx.float32)), err_msg=what)
     if key == "qfilters":  # the online filters, from the same mlx ops on both
         np.testing.assert_array_equal(np.array(a.filters), np.array(b.filters), err_msg=what)
-    if key in ("h2o", "squeeze"):
+    if key in ("h2o", "squeeze", "keyformer"):
         np.testing.assert_allclose(np.array(a.scores), np.array(b.scores), rtol=2e-5, atol=1e-6,
                                    err_msg=what)
 
@@ -72,7 +75,8 @@ def _compare(key, a, b, step):
 @needs_cuda
 @pytest.mark.parametrize("key,variant", [("streaming_llm", False), ("tova", False),
                                           ("tova", True), ("h2o", False), ("squeeze", False),
-                                          ("knorm", False), ("knorm", True), ("qfilters", False)])
+                                          ("knorm", False), ("knorm", True), ("qfilters", False),
+                                          ("keyformer", False)])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_kernel_decode_steps_match_mlx(key, variant, shape, dtype):

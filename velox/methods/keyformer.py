@@ -10,6 +10,10 @@ tau_init) * min(p, anneal_steps) / anneal_steps`` (``anneal_steps = 0``: constan
 ``tau_init``). A multi-token chunk is one selection, each query weighted ``decay**(s-1-i)``
 as in H2O; ``tau = 0`` is H2O exactly (same ``grace = recent`` and ``decay``).
 
+Backends: ``reference``, ``mlx`` and ``cuda`` (a decode step at a full cache: the noise from
+MLX ops, then H2O's fused kernels with the noise added to the logits,
+``velox.kernels.evict``; every other step runs the ``mlx`` ops).
+
 References:
     Adnan, Arunkumar, Jain, Nair, Soloveychik, Kamath. Keyformer: KV Cache Reduction through
     Key Tokens Selection for Efficient Generative Inference. MLSys 2024. arXiv:2403.09054.
@@ -124,23 +128,31 @@ def _tau(state: KeyformerState, qpos):
     return state.tau_init + (state.tau_end - state.tau_init) * frac
 
 
+def _noise(state: KeyformerState, qpos, kpos) -> mx.array:
+    """``tau * g``: the scaled Gumbel noise of queries at ``qpos [b, h, m]`` on keys at
+    ``kpos [b, h, N]`` (uint32), ``[b, h, m, N]`` float32."""
+    tau = _tau(state, qpos.astype(mx.float32)).astype(mx.float32)
+    g = -mx.log(-mx.log(hash_uniform(state.seed, kpos[:, :, None, :], qpos[:, :, :, None])))
+    return tau[..., None] * g
+
+
+def _candidate_positions(state: KeyformerState, s: int) -> tuple[mx.array, mx.array]:
+    """Positions (uint32) of the stored ++ new candidates ``[b, h, n + s]`` and of the new
+    tokens ``[b, h, s]``."""
+    qpos = state.next_pos.astype(mx.uint32)[:, :, None] + mx.arange(s, dtype=mx.uint32)
+    return mx.concatenate([state.positions.astype(mx.uint32), qpos], axis=2), qpos
+
+
 def _gumbel_mass(state: KeyformerState, queries, keys, coef, block: int = 256) -> mx.array:
     """Attention mass of the chunk's queries with Gumbel-perturbed logits, as ``candidate_mass``."""
     n, s = state.keys.shape[2], keys.shape[2]
-    kpos = mx.concatenate([state.positions.astype(mx.uint32),
-                           state.next_pos.astype(mx.uint32)[:, :, None] + mx.arange(s, dtype=mx.uint32)],
-                          axis=2)
-    qpos = state.next_pos.astype(mx.uint32)[:, :, None] + mx.arange(s, dtype=mx.uint32)
-    tau = _tau(state, qpos.astype(mx.float32)).astype(mx.float32)              # [b, h, s]
+    kpos, qpos = _candidate_positions(state, s)
     total = None
     for start in range(0, s, block):
         stop = min(start + block, s)  # queries start..stop-1 see the new keys up to stop-1
         logits = candidate_logits(queries[:, :, :, start:stop], state.keys, keys[:, :, :stop])
-        u = hash_uniform(state.seed, kpos[:, :, None, : n + stop],
-                         qpos[:, :, start:stop, None])                          # [b, h, m, n+stop]
-        g = -mx.log(-mx.log(u))
-        logits = logits + (tau[:, :, start:stop, None] * g)[:, :, None]
-        w = softmax(logits)
+        noise = _noise(state, qpos[:, :, start:stop], kpos[:, :, : n + stop])  # [b, h, m, n+stop]
+        w = softmax(logits + noise[:, :, None])
         if coef is not None:
             w = w * coef[start:stop, None]
         part = (w[:, :, :, 0] if stop - start == 1 else w.sum(axis=3)).mean(axis=2)
@@ -157,6 +169,17 @@ def _update_mlx(state: KeyformerState, keys, values, queries) -> KeyformerState:
     k, v, p, sc = evict.keep_rows(stored, fresh, idx)
     return state._replace(keys=k, values=v, positions=p, scores=sc,
                           next_pos=state.next_pos + keys.shape[2])
+
+
+def _decode_cuda(state: KeyformerState, keys, values, queries) -> KeyformerState:
+    from ..kernels.evict import compact, weights
+    kpos, qpos = _candidate_positions(state, 1)
+    _, scores = weights((keys if queries is None else queries)[:, :, -1], state.keys, keys,
+                        old_scores=state.scores, decay=state.decay,
+                        bias=_noise(state, qpos, kpos)[:, :, 0])
+    return evict.with_compacted(state, compact(
+        state.keys, state.values, state.positions, keys, values, state.next_pos, scores=scores,
+        n_sink=state.n_sink, recent=state.recent))
 
 
 def _update_reference(state: KeyformerState, keys, values, queries) -> KeyformerState:
@@ -202,4 +225,5 @@ def keyformer_bytes(state: KeyformerState) -> int:
 
 register(KEY, state_type=KeyformerState, init=keyformer_init, update=keyformer_update,
          get_kv=keyformer_get_kv, nbytes=keyformer_bytes,
-         backends={"reference": _update_reference, "mlx": _update_mlx})
+         backends={"reference": _update_reference, "mlx": _update_mlx,
+                   "cuda": evict.cuda_update(_update_mlx, lambda st: st.budget, _decode_cuda)})
