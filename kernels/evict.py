@@ -6,17 +6,20 @@ costs launch and bookkeeping time that dwarfs its work at decode sizes. Two kern
 
 * ``weights``: one block per (batch row, kv head); a warp per candidate computes the scaled
   float32 logits of the kv head's query heads against the stored and new keys (lanes across
-  head_dim, warp-reduced), then the softmax per query head and the mean over them; H2O's
-  variant adds the decayed old scores (``old * decay + w``).
+  head_dim, warp-reduced), optionally plus a per-candidate bias (Keyformer's noise), then the
+  softmax per query head and the mean over them; H2O's variant adds the decayed old scores
+  (``old * decay + w``).
 * ``compact``: a few blocks per (batch row, kv head); each finds the row's loser (a given
   candidate, or the argmin of the weights or scores, averaged over the heads of a batch row
   when the layer keeps one token set, protected slots left out, the older of equal scores
   going first) and moves its share of the kept rows of keys, values, positions (and scores)
-  into place, the new row last; ``next_pos`` advances.
+  into place, the new row last; ``next_pos`` advances. The scores may come from MLX ops
+  (KNorm's key norms, Q-Filters' projections).
 
-StreamingLLM's loser is fixed, so its step is ``compact`` alone. MLX compiles each kernel at
-its first launch and caches it per template values and dtypes; ``weights`` takes head_dim as
-one, so each lane's loads of a key row unroll and issue together.
+StreamingLLM's loser is fixed, so its step is ``compact`` alone, as are KNorm's and
+Q-Filters' after their scores. MLX compiles each kernel at its first launch and caches it
+per template values and dtypes; ``weights`` takes head_dim as one, so each lane's loads of a
+key row unroll and issue together.
 """
 
 from __future__ import annotations
