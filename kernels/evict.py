@@ -191,9 +191,9 @@ _COMPACT_BODY = """
 _COMPACT = "os_[rows + i] = S[bh * N + src];"
 
 
-@lru_cache(maxsize=None)
-def _weights_kernel(accumulate: bool, biased: bool):
-    return mx.fast.cuda_kernel(
+def _weights_spec(accumulate: bool, biased: bool) -> dict:
+    """The ``mx.fast.cuda_kernel`` arguments of a ``weights`` variant."""
+    return dict(
         name="velox_weights" + ("_acc" if accumulate else "") + ("_bias" if biased else ""),
         input_names=["q", "K", "knew", "params"] + (["old"] if accumulate else [])
         + (["bias"] if biased else []),
@@ -205,20 +205,30 @@ def _weights_kernel(accumulate: bool, biased: bool):
         header=_HEADER)
 
 
-@lru_cache(maxsize=None)
-def _compact_kernel(mode: str):
-    """``mode``: ``fixed`` (the loser is a template value), ``weights`` (argmin of ``w``) or
-    ``scores`` (argmin of H2O's scores, which are compacted too)."""
+def _compact_spec(mode: str) -> dict:
+    """The ``mx.fast.cuda_kernel`` arguments of a ``compact`` variant. ``mode``: ``fixed``
+    (the loser is a template value), ``weights`` (argmin of ``w``) or ``scores`` (argmin of
+    H2O's scores, which are compacted too)."""
     score_input = {"fixed": [], "weights": ["w"], "scores": ["S"]}[mode]
     score_of = {"fixed": "0.0f", "weights": "w[(X) * N + t]", "scores": "S[(X) * N + t]"}[mode]
     src = (_COMPACT_BODY.replace("SELECT", "false" if mode == "fixed" else "true")
            .replace("COMPACT_SCORES", _COMPACT if mode == "scores" else "")
            .replace("THREADS", str(COMPACT_THREADS)))
-    return mx.fast.cuda_kernel(
+    return dict(
         name=f"velox_compact_{mode}",
         input_names=["K", "V", "P", "knew", "vnew", "next_pos"] + score_input,
         output_names=["ok", "ov", "op", "onext"] + (["os_"] if mode == "scores" else []),
         source=src, header=_HEADER + f"#define SCORE_OF(X) ({score_of})\n")
+
+
+@lru_cache(maxsize=None)
+def _weights_kernel(accumulate: bool, biased: bool):
+    return mx.fast.cuda_kernel(**_weights_spec(accumulate, biased))
+
+
+@lru_cache(maxsize=None)
+def _compact_kernel(mode: str):
+    return mx.fast.cuda_kernel(**_compact_spec(mode))
 
 
 @lru_cache(maxsize=None)

@@ -150,3 +150,28 @@ def test_squeeze_kernel_follows_a_reallocated_budget():
         mx.eval(states)
         _compare("squeeze", states["cuda"], states["mlx"], step)
         assert states["cuda"].keys.shape[2] == min(budget, kept + 1), step
+
+
+KERNEL_VARIANTS = ([("weights", acc, bias) for acc in (False, True) for bias in (False, True)]
+                   + [("compact", mode) for mode in ("fixed", "weights", "scores")])
+
+
+@pytest.mark.parametrize("variant", KERNEL_VARIANTS, ids=str)
+def test_kernel_sources_are_complete(variant):
+    """Every variant's CUDA source (assembled on any machine, compiled only on a GPU) has its
+    placeholders filled, uses each input and output it declares, and names no template value
+    but those its wrapper passes."""
+    import re
+
+    from velox.kernels import evict as kernels
+    kind, *args = variant
+    spec = kernels._weights_spec(*args) if kind == "weights" else kernels._compact_spec(*args)
+    src = spec["source"]
+    for token in ("ACCUMULATE", "BIAS", "WEIGHTS_OUT", "THREADS", "SELECT", "COMPACT_SCORES"):
+        assert not re.search(rf"\b{token}\b", src), (variant, token)
+    for name in spec["input_names"] + spec["output_names"]:  # (scores read through SCORE_OF)
+        assert re.search(rf"\b{name}\b", src + spec["header"]), (variant, name)
+    passed = {"weights": {"HEAD_DIM"},
+              "compact": {"CHUNKS", "FIXED_DROP", "UNIT_HEADS", "N_SINK", "RECENT"}}[kind]
+    used = set(re.findall(r"\b[A-Z][A-Z_]{2,}\b", src)) - {"SCORE_OF"}
+    assert used == passed, (variant, used)
