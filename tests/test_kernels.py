@@ -10,6 +10,7 @@ reference wherever it runs.
 
 from __future__ import annotations
 
+import re
 import zlib
 
 import mlx.core as mx
@@ -161,8 +162,6 @@ def test_kernel_sources_are_complete(variant):
     """Every variant's CUDA source (assembled on any machine, compiled only on a GPU) has its
     placeholders filled, uses each input and output it declares, and names no template value
     but those its wrapper passes."""
-    import re
-
     from velox.kernels import evict as kernels
     kind, *args = variant
     spec = kernels._weights_spec(*args) if kind == "weights" else kernels._compact_spec(*args)

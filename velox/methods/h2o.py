@@ -90,13 +90,21 @@ def _update_mlx(state: H2OState, keys, values, queries) -> H2OState:
                           next_pos=state.next_pos + keys.shape[2])
 
 
-def _decode_cuda(state: H2OState, keys, values, queries) -> H2OState:
+def heavy_hitters_step(state, keys, values, queries, recent: int, bias=None):
+    """H2O's decode step at a full cache in the fused kernels (``velox.kernels.evict``), on any
+    state with :func:`heavy_hitters`' fields: accumulate the step's attention (``bias`` added
+    to its logits, Keyformer's noise), protect the sinks and the ``recent`` newest candidates,
+    drop the lightest and compact the rows and scores. Returns the new state."""
     from ..kernels.evict import compact, weights
     _, scores = weights((keys if queries is None else queries)[:, :, -1], state.keys, keys,
-                        old_scores=state.scores, decay=state.decay)
+                        old_scores=state.scores, decay=state.decay, bias=bias)
     return evict.with_compacted(state, compact(
         state.keys, state.values, state.positions, keys, values, state.next_pos, scores=scores,
-        n_sink=state.n_sink, recent=state.grace))
+        n_sink=state.n_sink, recent=recent))
+
+
+def _decode_cuda(state: H2OState, keys, values, queries) -> H2OState:
+    return heavy_hitters_step(state, keys, values, queries, state.grace)
 
 
 def _update_reference(state: H2OState, keys, values, queries) -> H2OState:

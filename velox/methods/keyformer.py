@@ -42,7 +42,7 @@ from .._typing import Array, Float, Int
 from ..accounting import state_nbytes
 from ..attention import candidate_logits, softmax
 from ..registry import dispatch, prepare_init, register
-from .h2o import heavy_hitters
+from .h2o import heavy_hitters, heavy_hitters_step
 
 __all__ = ["KeyformerState", "keyformer_init", "keyformer_update", "keyformer_get_kv",
            "keyformer_bytes", "hash_uniform", "hash_uniform_np"]
@@ -172,14 +172,9 @@ def _update_mlx(state: KeyformerState, keys, values, queries) -> KeyformerState:
 
 
 def _decode_cuda(state: KeyformerState, keys, values, queries) -> KeyformerState:
-    from ..kernels.evict import compact, weights
     kpos, qpos = _candidate_positions(state, 1)
-    _, scores = weights((keys if queries is None else queries)[:, :, -1], state.keys, keys,
-                        old_scores=state.scores, decay=state.decay,
-                        bias=_noise(state, qpos, kpos)[:, :, 0])
-    return evict.with_compacted(state, compact(
-        state.keys, state.values, state.positions, keys, values, state.next_pos, scores=scores,
-        n_sink=state.n_sink, recent=state.recent))
+    return heavy_hitters_step(state, keys, values, queries, state.recent,
+                              bias=_noise(state, qpos, kpos)[:, :, 0])
 
 
 def _update_reference(state: KeyformerState, keys, values, queries) -> KeyformerState:
