@@ -7,19 +7,23 @@ costs launch and bookkeeping time that dwarfs its work at decode sizes. Two kern
 * ``weights``: one block per (batch row, kv head); a warp per candidate computes the scaled
   float32 logits of the kv head's query heads against the stored and new keys (lanes across
   head_dim, warp-reduced), optionally plus a per-candidate bias (Keyformer's noise), then the
-  softmax per query head and the mean over them; H2O's variant adds the decayed old scores
-  (``old * decay + w``).
+  softmax per query head and the mean (or max, KVzip's probes) over them. Accumulating
+  variants also write each candidate's carried score: H2O's decayed sum ``old * decay + w``,
+  KVzip's running maximum, MorphKV's votes over the stored attention profiles.
 * ``compact``: a few blocks per (batch row, kv head); each finds the row's loser (a given
-  candidate, or the argmin of the weights or scores, averaged over the heads of a batch row
-  when the layer keeps one token set, protected slots left out, the older of equal scores
-  going first) and moves its share of the kept rows of keys, values, positions (and scores)
-  into place, the new row last; ``next_pos`` advances. The scores may come from MLX ops
-  (KNorm's key norms, Q-Filters' projections).
+  candidate, or the argmin of a score, optionally averaged over its chunk of positions
+  (ChunkKV) and over the heads of a batch row when the layer keeps one token set, protected
+  slots left out, the older of equal scores going first) and moves its share of the kept rows
+  of keys, values, positions and the carried per-token data (scores, or MorphKV's profiles
+  shifted by one voter) into place, the new row last; ``next_pos`` advances. The scores may
+  come from MLX ops (KNorm's key norms, Q-Filters' projections, CurDKV's leverage of the new
+  token, ChunkKV's key norms), as one ``[b, h, n + 1]`` array or stored and new apart.
 
-StreamingLLM's loser is fixed, so its step is ``compact`` alone, as are KNorm's and
-Q-Filters' after their scores. MLX compiles each kernel at its first launch and caches it
+StreamingLLM's loser is fixed, so its step is ``compact`` alone, as are KNorm's, Q-Filters'
+and CurDKV's after their scores. MLX compiles each kernel at its first launch and caches it
 per template values and dtypes; ``weights`` takes head_dim as one, so each lane's loads of a
-key row unroll and issue together.
+key row unroll and issue together. ``velox.kernels.nvrtc`` compiles every variant's source
+without a GPU (a test does, for three dtypes).
 """
 
 from __future__ import annotations
@@ -76,8 +80,10 @@ __device__ int velox_block_argmin(float v, int i, int none, float* red, int* red
 """
 
 # One block per (batch row, kv head): the G query heads' float32 logits over the n stored and
-# the new key (a warp per candidate, lanes across head_dim), softmax per query head, mean over
-# the G heads -> w; H2O's variant writes the accumulated scores old * decay + w instead.
+# the new key (a warp per candidate, lanes across head_dim), optionally plus a bias, softmax per
+# query head, and the mean (or max) over the G heads -> w. The accumulating variants also write
+# each candidate's carried score from w (ACCUMULATE): H2O's old * decay + w, KVzip's running
+# max(old, w), MorphKV's votes (the sum or max of the stored profiles' columns and w).
 _WEIGHTS_BODY = """
     const unsigned int tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
     const size_t bh = blockIdx.x;
@@ -107,7 +113,7 @@ _WEIGHTS_BODY = """
         }
     }
     __syncthreads();
-    float* ws = WEIGHTS_OUT + bh * N;
+    float* ws = w + bh * N;
     for (int j = 0; j < G; ++j) {
         const float* lj = l + (size_t)j * N;
         float m = -inf;
@@ -118,21 +124,34 @@ _WEIGHTS_BODY = """
         const float inv = 1.0f / velox_block_reduce<THREADS>(se, red, VeloxSum());
         for (int t = tid; t < N; t += THREADS) {
             const float p = expf(lj[t] - m) * inv;
-            ws[t] = j == 0 ? p : ws[t] + p;
+            ws[t] = j == 0 ? p : GROUP_COMBINE;
         }
     }
     for (int t = tid; t < N; t += THREADS) {
-        ws[t] = ws[t] / (float)G;
+        const float wt = GROUP_FINAL;
+        ws[t] = wt;
         ACCUMULATE
     }
 """
 
-_ACCUMULATE = "ws[t] += t < n ? old[bh * n + t] * params[1] : 0.0f;"
+_GROUP = {"mean": ("ws[t] + p", "ws[t] / (float)G"), "max": ("fmaxf(ws[t], p)", "ws[t]")}
+
+_ACCUMULATE = {
+    "decay": "scores[bh * N + t] = wt + (t < n ? old[bh * n + t] * params[1] : 0.0f);",
+    "max": "scores[bh * N + t] = t < n ? fmaxf(old[bh * n + t], wt) : wt;",
+    "vote_sum": """float a = 0.0f;
+        if (t < n) for (int j = 0; j < old_shape[3]; ++j) a += old[(bh * n + t) * old_shape[3] + j];
+        scores[bh * N + t] = a + wt;""",
+    "vote_max": """float a = wt;
+        if (t < n) for (int j = 0; j < old_shape[3]; ++j) a = fmaxf(a, old[(bh * n + t) * old_shape[3] + j]);
+        scores[bh * N + t] = a;""",
+}
 
 # CHUNKS blocks per (batch row, kv head), each finding the unit's loser (given, or the argmin
-# of the unit's scores with the first N_SINK and last RECENT candidates protected; every block
-# of a row finds the same one) and moving its share of the kept rows of keys, values,
-# positions (scores) into place, the new row last; next_pos advanced.
+# of the unit's selection scores with the first N_SINK and last RECENT candidates protected,
+# a candidate's score being its chunk's mean when CHUNK_SIZE > 1; every block of a row finds
+# the same one) and moving its share of the kept rows of keys, values, positions and the
+# carried per-token data into place, the new row last; next_pos advanced.
 _COMPACT_BODY = """
     const unsigned int tid = threadIdx.x;
     const size_t bh = blockIdx.x / CHUNKS;
@@ -144,6 +163,18 @@ _COMPACT_BODY = """
     const size_t bi = bh / H;
     __shared__ float red[THREADS];
     __shared__ int red_i[THREADS];
+    auto raw = [&](size_t X, int t) -> float { return RAW_SCORE; };
+    auto pos = [&](size_t X, int t) -> int { return t < n ? P[X * n + t] : next_pos[X]; };
+    auto score = [&](size_t X, int t) -> float {
+        if (CHUNK_SIZE <= 1) return raw(X, t);
+        const int c = pos(X, t) / CHUNK_SIZE;
+        int a = t, z = t;
+        while (a > 0 && pos(X, a - 1) / CHUNK_SIZE == c) --a;
+        while (z + 1 < N && pos(X, z + 1) / CHUNK_SIZE == c) ++z;
+        float sum = 0.0f;
+        for (int u = a; u <= z; ++u) sum += raw(X, u);
+        return sum / (float)(z - a + 1);
+    };
     int drop;
     if (SELECT) {
         float best = 0.0f;
@@ -152,10 +183,10 @@ _COMPACT_BODY = """
             if (t < N_SINK || t >= N - RECENT) continue;
             float s;
             if (UNIT_HEADS == 1) {
-                s = SCORE_OF(bh);
+                s = score(bh, t);
             } else {
                 s = 0.0f;
-                for (int hh = 0; hh < H; ++hh) s += SCORE_OF(bi * H + hh);
+                for (int hh = 0; hh < H; ++hh) s += score(bi * H + hh, t);
                 s = s / (float)H;
             }
             if (best_i == N || s < best) { best = s; best_i = t; }
@@ -183,52 +214,78 @@ _COMPACT_BODY = """
     for (int i = pfirst + tid; i < plast; i += THREADS) {
         const int src = i < drop ? i : i + 1;
         op[rows + i] = src == n ? next_pos[bh] : P[rows + src];
-        COMPACT_SCORES
+        CARRY
     }
+    CARRY_ROWS
     if (tid == 0 && chunk == 0) onext[bh] = next_pos[bh] + 1;
 """
 
-_COMPACT = "os_[rows + i] = S[bh * N + src];"
+_RAW = {"fixed": "0.0f", "full": "S[X * N + t]", "split": "t < n ? S[X * n + t] : Snew[X]"}
+
+_CARRY = {"none": "", "full": "oc[rows + i] = C[bh * N + src];",
+          "split": "oc[rows + i] = src < n ? C[rows + src] : Cnew[bh];", "profiles": ""}
+
+# MorphKV's profiles: row i of the output is its source row's columns shifted left by one
+# (the oldest voter leaves) and the candidate's new column PW appended; the new row's stored
+# columns are zeros.
+_PROFILE_ROWS = """
+    const int wp = PR_shape[3];
+    const int rspan = (n * wp + CHUNKS - 1) / CHUNKS, rfirst = chunk * rspan;
+    const int rlast = rfirst + rspan < n * wp ? rfirst + rspan : n * wp;
+    for (int e = rfirst + tid; e < rlast; e += THREADS) {
+        const int i = e / wp, c = e % wp;
+        const int src = i < drop ? i : i + 1;
+        opr[rows * wp + e] = c == wp - 1 ? PW[bh * N + src] : (src < n ? PR[(rows + src) * wp + c + 1] : 0.0f);
+    }
+"""
 
 
-def _weights_spec(accumulate: bool, biased: bool) -> dict:
-    """The ``mx.fast.cuda_kernel`` arguments of a ``weights`` variant."""
+def _weights_spec(group: str = "mean", accumulate: str | None = None, biased: bool = False) -> dict:
+    """The ``mx.fast.cuda_kernel`` arguments of a ``weights`` variant: ``group`` (``mean`` or
+    ``max`` over a kv head's query heads), ``accumulate`` (None, ``decay``, ``max``,
+    ``vote_sum``, ``vote_max``) and whether a ``bias`` is added to the logits."""
+    combine, final = _GROUP[group]
+    name = "velox_weights_" + group + (f"_{accumulate}" if accumulate else "") + ("_bias" if biased else "")
     return dict(
-        name="velox_weights" + ("_acc" if accumulate else "") + ("_bias" if biased else ""),
+        name=name,
         input_names=["q", "K", "knew", "params"] + (["old"] if accumulate else [])
         + (["bias"] if biased else []),
-        output_names=["scores" if accumulate else "w", "lg"],
-        source=_WEIGHTS_BODY.replace("ACCUMULATE", _ACCUMULATE if accumulate else "")
+        output_names=["w", "lg"] + (["scores"] if accumulate else []),
+        source=_WEIGHTS_BODY.replace("ACCUMULATE", _ACCUMULATE[accumulate] if accumulate else "")
+                            .replace("GROUP_COMBINE", combine).replace("GROUP_FINAL", final)
                             .replace("BIAS", "+ bias[bh * N + t]" if biased else "")
-                            .replace("WEIGHTS_OUT", "scores" if accumulate else "w")
                             .replace("THREADS", str(THREADS)),
         header=_HEADER)
 
 
-def _compact_spec(mode: str) -> dict:
-    """The ``mx.fast.cuda_kernel`` arguments of a ``compact`` variant. ``mode``: ``fixed``
-    (the loser is a template value), ``weights`` (argmin of ``w``) or ``scores`` (argmin of
-    H2O's scores, which are compacted too)."""
-    score_input = {"fixed": [], "weights": ["w"], "scores": ["S"]}[mode]
-    score_of = {"fixed": "0.0f", "weights": "w[(X) * N + t]", "scores": "S[(X) * N + t]"}[mode]
-    src = (_COMPACT_BODY.replace("SELECT", "false" if mode == "fixed" else "true")
-           .replace("COMPACT_SCORES", _COMPACT if mode == "scores" else "")
+def _compact_spec(select: str, carry: str = "none") -> dict:
+    """The ``mx.fast.cuda_kernel`` arguments of a ``compact`` variant. ``select``: ``fixed``
+    (the loser is a template value), ``full`` (argmin of ``S [b, h, n + 1]``) or ``split``
+    (``S [b, h, n]`` of the stored rows and ``Snew [b, h, 1]``); ``carry``: the per-token data
+    compacted beside the rows: ``none``, ``full`` / ``split`` (``C``, as ``S``) or ``profiles``
+    (``PR [b, h, n, c]`` shifted, with the column ``PW [b, h, n + 1]`` appended)."""
+    select_inputs = {"fixed": [], "full": ["S"], "split": ["S", "Snew"]}[select]
+    carry_inputs = {"none": [], "full": ["C"], "split": ["C", "Cnew"], "profiles": ["PR", "PW"]}[carry]
+    src = (_COMPACT_BODY.replace("SELECT", "false" if select == "fixed" else "true")
+           .replace("RAW_SCORE", _RAW[select]).replace("CARRY_ROWS", _PROFILE_ROWS if carry == "profiles" else "")
+           .replace("CARRY", _CARRY[carry])
            .replace("THREADS", str(COMPACT_THREADS)))
+    out = {"none": [], "full": ["oc"], "split": ["oc"], "profiles": ["opr"]}[carry]
     return dict(
-        name=f"velox_compact_{mode}",
-        input_names=["K", "V", "P", "knew", "vnew", "next_pos"] + score_input,
-        output_names=["ok", "ov", "op", "onext"] + (["os_"] if mode == "scores" else []),
-        source=src, header=_HEADER + f"#define SCORE_OF(X) ({score_of})\n")
+        name=f"velox_compact_{select}_{carry}",
+        input_names=["K", "V", "P", "knew", "vnew", "next_pos"] + select_inputs + carry_inputs,
+        output_names=["ok", "ov", "op", "onext"] + out,
+        source=src, header=_HEADER)
 
 
 @lru_cache(maxsize=None)
-def _weights_kernel(accumulate: bool, biased: bool):
-    return mx.fast.cuda_kernel(**_weights_spec(accumulate, biased))
+def _weights_kernel(group: str, accumulate: str | None, biased: bool):
+    return mx.fast.cuda_kernel(**_weights_spec(group, accumulate, biased))
 
 
 @lru_cache(maxsize=None)
-def _compact_kernel(mode: str):
-    return mx.fast.cuda_kernel(**_compact_spec(mode))
+def _compact_kernel(select: str, carry: str):
+    return mx.fast.cuda_kernel(**_compact_spec(select, carry))
 
 
 @lru_cache(maxsize=None)
@@ -236,51 +293,88 @@ def _params(scale: float, decay: float) -> mx.array:
     return mx.array([scale, decay], mx.float32)
 
 
-def weights(queries, keys, new_keys, *, old_scores=None, decay: float = 1.0, bias=None):
+def weights(queries, keys, new_keys, *, old=None, accumulate: str | None = None,
+            decay: float = 1.0, bias=None, group: str = "mean"):
     """Attention weights of a decode step's scoring queries over the ``n + 1`` candidates.
 
     ``queries [b, qh, d]`` (qh a multiple of the kv heads), ``keys [b, h, n, d]`` stored,
-    ``new_keys [b, h, 1, d]``. Returns ``w [b, h, n + 1]`` (softmax per query head in
-    float32, averaged over each kv head's query heads) and, with ``old_scores [b, h, n]``,
-    H2O's accumulated scores ``old * decay + w`` of every candidate in place of ``w``
-    (``(None, scores)``). ``bias [b, h, n + 1]`` (float32) is added to every query head's
-    scaled logits before the softmax (Keyformer's scaled Gumbel noise).
+    ``new_keys [b, h, 1, d]``. Returns ``(w, scores)``: ``w [b, h, n + 1]``, the softmax per
+    query head in float32, averaged (``group="mean"``) or maximised (``"max"``) over each kv
+    head's query heads; and, with ``accumulate``, every candidate's carried score
+    ``[b, h, n + 1]`` from ``old`` (else None):
+
+    * ``"decay"``: H2O's ``old * decay + w`` (``old [b, h, n]``; the new token's is ``w``);
+    * ``"max"``: the running maximum ``max(old, w)``;
+    * ``"vote_sum"`` / ``"vote_max"``: the sum / max of the stored profile columns
+      ``old [b, h, n, c]`` and ``w`` (MorphKV's votes; the new token has no stored columns).
+
+    ``bias [b, h, n + 1]`` (float32) is added to every query head's scaled logits before the
+    softmax (Keyformer's scaled Gumbel noise).
     """
+    if accumulate not in (None, *_ACCUMULATE) or group not in _GROUP:
+        raise ValueError(f"unknown weights variant: accumulate={accumulate!r}, group={group!r}")
+    if (old is None) != (accumulate is None):
+        raise ValueError("`old` and `accumulate` go together")
     b, h, n, d = keys.shape
     g = queries.shape[1] // h
-    accumulate = old_scores is not None
-    shapes = [(b, h, n + 1), (b, h, g, n + 1)]
-    out = _weights_kernel(accumulate, bias is not None)(
+    shapes = [(b, h, n + 1), (b, h, g, n + 1)] + ([(b, h, n + 1)] if accumulate else [])
+    out = _weights_kernel(group, accumulate, bias is not None)(
         inputs=[queries, keys, new_keys, _params(d ** -0.5, decay)]
-        + ([old_scores] if accumulate else []) + ([bias] if bias is not None else []),
+        + ([old] if accumulate else []) + ([bias] if bias is not None else []),
         grid=(b * h * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=shapes, output_dtypes=[mx.float32] * len(shapes),
         template=[("HEAD_DIM", d)])
-    return (None, out[0]) if accumulate else (out[0], None)
+    return out[0], (out[2] if accumulate else None)
+
+
+def _pair(x):
+    """``(arrays, mode)`` of a selection or carried argument: one ``[b, h, n + 1]`` array, or
+    the stored rows' ``[b, h, n]`` and the new token's ``[b, h, 1]`` apart."""
+    if x is None:
+        return [], "none"
+    if isinstance(x, (tuple, list)):
+        return list(x), "split"
+    return [x], "full"
 
 
 def compact(keys, values, positions, new_keys, new_values, next_pos, *, drop: int | None = None,
-            weights=None, scores=None, shared: bool = False, n_sink: int = 0, recent: int = 0):
-    """Keys, values, positions (and scores) with one of each row's ``n + 1`` candidates
-    (stored ++ new) left out, and ``next_pos + 1``.
+            by=None, carry=None, profiles=None, chunk_size: int = 1, shared: bool = False,
+            n_sink: int = 0, recent: int = 0):
+    """Keys, values, positions with one of each row's ``n + 1`` candidates (stored ++ new)
+    left out, ``next_pos + 1``, and the compacted ``carry`` or ``profiles`` when given.
 
-    The loser is ``drop`` (the same candidate index in every row), or the argmin of
-    ``weights [b, h, n + 1]`` (averaged over the heads of a batch row when ``shared``), or of
-    ``scores [b, h, n + 1]`` (which are compacted as well), the first ``n_sink`` and last
-    ``recent`` candidates protected; the older of equal scores goes.
+    The loser is ``drop`` (the same candidate index in every row), or the argmin of ``by``
+    (a candidate's score; with ``chunk_size > 1`` the mean over its chunk, the candidates of
+    equal ``position // chunk_size``; averaged over the heads of a batch row when ``shared``),
+    the first ``n_sink`` and last ``recent`` candidates protected, the older of equal scores
+    going first. ``by`` and ``carry`` (float32) are ``[b, h, n + 1]`` arrays or
+    ``(stored [b, h, n], new [b, h, 1])`` pairs; ``profiles`` is ``(stored [b, h, n, c],
+    column [b, h, n + 1])``: each kept row's ``c`` stored columns shift left by one and the
+    candidate's new column is appended (the new row's stored columns are zeros).
     """
     b, h, n, d = keys.shape
-    mode = "fixed" if drop is not None else ("scores" if scores is not None else "weights")
-    extra = {"fixed": [], "weights": [weights], "scores": [scores]}[mode]
+    if (drop is None) == (by is None):
+        raise ValueError("give the loser as exactly one of `drop` and `by`")
+    if carry is not None and profiles is not None:
+        raise ValueError("`carry` and `profiles` do not go together")
+    sel, select = _pair(by)
+    if drop is not None:
+        select = "fixed"
+    extra, mode = _pair(carry)
     shapes = [keys.shape, values.shape, positions.shape, next_pos.shape]
     dtypes = [keys.dtype, values.dtype, positions.dtype, next_pos.dtype]
-    if mode == "scores":
+    if profiles is not None:
+        extra, mode = list(profiles), "profiles"
+        shapes.append(profiles[0].shape)
+        dtypes.append(mx.float32)
+    elif mode != "none":
         shapes.append(positions.shape)
         dtypes.append(mx.float32)
     chunks = max(1, -(-n * d // COMPACT_SPAN))
-    return _compact_kernel(mode)(
-        inputs=[keys, values, positions, new_keys, new_values, next_pos] + extra,
+    return _compact_kernel(select, mode)(
+        inputs=[keys, values, positions, new_keys, new_values, next_pos] + sel + extra,
         grid=(b * h * chunks * COMPACT_THREADS, 1, 1), threadgroup=(COMPACT_THREADS, 1, 1),
         output_shapes=shapes, output_dtypes=dtypes,
         template=[("CHUNKS", chunks), ("FIXED_DROP", 0 if drop is None else drop),
-                  ("UNIT_HEADS", h if shared else 1), ("N_SINK", n_sink), ("RECENT", recent)])
+                  ("UNIT_HEADS", h if shared else 1), ("N_SINK", n_sink), ("RECENT", recent),
+                  ("CHUNK_SIZE", chunk_size)])

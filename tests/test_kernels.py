@@ -20,7 +20,8 @@ import pytest
 from velox.backend import BackendUnavailable, device_supports
 from velox.registry import get_method, method_keys
 
-KERNEL_METHODS = ("streaming_llm", "tova", "h2o", "squeeze", "knorm", "qfilters", "keyformer")
+KERNEL_METHODS = ("streaming_llm", "tova", "h2o", "squeeze", "knorm", "qfilters", "keyformer",
+                  "kvzip", "morphkv", "curdkv", "chunkkv")
 
 
 def test_kernel_backends_are_registered_and_refused_without_a_gpu():
@@ -43,14 +44,26 @@ needs_cuda = pytest.mark.skipif(not device_supports("cuda"), reason="needs an NV
 SHAPES = [(1, 8, 0, 128), (2, 4, 3, 64), (3, 2, 2, 96), (1, 1, 1, 32)]  # b, h, groups (0 = proxy), d
 
 
-def _params(key: str, budget: int, variant: bool) -> dict:
-    """The method's parameters; ``variant`` is TOVA's per-head selection, KNorm's keep='high'."""
+def _params(key: str, budget: int, variant: str) -> dict:
+    """The method's parameters; ``variant`` names a second setting of the method's kernel path
+    (per-head or per-layer selection, another scoring rule)."""
     if key == "streaming_llm":
         return dict(n_sink=3, window_size=budget - 3)
     if key == "tova":
-        return dict(budget=budget, n_sink=3, per_head=variant)
+        return dict(budget=budget, n_sink=3, per_head=variant == "per_head")
     if key == "knorm":
-        return dict(budget=budget, n_sink=3, recent=2, keep="high" if variant else "low")
+        return dict(budget=budget, n_sink=3, recent=2, keep=variant or "low")
+    if key == "kvzip":  # per-layer running-max importance, or TOVA's rule with the importance carried
+        return dict(budget=budget, n_sink=3, probe=variant or "context", per_head=variant == "latest")
+    if key == "morphkv":
+        return dict(budget=budget, n_sink=3, **{"": dict(window=4),
+                                                "max": dict(window=3, aggregate="max", per_head=False),
+                                                "window1": dict(window=1)}[variant])
+    if key == "curdkv":
+        return dict(budget=budget, n_sink=3, rank_cap=8)
+    if key == "chunkkv":
+        return dict(budget=budget, chunk_size=4, n_sink=3, grace=5, decay=0.95,
+                    **{"": {}, "per_layer": dict(per_head=False), "key_norm": dict(score="key_norm")}[variant])
     if key == "qfilters":  # online filters: still calibrating over the first decode steps
         return dict(budget=budget, n_sink=3, recent=2, calib_tokens=budget + 20)
     if key == "keyformer":  # the temperature still annealing over the decode steps
@@ -68,16 +81,20 @@ def _compare(key, a, b, step):
                                       np.array(getattr(b, f).astype(mx.float32)), err_msg=what)
     if key == "qfilters":  # the online filters, from the same mlx ops on both
         np.testing.assert_array_equal(np.array(a.filters), np.array(b.filters), err_msg=what)
-    if key in ("h2o", "squeeze", "keyformer"):
-        np.testing.assert_allclose(np.array(a.scores), np.array(b.scores), rtol=2e-5, atol=1e-6,
-                                   err_msg=what)
+    carried = {"kvzip": "importance", "morphkv": "profiles"}.get(key, "scores")
+    if key in ("h2o", "squeeze", "keyformer", "kvzip", "morphkv", "curdkv", "chunkkv"):
+        np.testing.assert_allclose(np.array(getattr(a, carried)), np.array(getattr(b, carried)),
+                                   rtol=2e-5, atol=1e-6, err_msg=what)
 
 
 @needs_cuda
-@pytest.mark.parametrize("key,variant", [("streaming_llm", False), ("tova", False),
-                                          ("tova", True), ("h2o", False), ("squeeze", False),
-                                          ("knorm", False), ("knorm", True), ("qfilters", False),
-                                          ("keyformer", False)])
+@pytest.mark.parametrize("key,variant", [("streaming_llm", ""), ("tova", ""), ("tova", "per_head"),
+                                          ("h2o", ""), ("squeeze", ""), ("knorm", ""),
+                                          ("knorm", "high"), ("qfilters", ""), ("keyformer", ""),
+                                          ("kvzip", ""), ("kvzip", "latest"), ("morphkv", ""),
+                                          ("morphkv", "max"), ("morphkv", "window1"), ("curdkv", ""),
+                                          ("chunkkv", ""), ("chunkkv", "per_layer"),
+                                          ("chunkkv", "key_norm")])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_kernel_decode_steps_match_mlx(key, variant, shape, dtype):
@@ -153,24 +170,81 @@ def test_squeeze_kernel_follows_a_reallocated_budget():
         assert states["cuda"].keys.shape[2] == min(budget, kept + 1), step
 
 
-KERNEL_VARIANTS = ([("weights", acc, bias) for acc in (False, True) for bias in (False, True)]
-                   + [("compact", mode) for mode in ("fixed", "weights", "scores")])
+WEIGHTS_VARIANTS = [("weights", group, acc, bias) for group in ("mean", "max")
+                    for acc in (None, "decay", "max", "vote_sum", "vote_max") for bias in (False, True)]
+COMPACT_VARIANTS = [("compact", select, carry) for select in ("fixed", "full", "split")
+                    for carry in ("none", "full", "split", "profiles")]
+KERNEL_VARIANTS = WEIGHTS_VARIANTS + COMPACT_VARIANTS
+TEMPLATE = {"weights": {"HEAD_DIM": 128},
+            "compact": dict(CHUNKS=2, FIXED_DROP=0, UNIT_HEADS=1, N_SINK=3, RECENT=2, CHUNK_SIZE=4)}
+
+
+def _spec(variant):
+    from velox.kernels import evict as kernels
+    kind, *args = variant
+    return kind, kernels._weights_spec(*args) if kind == "weights" else kernels._compact_spec(*args)
 
 
 @pytest.mark.parametrize("variant", KERNEL_VARIANTS, ids=str)
 def test_kernel_sources_are_complete(variant):
-    """Every variant's CUDA source (assembled on any machine, compiled only on a GPU) has its
+    """Every variant's CUDA source (assembled on any machine, compiled by MLX on a GPU) has its
     placeholders filled, uses each input and output it declares, and names no template value
     but those its wrapper passes."""
-    from velox.kernels import evict as kernels
-    kind, *args = variant
-    spec = kernels._weights_spec(*args) if kind == "weights" else kernels._compact_spec(*args)
+    kind, spec = _spec(variant)
     src = spec["source"]
-    for token in ("ACCUMULATE", "BIAS", "WEIGHTS_OUT", "THREADS", "SELECT", "COMPACT_SCORES"):
+    for token in ("ACCUMULATE", "BIAS", "GROUP_COMBINE", "GROUP_FINAL", "THREADS", "SELECT",
+                  "RAW_SCORE", "CARRY", "CARRY_ROWS"):
         assert not re.search(rf"\b{token}\b", src), (variant, token)
-    for name in spec["input_names"] + spec["output_names"]:  # (scores read through SCORE_OF)
-        assert re.search(rf"\b{name}\b", src + spec["header"]), (variant, name)
-    passed = {"weights": {"HEAD_DIM"},
-              "compact": {"CHUNKS", "FIXED_DROP", "UNIT_HEADS", "N_SINK", "RECENT"}}[kind]
-    used = set(re.findall(r"\b[A-Z][A-Z_]{2,}\b", src)) - {"SCORE_OF"}
-    assert used == passed, (variant, used)
+    for name in spec["input_names"] + spec["output_names"]:
+        assert re.search(rf"\b{name}\b", src), (variant, name)
+    used = set(re.findall(r"\b[A-Z][A-Z_]{2,}\b", src))
+    assert used == set(TEMPLATE[kind]), (variant, used)
+
+
+def _dtypes(kind, spec, dtype):
+    """Input and output dtypes of a launch whose keys and values are ``dtype``."""
+    rows = {"q", "K", "knew", "V", "vnew", "ok", "ov"}
+    ints = {"P", "next_pos", "op", "onext"}
+    def of(name):
+        return dtype if name in rows else "int32" if name in ints else "float32"
+    return {n: of(n) for n in spec["input_names"]}, [of(n) for n in spec["output_names"]]
+
+
+@pytest.mark.skipif(not __import__("velox.kernels.nvrtc", fromlist=["x"]).available(),
+                    reason="needs NVIDIA's NVRTC wheel (nvidia-cuda-nvrtc-cu12, a test extra on Linux x86-64)")
+@pytest.mark.parametrize("variant", KERNEL_VARIANTS, ids=str)
+def test_kernel_sources_compile(variant):
+    """Every variant compiles with NVRTC for an H100/H200 (sm_90), for float32, float16 and
+    bfloat16 rows, wrapped as MLX wraps it at a launch (no GPU needed)."""
+    from velox.kernels import nvrtc
+    kind, spec = _spec(variant)
+    for dtype in ("float32", "float16", "bfloat16"):
+        ins, outs = _dtypes(kind, spec, dtype)
+        ptx = nvrtc.compile_source(nvrtc.kernel_source(spec, ins, outs, TEMPLATE[kind]))
+        assert f".entry {spec['name']}" in ptx, (variant, dtype)
+
+
+def test_kernel_source_check_catches_an_error():
+    """The compile check fails on a source that does not compile, with NVRTC's message."""
+    from velox.kernels import nvrtc
+    if not nvrtc.available():
+        pytest.skip("needs NVIDIA's NVRTC wheel")
+    with pytest.raises(nvrtc.NvrtcError, match="undefined"):
+        nvrtc.compile_source('extern "C" __global__ void f(float* x) { x[0] = y; }')
+
+
+def test_kernel_wrappers_refuse_bad_arguments():
+    """Arguments that name no kernel variant are refused before any launch (any machine)."""
+    from velox.kernels import evict as kernels
+    k = mx.zeros((1, 2, 4, 8))
+    with pytest.raises(ValueError, match="variant"):
+        kernels.weights(k[:, :, 0], k, k[:, :, :1], group="median")
+    with pytest.raises(ValueError, match="go together"):
+        kernels.weights(k[:, :, 0], k, k[:, :, :1], accumulate="max")
+    with pytest.raises(ValueError, match="exactly one"):
+        kernels.compact(k, k, mx.zeros((1, 2, 4), mx.int32), k[:, :, :1], k[:, :, :1],
+                        mx.zeros((1, 2), mx.int32))
+    with pytest.raises(ValueError, match="do not go together"):
+        kernels.compact(k, k, mx.zeros((1, 2, 4), mx.int32), k[:, :, :1], k[:, :, :1],
+                        mx.zeros((1, 2), mx.int32), drop=0, carry=mx.zeros((1, 2, 5)),
+                        profiles=(mx.zeros((1, 2, 4, 3)), mx.zeros((1, 2, 5))))

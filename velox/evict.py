@@ -226,10 +226,10 @@ def cuda_update(mlx_update, capacity, decode_step):
     return update
 
 
-def with_compacted(state, out: Sequence[mx.array]):
+def with_compacted(state, out: Sequence[mx.array], carried: str = "scores"):
     """``state`` holding the outputs of ``velox.kernels.evict.compact``: keys, values,
-    positions, next_pos (and scores)."""
+    positions, next_pos (and the carried per-token data, in the field ``carried``)."""
     fields = dict(keys=out[0], values=out[1], positions=out[2], next_pos=out[3])
     if len(out) > 4:
-        fields["scores"] = out[4]
+        fields[carried] = out[4]
     return state._replace(**fields)

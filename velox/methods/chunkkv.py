@@ -10,6 +10,11 @@ tie rule). A multi-token chunk of input is one selection. ``chunk_size = 1`` is 
 Across layers (``model_init`` / ``layer_update``), layers come in blocks of ``reuse_layers``:
 the first of a block selects, the others keep exactly its kept positions.
 
+Backends: ``reference``, ``mlx`` and ``cuda`` (a decode step at a full cache: H2O's fused
+weights kernel, or the new key's norm, then one kernel that takes each candidate's chunk mean,
+finds the loser and moves the rows and scores; every other step, and the leaders of reused
+layers, run the ``mlx`` ops).
+
 References:
     Liu, Tang, Dong, Li, Liu, Li, Hu, Chu. ChunkKV: Semantic-Preserving KV Cache Compression
     for Efficient Long-Context LLM Inference. NeurIPS 2025. arXiv:2502.00299.
@@ -142,6 +147,19 @@ def _update_mlx(state: ChunkKVState, keys, values, queries) -> ChunkKVState:
     return _select_mlx(state, keys, values, queries)[0]
 
 
+def _decode_cuda(state: ChunkKVState, keys, values, queries) -> ChunkKVState:
+    from ..kernels.evict import compact, weights
+    if state.score == "attn_mass":
+        _, scores = weights((keys if queries is None else queries)[:, :, -1], state.keys, keys,
+                            old=state.scores, accumulate="decay", decay=state.decay)
+    else:
+        scores = (state.scores, evict.row_norms(keys))
+    return evict.with_compacted(state, compact(
+        state.keys, state.values, state.positions, keys, values, state.next_pos, by=scores,
+        carry=scores, chunk_size=state.chunk_size, shared=not state.per_head,
+        n_sink=state.n_sink, recent=state.grace))
+
+
 def _chunk_mean_reference(scores: np.ndarray, positions: np.ndarray, size: int) -> np.ndarray:
     """One row: the mean score of each candidate's chunk ``position // size``."""
     cid = positions // size
@@ -209,7 +227,10 @@ def _model_init(per_layer_params: list[dict[str, Any]]) -> ChunkKVRecord:
 def _layer_update(record: ChunkKVRecord, layer: int, state: ChunkKVState,
                   keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"], *,
                   queries: Float[Array, "b q s d"] | None = None) -> tuple[ChunkKVRecord, ChunkKVState]:
-    """The ``layer_update`` hook: a leader selects and publishes; a follower keeps the same rows."""
+    """The ``layer_update`` hook: a leader selects and publishes; a follower keeps the same rows.
+    Without followers (``reuse_layers=1``) it is the layer's own update (kernels included)."""
+    if record.reuse_layers == 1:
+        return record, chunkkv_update(state, keys, values, queries=queries)
     checked_update(state, keys, values, queries)
     n, s = state.keys.shape[2], keys.shape[2]
     if layer % record.reuse_layers == 0:
@@ -234,5 +255,6 @@ def _layer_update(record: ChunkKVRecord, layer: int, state: ChunkKVState,
 
 register(KEY, state_type=ChunkKVState, init=chunkkv_init, update=chunkkv_update,
          get_kv=chunkkv_get_kv, nbytes=chunkkv_bytes,
-         backends={"reference": _update_reference, "mlx": _update_mlx},
+         backends={"reference": _update_reference, "mlx": _update_mlx,
+                   "cuda": evict.cuda_update(_update_mlx, lambda st: st.budget, _decode_cuda)},
          model_init=_model_init, layer_update=_layer_update)

@@ -21,6 +21,10 @@ so the ranking is that of ``||x_i V_r||^2 * ||y_i W_r||^2``; the state keeps thi
 every stored row (``scores``, constant while the subspaces are), so a decode step projects only
 the new token.
 
+Backends: ``reference``, ``mlx`` and ``cuda`` (a decode step at a full cache scores the new
+token with the ``mlx`` ops, then one fused kernel finds the loser and moves the rows and
+scores; every other step runs the ``mlx`` ops).
+
 Deviations from the paper:
     * Exact rank-capped leverage from the eigendecomposition of the ``d x d`` Gram matrices
       instead of Gaussian-sketch estimates, and no local-window normalisation.
@@ -146,6 +150,14 @@ def _update_mlx(state: CurDKVState, keys, values, queries) -> CurDKVState:
                           next_pos=state.next_pos + s)
 
 
+def _decode_cuda(state: CurDKVState, keys, values, queries) -> CurDKVState:
+    from ..kernels.evict import compact
+    scores = (state.scores, _energy_in(keys, state.key_basis) * _energy_in(values, state.value_basis))
+    return evict.with_compacted(state, compact(
+        state.keys, state.values, state.positions, keys, values, state.next_pos, by=scores,
+        carry=scores, n_sink=state.n_sink))
+
+
 def _fit_reference(x: np.ndarray, r: int) -> np.ndarray:
     """One head: top-``r`` right singular vectors ``[d, r]`` of ``x [N, d]``."""
     d = x.shape[1]
@@ -210,4 +222,5 @@ def curdkv_bytes(state: CurDKVState) -> int:
 
 register(KEY, state_type=CurDKVState, init=curdkv_init, update=curdkv_update,
          get_kv=curdkv_get_kv, nbytes=curdkv_bytes,
-         backends={"reference": _update_reference, "mlx": _update_mlx})
+         backends={"reference": _update_reference, "mlx": _update_mlx,
+                   "cuda": evict.cuda_update(_update_mlx, lambda st: st.budget, _decode_cuda)})

@@ -97,10 +97,10 @@ def heavy_hitters_step(state, keys, values, queries, recent: int, bias=None):
     drop the lightest and compact the rows and scores. Returns the new state."""
     from ..kernels.evict import compact, weights
     _, scores = weights((keys if queries is None else queries)[:, :, -1], state.keys, keys,
-                        old_scores=state.scores, decay=state.decay, bias=bias)
+                        old=state.scores, accumulate="decay", decay=state.decay, bias=bias)
     return evict.with_compacted(state, compact(
-        state.keys, state.values, state.positions, keys, values, state.next_pos, scores=scores,
-        n_sink=state.n_sink, recent=recent))
+        state.keys, state.values, state.positions, keys, values, state.next_pos, by=scores,
+        carry=scores, n_sink=state.n_sink, recent=recent))
 
 
 def _decode_cuda(state: H2OState, keys, values, queries) -> H2OState:

@@ -82,7 +82,7 @@ def _decode_cuda(state: KNormState, keys, values, queries) -> KNormState:
     from ..kernels.evict import compact
     return evict.with_compacted(state, compact(
         state.keys, state.values, state.positions, keys, values, state.next_pos,
-        weights=_scores(state, keys), n_sink=state.n_sink, recent=state.recent))
+        by=_scores(state, keys), n_sink=state.n_sink, recent=state.recent))
 
 
 def _update_reference(state: KNormState, keys, values, queries) -> KNormState:

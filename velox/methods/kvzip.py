@@ -16,6 +16,10 @@ maximum, so a decode step costs one probe against the cache. ``probe="latest"`` 
 chunk's newest query alone, averaged over the group (TOVA's rule). Sinks are protected; the
 ``budget`` best candidates are kept; a chunk is one selection.
 
+Backends: ``reference``, ``mlx`` and ``cuda`` (a decode step at a full cache: one fused
+kernel for the probe's weights (max or mean over the group) and the running maximum, one that
+finds the loser and moves the rows and importance; every other step runs the ``mlx`` ops).
+
 Deviations from the paper:
     * The paper scores a whole context once after prefill, then evicts; here every update that
       overflows the budget selects over stored + new, so a context streamed in chunks (and
@@ -114,6 +118,18 @@ def _update_mlx(state: KVzipState, keys, values, queries) -> KVzipState:
     return state._replace(keys=k, values=v, positions=p, importance=imp, next_pos=state.next_pos + s)
 
 
+def _decode_cuda(state: KVzipState, keys, values, queries) -> KVzipState:
+    from ..kernels.evict import compact, weights
+    latest = state.probe == "latest"
+    current, importance = weights((keys if queries is None else queries)[:, :, -1], state.keys,
+                                  keys, old=state.importance, accumulate="max",
+                                  group="mean" if latest else "max")
+    return evict.with_compacted(state, compact(
+        state.keys, state.values, state.positions, keys, values, state.next_pos,
+        by=current if latest else importance, carry=importance, shared=not state.per_head,
+        n_sink=state.n_sink), carried="importance")
+
+
 def _update_reference(state: KVzipState, keys, values, queries) -> KVzipState:
     c = ref.candidates(state, keys, values, queries)
     b, h, N = c.positions.shape
@@ -160,4 +176,6 @@ def kvzip_bytes(state: KVzipState) -> int:
 
 
 register(KEY, state_type=KVzipState, init=kvzip_init, update=kvzip_update, get_kv=kvzip_get_kv,
-         nbytes=kvzip_bytes, backends={"reference": _update_reference, "mlx": _update_mlx})
+         nbytes=kvzip_bytes, backends={"reference": _update_reference, "mlx": _update_mlx,
+                                        "cuda": evict.cuda_update(_update_mlx, lambda st: st.budget,
+                                                                  _decode_cuda)})

@@ -14,6 +14,10 @@ the ``window - 1`` newest tokens (the next update's voters) are protected; the `
 candidates are kept. A chunk is one selection, voted by its newest ``window`` queries (preceded,
 when it is shorter than the window, by the stored profiles).
 
+Backends: ``reference``, ``mlx`` and ``cuda`` (a decode step at a full cache: one fused kernel
+for the new query's profile and every candidate's votes, one that finds the loser and moves
+the rows and the shifted profiles; every other step runs the ``mlx`` ops).
+
 Deviations from the paper:
     * ``window - 1`` recent tokens are protected instead of ``window``: the window's oldest
       token competes like every other, so ``window=1`` is TOVA's rule exactly.
@@ -100,6 +104,21 @@ def _update_mlx(state: MorphKVState, keys, values, queries) -> MorphKVState:
     return state._replace(keys=k, values=v, positions=p, profiles=pr, next_pos=state.next_pos + s)
 
 
+def _decode_cuda(state: MorphKVState, keys, values, queries) -> MorphKVState:
+    from ..kernels.evict import compact, weights
+    q = (keys if queries is None else queries)[:, :, -1]
+    rows = (state.keys, state.values, state.positions, keys, values, state.next_pos)
+    keep, shared = state.window - 1, not state.per_head
+    if not keep:  # window 1: TOVA's step, no stored profiles
+        w, _ = weights(q, state.keys, keys)
+        return evict.with_compacted(state, compact(*rows, by=w, shared=shared, n_sink=state.n_sink))
+    w, votes = weights(q, state.keys, keys, old=state.profiles,
+                       accumulate="vote_sum" if state.aggregate == "sum" else "vote_max")
+    return evict.with_compacted(state, compact(
+        *rows, by=votes, profiles=(state.profiles, w), shared=shared, n_sink=state.n_sink,
+        recent=keep), carried="profiles")
+
+
 def _update_reference(state: MorphKVState, keys, values, queries) -> MorphKVState:
     c = ref.candidates(state, keys, values, queries)
     b, h, N = c.positions.shape
@@ -145,4 +164,5 @@ def morphkv_bytes(state: MorphKVState) -> int:
 
 register(KEY, state_type=MorphKVState, init=morphkv_init, update=morphkv_update,
          get_kv=morphkv_get_kv, nbytes=morphkv_bytes,
-         backends={"reference": _update_reference, "mlx": _update_mlx})
+         backends={"reference": _update_reference, "mlx": _update_mlx,
+                   "cuda": evict.cuda_update(_update_mlx, lambda st: st.budget, _decode_cuda)})

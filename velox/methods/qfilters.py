@@ -190,7 +190,7 @@ def _decode_cuda(state: QFiltersState, keys, values, queries) -> QFiltersState:
     filters = _filters(state, keys, queries)
     return evict.with_compacted(state._replace(filters=filters), compact(
         state.keys, state.values, state.positions, keys, values, state.next_pos,
-        weights=_scores(state, filters, keys), n_sink=state.n_sink, recent=state.recent))
+        by=_scores(state, filters, keys), n_sink=state.n_sink, recent=state.recent))
 
 
 def _update_reference(state: QFiltersState, keys, values, queries) -> QFiltersState:
