@@ -55,6 +55,13 @@ __device__ float velox_block_reduce(float v, float* red, Op op) {
     __syncthreads();
     return r;
 }
+// lowbias32, the integer mixer of Keyformer's and CaM's counter-based draws (as in MLX and NumPy)
+__device__ unsigned int velox_mix(unsigned int x) {
+    x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; x ^= x >> 16;
+    return x;
+}
+// a uniform float in (0, 1) from a mixed hash
+__device__ float velox_unit(unsigned int h) { return ((float)(h >> 9) + 0.5f) * 1.1920928955078125e-07f; }
 // (value, index) minimum; an index of `none` is empty; ties go to the lower index
 template <int NT>
 __device__ int velox_block_argmin(float v, int i, int none, float* red, int* red_i) {
@@ -100,6 +107,7 @@ _WEIGHTS_BODY = """
     float* l = lg + bh * G * N;
     for (int t = warp; t < N; t += THREADS / 32) {
         const size_t ko = t < n ? (bh * n + t) * d : bh * d;
+        NOISE
         for (int j = 0; j < G; ++j) {
             const size_t qo = (bi * QH + hk * G + j) * d;
             float acc = 0.0f;
@@ -133,6 +141,19 @@ _WEIGHTS_BODY = """
         ACCUMULATE
     }
 """
+
+# Keyformer's scaled Gumbel noise on candidate t, for the query at next_pos: the counter-based
+# uniform of (seed, key position, query position), -log(-log(u)), times the annealed
+# temperature (params: tau_init, tau_end - tau_init, anneal_steps; 0 steps: constant). Each
+# operation is rounded on its own, as MLX's separate ops round it.
+_NOISE = """const unsigned int qp = (unsigned int)next_pos[bh];
+        const unsigned int kp = (unsigned int)(t < n ? P[bh * n + t] : next_pos[bh]);
+        const float u = velox_unit(velox_mix(velox_mix(seedmix[0] ^ kp) ^ qp));
+        const float g = -logf(-logf(u));
+        float tau = params[2];
+        if (params[4] > 0.0f)
+            tau = __fadd_rn(params[2], __fmul_rn(params[3], __fdiv_rn(fminf((float)qp, params[4]), params[4])));
+        const float nz = __fmul_rn(tau, g);"""
 
 _GROUP = {"mean": ("ws[t] + p", "ws[t] / (float)G"), "max": ("fmaxf(ws[t], p)", "ws[t]")}
 
@@ -240,20 +261,22 @@ _PROFILE_ROWS = """
 """
 
 
-def _weights_spec(group: str = "mean", accumulate: str | None = None, biased: bool = False) -> dict:
+def _weights_spec(group: str = "mean", accumulate: str | None = None, noise: bool = False) -> dict:
     """The ``mx.fast.cuda_kernel`` arguments of a ``weights`` variant: ``group`` (``mean`` or
     ``max`` over a kv head's query heads), ``accumulate`` (None, ``decay``, ``max``,
-    ``vote_sum``, ``vote_max``) and whether a ``bias`` is added to the logits."""
+    ``vote_sum``, ``vote_max``) and whether Keyformer's Gumbel ``noise`` is added to the
+    logits."""
     combine, final = _GROUP[group]
-    name = "velox_weights_" + group + (f"_{accumulate}" if accumulate else "") + ("_bias" if biased else "")
+    name = "velox_weights_" + group + (f"_{accumulate}" if accumulate else "") + ("_noise" if noise else "")
     return dict(
         name=name,
         input_names=["q", "K", "knew", "params"] + (["old"] if accumulate else [])
-        + (["bias"] if biased else []),
+        + (["P", "next_pos", "seedmix"] if noise else []),
         output_names=["w", "lg"] + (["scores"] if accumulate else []),
         source=_WEIGHTS_BODY.replace("ACCUMULATE", _ACCUMULATE[accumulate] if accumulate else "")
                             .replace("GROUP_COMBINE", combine).replace("GROUP_FINAL", final)
-                            .replace("BIAS", "+ bias[bh * N + t]" if biased else "")
+                            .replace("NOISE", _NOISE if noise else "")
+                            .replace("BIAS", "+ nz" if noise else "")
                             .replace("THREADS", str(THREADS)),
         header=_HEADER)
 
@@ -279,8 +302,8 @@ def _compact_spec(select: str, carry: str = "none") -> dict:
 
 
 @lru_cache(maxsize=None)
-def _weights_kernel(group: str, accumulate: str | None, biased: bool):
-    return mx.fast.cuda_kernel(**_weights_spec(group, accumulate, biased))
+def _weights_kernel(group: str, accumulate: str | None, noise: bool):
+    return mx.fast.cuda_kernel(**_weights_spec(group, accumulate, noise))
 
 
 @lru_cache(maxsize=None)
@@ -289,12 +312,28 @@ def _compact_kernel(select: str, carry: str):
 
 
 @lru_cache(maxsize=None)
-def _params(scale: float, decay: float) -> mx.array:
-    return mx.array([scale, decay], mx.float32)
+def _params(scale: float, decay: float, tau_init: float = 0.0, tau_end: float = 0.0,
+            anneal_steps: int = 0) -> mx.array:
+    """The kernels' float constants, one cached device array per setting: the logit scale,
+    H2O's decay, and Keyformer's temperature schedule (its difference rounded once, as MLX
+    rounds the Python float it multiplies by)."""
+    anneal = anneal_steps if anneal_steps and tau_end != tau_init else 0
+    return mx.array([scale, decay, tau_init, tau_end - tau_init, anneal], mx.float32)
+
+
+@lru_cache(maxsize=None)
+def _seed_mix(seed: int) -> mx.array:
+    """The mixed seed of the counter-based draws, ``mix(seed)`` (uint32, one cached array)."""
+    x = seed & 0xFFFFFFFF
+    for shift, mult in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, None)):
+        x ^= x >> shift
+        if mult:
+            x = (x * mult) & 0xFFFFFFFF
+    return mx.array([x], mx.uint32)
 
 
 def weights(queries, keys, new_keys, *, old=None, accumulate: str | None = None,
-            decay: float = 1.0, bias=None, group: str = "mean"):
+            decay: float = 1.0, gumbel: dict | None = None, group: str = "mean"):
     """Attention weights of a decode step's scoring queries over the ``n + 1`` candidates.
 
     ``queries [b, qh, d]`` (qh a multiple of the kv heads), ``keys [b, h, n, d]`` stored,
@@ -308,8 +347,10 @@ def weights(queries, keys, new_keys, *, old=None, accumulate: str | None = None,
     * ``"vote_sum"`` / ``"vote_max"``: the sum / max of the stored profile columns
       ``old [b, h, n, c]`` and ``w`` (MorphKV's votes; the new token has no stored columns).
 
-    ``bias [b, h, n + 1]`` (float32) is added to every query head's scaled logits before the
-    softmax (Keyformer's scaled Gumbel noise).
+    ``gumbel`` adds Keyformer's scaled Gumbel noise to every query head's scaled logits before
+    the softmax, drawn in the kernel: a dict of ``seed``, ``tau_init``, ``tau_end``,
+    ``anneal_steps``, the stored ``positions [b, h, n]`` and ``next_pos [b, h]`` (the query's
+    position; the draw of candidate t is a hash of the seed, t's position and the query's).
     """
     if accumulate not in (None, *_ACCUMULATE) or group not in _GROUP:
         raise ValueError(f"unknown weights variant: accumulate={accumulate!r}, group={group!r}")
@@ -318,9 +359,13 @@ def weights(queries, keys, new_keys, *, old=None, accumulate: str | None = None,
     b, h, n, d = keys.shape
     g = queries.shape[1] // h
     shapes = [(b, h, n + 1), (b, h, g, n + 1)] + ([(b, h, n + 1)] if accumulate else [])
-    out = _weights_kernel(group, accumulate, bias is not None)(
-        inputs=[queries, keys, new_keys, _params(d ** -0.5, decay)]
-        + ([old] if accumulate else []) + ([bias] if bias is not None else []),
+    params, noise = _params(d ** -0.5, decay), []
+    if gumbel is not None:
+        params = _params(d ** -0.5, decay, gumbel["tau_init"], gumbel["tau_end"],
+                         gumbel["anneal_steps"])
+        noise = [gumbel["positions"], gumbel["next_pos"], _seed_mix(gumbel["seed"])]
+    out = _weights_kernel(group, accumulate, gumbel is not None)(
+        inputs=[queries, keys, new_keys, params] + ([old] if accumulate else []) + noise,
         grid=(b * h * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=shapes, output_dtypes=[mx.float32] * len(shapes),
         template=[("HEAD_DIM", d)])

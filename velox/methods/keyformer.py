@@ -10,9 +10,10 @@ tau_init) * min(p, anneal_steps) / anneal_steps`` (``anneal_steps = 0``: constan
 ``tau_init``). A multi-token chunk is one selection, each query weighted ``decay**(s-1-i)``
 as in H2O; ``tau = 0`` is H2O exactly (same ``grace = recent`` and ``decay``).
 
-Backends: ``reference``, ``mlx`` and ``cuda`` (a decode step at a full cache: the noise from
-MLX ops, then H2O's fused kernels with the noise added to the logits,
-``velox.kernels.evict``; every other step runs the ``mlx`` ops).
+Backends: ``reference``, ``mlx`` and ``cuda`` (a decode step at a full cache: H2O's fused
+kernels, the weights kernel drawing the same noise itself (the hash, logs and temperature of
+the ``mlx`` ops) and adding it to the logits, ``velox.kernels.evict``; every other step runs
+the ``mlx`` ops).
 
 References:
     Adnan, Arunkumar, Jain, Nair, Soloveychik, Kamath. Keyformer: KV Cache Reduction through
@@ -172,9 +173,10 @@ def _update_mlx(state: KeyformerState, keys, values, queries) -> KeyformerState:
 
 
 def _decode_cuda(state: KeyformerState, keys, values, queries) -> KeyformerState:
-    kpos, qpos = _candidate_positions(state, 1)
-    return heavy_hitters_step(state, keys, values, queries, state.recent,
-                              bias=_noise(state, qpos, kpos)[:, :, 0])
+    gumbel = dict(seed=state.seed, tau_init=state.tau_init, tau_end=state.tau_end,
+                  anneal_steps=state.anneal_steps, positions=state.positions,
+                  next_pos=state.next_pos)
+    return heavy_hitters_step(state, keys, values, queries, state.recent, gumbel=gumbel)
 
 
 def _update_reference(state: KeyformerState, keys, values, queries) -> KeyformerState:
