@@ -21,6 +21,11 @@ The state keeps each stored key's L2 norm (``key_norms``, float32, 4 bytes per t
 head), computed once when the key arrives (and again for a key changed by a merge), so that
 the cosines of a decode step read the kept keys once.
 
+Backends: ``reference``, ``mlx`` and ``cuda`` (a decode step at a full cache: H2O's fused
+weights kernel, then one kernel that plans the merge (loser, target, weight, gate, merged key
+norms) and one that moves the rows with the targets merged, ``velox.kernels.merge``; every
+other step runs the ``mlx`` ops).
+
 References:
     Zhang, Du, Luo, Zhong, Zhang, Liu, Ji. CaM: Cache Merging for Memory-efficient LLMs
     Inference. ICML 2024 (PMLR 235:58840-58850).
@@ -228,6 +233,19 @@ def _update_mlx(state: CaMState, keys, values, queries) -> CaMState:
                           next_pos=state.next_pos + keys.shape[2])
 
 
+def _decode_cuda(state: CaMState, keys, values, queries) -> CaMState:
+    from ..kernels.evict import weights
+    from ..kernels.merge import merge_step
+    _, scores = weights((keys if queries is None else queries)[:, :, -1], state.keys, keys,
+                        old=state.scores, accumulate="decay", decay=state.decay)
+    k, v, p, nxt, sc, kn = merge_step(
+        state.keys, state.values, state.positions, keys, values, state.next_pos, scores,
+        state.key_norms, merge=state.merge, merge_keys=state.merge_keys,
+        merge_gate=state.merge_gate, merge_window=state.merge_window, seed=state.seed,
+        n_sink=state.n_sink, recent=state.grace)
+    return state._replace(keys=k, values=v, positions=p, next_pos=nxt, scores=sc, key_norms=kn)
+
+
 def _merge_reference(state: CaMState, keys, values, pos, acc, chosen):
     """One row: survivors ``chosen`` with the losers merged in (float64)."""
     keys, values, acc = keys.astype(np.float64), values.astype(np.float64), acc.copy()
@@ -310,4 +328,6 @@ def cam_bytes(state: CaMState) -> int:
 
 
 register(KEY, state_type=CaMState, init=cam_init, update=cam_update, get_kv=cam_get_kv,
-         nbytes=cam_bytes, backends={"reference": _update_reference, "mlx": _update_mlx})
+         nbytes=cam_bytes, backends={"reference": _update_reference, "mlx": _update_mlx,
+                                     "cuda": evict.cuda_update(_update_mlx, lambda st: st.budget,
+                                                               _decode_cuda)})
