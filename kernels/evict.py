@@ -6,7 +6,7 @@ costs launch and bookkeeping time that dwarfs its work at decode sizes. Two kern
 
 * ``weights``: one block per (batch row, kv head); a warp per candidate computes the scaled
   float32 logits of the kv head's query heads against the stored and new keys (lanes across
-  head_dim, warp-reduced), optionally plus a per-candidate bias (Keyformer's noise), then the
+  head_dim, warp-reduced), optionally plus Keyformer's Gumbel noise (drawn in the kernel), then the
   softmax per query head and the mean (or max, KVzip's probes) over them. Accumulating
   variants also write each candidate's carried score: H2O's decayed sum ``old * decay + w``,
   KVzip's running maximum, MorphKV's votes over the stored attention profiles.
@@ -87,7 +87,7 @@ __device__ int velox_block_argmin(float v, int i, int none, float* red, int* red
 """
 
 # One block per (batch row, kv head): the G query heads' float32 logits over the n stored and
-# the new key (a warp per candidate, lanes across head_dim), optionally plus a bias, softmax per
+# the new key (a warp per candidate, lanes across head_dim), optionally plus Keyformer's noise, softmax per
 # query head, and the mean (or max) over the G heads -> w. The accumulating variants also write
 # each candidate's carried score from w (ACCUMULATE): H2O's old * decay + w, KVzip's running
 # max(old, w), MorphKV's votes (the sum or max of the stored profiles' columns and w).
