@@ -323,21 +323,21 @@ def _params(scale: float, decay: float, tau_init: float = 0.0, tau_end: float = 
 
 @lru_cache(maxsize=None)
 def _seed_mix(seed: int) -> mx.array:
-    """The mixed seed of the counter-based draws, ``mix(seed)`` (uint32, one cached array)."""
-    x = seed & 0xFFFFFFFF
-    for shift, mult in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, None)):
-        x ^= x >> shift
-        if mult:
-            x = (x * mult) & 0xFFFFFFFF
-    return mx.array([x], mx.uint32)
+    """The mixed seed of the counter-based draws, ``mix(seed)`` (uint32, one cached array),
+    from the NumPy twin of the mixer that Keyformer's and CaM's ``mlx`` ops use."""
+    import numpy as np
+
+    from ..methods.keyformer import _mix_np
+    return mx.array(_mix_np(np.array([seed], np.int64).astype(np.uint32)))
 
 
 def weights(queries, keys, new_keys, *, old=None, accumulate: str | None = None,
             decay: float = 1.0, gumbel: dict | None = None, group: str = "mean"):
     """Attention weights of a decode step's scoring queries over the ``n + 1`` candidates.
 
-    ``queries [b, qh, d]`` (qh a multiple of the kv heads), ``keys [b, h, n, d]`` stored,
-    ``new_keys [b, h, 1, d]``. Returns ``(w, scores)``: ``w [b, h, n + 1]``, the softmax per
+    ``queries [b, qh, s, d]``: the update's queries (qh a multiple of the kv heads), of which
+    the newest scores, or None for the key proxy (the new key is its own query); ``keys
+    [b, h, n, d]`` stored, ``new_keys [b, h, 1, d]``. Returns ``(w, scores)``: ``w [b, h, n + 1]``, the softmax per
     query head in float32, averaged (``group="mean"``) or maximised (``"max"``) over each kv
     head's query heads; and, with ``accumulate``, every candidate's carried score
     ``[b, h, n + 1]`` from ``old`` (else None):
@@ -357,6 +357,7 @@ def weights(queries, keys, new_keys, *, old=None, accumulate: str | None = None,
     if (old is None) != (accumulate is None):
         raise ValueError("`old` and `accumulate` go together")
     b, h, n, d = keys.shape
+    queries = (new_keys if queries is None else queries)[:, :, -1]
     g = queries.shape[1] // h
     shapes = [(b, h, n + 1), (b, h, g, n + 1)] + ([(b, h, n + 1)] if accumulate else [])
     params, noise = _params(d ** -0.5, decay), []

@@ -236,8 +236,8 @@ def _update_mlx(state: CaMState, keys, values, queries) -> CaMState:
 def _decode_cuda(state: CaMState, keys, values, queries) -> CaMState:
     from ..kernels.evict import weights
     from ..kernels.merge import merge_step
-    _, scores = weights((keys if queries is None else queries)[:, :, -1], state.keys, keys,
-                        old=state.scores, accumulate="decay", decay=state.decay)
+    _, scores = weights(queries, state.keys, keys, old=state.scores, accumulate="decay",
+                        decay=state.decay)
     k, v, p, nxt, sc, kn = merge_step(
         state.keys, state.values, state.positions, keys, values, state.next_pos, scores,
         state.key_norms, merge=state.merge, merge_keys=state.merge_keys,

@@ -150,7 +150,7 @@ def _update_mlx(state: ChunkKVState, keys, values, queries) -> ChunkKVState:
 def _decode_cuda(state: ChunkKVState, keys, values, queries) -> ChunkKVState:
     from ..kernels.evict import compact, weights
     if state.score == "attn_mass":
-        _, scores = weights((keys if queries is None else queries)[:, :, -1], state.keys, keys,
+        _, scores = weights(queries, state.keys, keys,
                             old=state.scores, accumulate="decay", decay=state.decay)
     else:
         scores = (state.scores, evict.row_norms(keys))

@@ -93,10 +93,11 @@ def _update_mlx(state: H2OState, keys, values, queries) -> H2OState:
 def heavy_hitters_step(state, keys, values, queries, recent: int, gumbel=None):
     """H2O's decode step at a full cache in the fused kernels (``velox.kernels.evict``), on any
     state with :func:`heavy_hitters`' fields: accumulate the step's attention (with
-    ``gumbel``, Keyformer's noise added to its logits, see ``weights``), protect the sinks and the ``recent`` newest candidates,
-    drop the lightest and compact the rows and scores. Returns the new state."""
+    ``gumbel``, Keyformer's noise added to its logits, see ``weights``), protect the sinks
+    and the ``recent`` newest candidates, drop the lightest and compact the rows and scores.
+    Returns the new state."""
     from ..kernels.evict import compact, weights
-    _, scores = weights((keys if queries is None else queries)[:, :, -1], state.keys, keys,
+    _, scores = weights(queries, state.keys, keys,
                         old=state.scores, accumulate="decay", decay=state.decay, gumbel=gumbel)
     return evict.with_compacted(state, compact(
         state.keys, state.values, state.positions, keys, values, state.next_pos, by=scores,

@@ -121,9 +121,8 @@ def _update_mlx(state: KVzipState, keys, values, queries) -> KVzipState:
 def _decode_cuda(state: KVzipState, keys, values, queries) -> KVzipState:
     from ..kernels.evict import compact, weights
     latest = state.probe == "latest"
-    current, importance = weights((keys if queries is None else queries)[:, :, -1], state.keys,
-                                  keys, old=state.importance, accumulate="max",
-                                  group="mean" if latest else "max")
+    current, importance = weights(queries, state.keys, keys, old=state.importance,
+                                  accumulate="max", group="mean" if latest else "max")
     return evict.with_compacted(state, compact(
         state.keys, state.values, state.positions, keys, values, state.next_pos,
         by=current if latest else importance, carry=importance, shared=not state.per_head,

@@ -106,13 +106,12 @@ def _update_mlx(state: MorphKVState, keys, values, queries) -> MorphKVState:
 
 def _decode_cuda(state: MorphKVState, keys, values, queries) -> MorphKVState:
     from ..kernels.evict import compact, weights
-    q = (keys if queries is None else queries)[:, :, -1]
     rows = (state.keys, state.values, state.positions, keys, values, state.next_pos)
     keep, shared = state.window - 1, not state.per_head
     if not keep:  # window 1: TOVA's step, no stored profiles
-        w, _ = weights(q, state.keys, keys)
+        w, _ = weights(queries, state.keys, keys)
         return evict.with_compacted(state, compact(*rows, by=w, shared=shared, n_sink=state.n_sink))
-    w, votes = weights(q, state.keys, keys, old=state.profiles,
+    w, votes = weights(queries, state.keys, keys, old=state.profiles,
                        accumulate="vote_sum" if state.aggregate == "sum" else "vote_max")
     return evict.with_compacted(state, compact(
         *rows, by=votes, profiles=(state.profiles, w), shared=shared, n_sink=state.n_sink,

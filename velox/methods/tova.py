@@ -74,7 +74,7 @@ def _update_mlx(state: TovaState, keys, values, queries) -> TovaState:
 
 def _decode_cuda(state: TovaState, keys, values, queries) -> TovaState:
     from ..kernels.evict import compact, weights
-    w, _ = weights((keys if queries is None else queries)[:, :, -1], state.keys, keys)
+    w, _ = weights(queries, state.keys, keys)
     return evict.with_compacted(state, compact(
         state.keys, state.values, state.positions, keys, values, state.next_pos, by=w,
         shared=not state.per_head, n_sink=state.n_sink))
