@@ -17,6 +17,8 @@ from importlib import resources
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -46,26 +48,33 @@ class Param:
     seed_name: str | None = None
 
     def check(self, value: Any) -> Any:
-        """Return ``value`` coerced to the parameter's type, or raise ``ValueError``."""
+        """Return ``value`` as the parameter's Python type, or raise ``ValueError``.
+
+        * ``int`` and a ``choice`` of ints take integers only: Python ``int`` or a NumPy
+          integer (returned as ``int``). Floats are refused, ``16.0`` included, and so are
+          bools (``True`` is not ``1``).
+        * ``float`` takes Python or NumPy ints and floats (returned as a finite ``float``).
+        * ``bool`` takes ``bool``, ``np.bool_`` and the integers ``0`` and ``1``.
+        * A ``choice`` of strings takes ``str`` only.
+
+        The error names the parameter and what it allows.
+        """
         n = self.name
         if self.type == "bool":
-            if not isinstance(value, (bool, int)) or value not in (0, 1):
-                raise ValueError(f"{n} must be a bool, got {value!r}")
-            return bool(value)
+            if isinstance(value, (bool, np.bool_)):
+                return bool(value)
+            if _is_integer(value) and value in (0, 1):
+                return bool(value)
+            raise ValueError(f"{n} must be a bool, got {value!r}")
         if self.type == "choice":
-            if value not in self.choices:
-                allowed = ", ".join(repr(c) for c in self.choices)
-                raise ValueError(f"{n}={value!r} is not one of {allowed}")
-            return value
+            return self._check_choice(value)
         if self.type == "int":
-            if isinstance(value, bool) or not isinstance(value, int):
-                if isinstance(value, float) and value.is_integer():
-                    value = int(value)
-                else:
-                    raise ValueError(f"{n} must be an integer, got {value!r}")
+            if not _is_integer(value):
+                raise ValueError(f"{n} must be an integer, got {value!r} ({type(value).__name__})")
+            value = int(value)
         else:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{n} must be a number, got {value!r}")
+            if not (_is_integer(value) or isinstance(value, (float, np.floating))):
+                raise ValueError(f"{n} must be a number, got {value!r} ({type(value).__name__})")
             value = float(value)
             if not math.isfinite(value):
                 raise ValueError(f"{n} must be finite, got {value!r}")
@@ -78,6 +87,27 @@ class Param:
                 op = "<" if self.max_exclusive else "<="
                 raise ValueError(f"{n}={value!r} is out of range: must be {op} {_fmt(self.max)}")
         return value
+
+    def _check_choice(self, value: Any) -> Any:
+        allowed = ", ".join(repr(c) for c in self.choices)
+        if all(isinstance(c, str) for c in self.choices):
+            kind, ok = "a string", isinstance(value, str)
+        elif all(_is_integer(c) for c in self.choices):
+            kind, ok = "an integer", _is_integer(value)
+        else:  # float choices compare as numbers
+            kind, ok = "a number", _is_integer(value) or isinstance(value, (float, np.floating))
+        if not ok:
+            raise ValueError(f"{self.name} must be {kind}, one of {allowed}; "
+                             f"got {value!r} ({type(value).__name__})")
+        for c in self.choices:
+            if c == value:
+                return c
+        raise ValueError(f"{self.name}={value!r} is not one of {allowed}")
+
+
+def _is_integer(x: Any) -> bool:
+    """A Python or NumPy integer, not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 @dataclass(frozen=True)
@@ -111,7 +141,7 @@ class Spec:
         return None if expr is None else int(evaluate(expr, params))
 
 
-def _fmt(x: float) -> str:
+def _fmt(x: int | float) -> str:
     return str(int(x)) if float(x).is_integer() else repr(x)
 
 
