@@ -37,9 +37,10 @@ _PARAMS = {
 
 
 def _encode(keys: mx.array, values: mx.array, bits: int, group_size: int, backend: str):
-    """Per-token affine codes of keys and values (groups along channels)."""
+    """Per-token affine codes of keys and values (groups along channels; float16 scales and
+    zeros, ``velox.quant.side_dtype``)."""
     if backend == "reference":
-        dtype = keys.dtype
+        dtype = quant.side_dtype(keys.dtype)
         out = []
         for x in (keys, values):
             c, s, z = ref.quantize(ref.to_np(x, np.float32), bits, group_size, dtype)
@@ -49,9 +50,9 @@ def _encode(keys: mx.array, values: mx.array, bits: int, group_size: int, backen
 
 
 def _decode(state) -> tuple[mx.array, mx.array]:
-    g, bits = state.group_size, state.bits
-    k = quant.dequantize(state.key_codes, state.key_scales, state.key_zeros, bits, g)
-    v = quant.dequantize(state.value_codes, state.value_scales, state.value_zeros, bits, g)
+    g, bits, dtype = state.group_size, state.bits, quant.dtype_of(state.cache_dtype)
+    k = quant.dequantize(state.key_codes, state.key_scales, state.key_zeros, bits, g, dtype)
+    v = quant.dequantize(state.value_codes, state.value_scales, state.value_zeros, bits, g, dtype)
     return k, v
 
 
@@ -108,7 +109,7 @@ def evict_then_store(policy: str) -> Method:
     State = NamedTuple(f"{P.state_type.__name__}Affine",
                        [("policy", dict)] + [(f, mx.array) for f in _CODEC_FIELDS]
                        + [("next_pos", mx.array), ("bits", int), ("group_size", int),
-                          ("backend", str)])
+                          ("cache_dtype", str), ("backend", str)])
 
     def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
              backend: str = "auto", **params: Any):
@@ -120,7 +121,7 @@ def evict_then_store(policy: str) -> Method:
         empty = mx.zeros((batch, kv_heads, 0, head_dim), dtype)
         codec = _encode(empty, empty, bits, group, "mlx")
         return State({f: getattr(pstate, f) for f in aux_fields}, *codec, pstate.next_pos, bits,
-                     group, pstate.backend)
+                     group, quant.dtype_name(dtype), pstate.backend)
 
     def _policy_state(state, k_hat, v_hat):
         return P.state_type(**state.policy, keys=k_hat, values=v_hat, next_pos=state.next_pos)
@@ -143,7 +144,7 @@ def evict_then_store(policy: str) -> Method:
         else:
             codec = _encode(new.keys, new.values, state.bits, state.group_size, state.backend)
         return State({f: getattr(new, f) for f in aux_fields}, *codec, new.next_pos,
-                     state.bits, state.group_size, state.backend)
+                     state.bits, state.group_size, state.cache_dtype, state.backend)
 
     def update(state, keys, values, *, queries=None):
         """The policy's update on dequantized candidates; survivors kept as codes."""
@@ -155,7 +156,7 @@ def evict_then_store(policy: str) -> Method:
 
     def dims(state):
         b, h, _, groups = state.key_scales.shape
-        return b, h, groups * state.group_size, state.key_scales.dtype
+        return b, h, groups * state.group_size, quant.dtype_of(state.cache_dtype)
 
     def error_bound(state):
         bk = quant.error_bound(state.key_scales, state.key_zeros, state.bits, state.group_size)

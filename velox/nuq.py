@@ -6,7 +6,7 @@
 * Rank selection: :func:`top_k_mask` / :func:`top_k_indices` pick the ``k`` largest entries
   with a total order (ties: the lower index wins), through unique integer keys.
 * Affine codes: :func:`affine` is ``velox.quant.quantize`` without the packing (one group per
-  last-axis row, optional clip factor), so callers pack codes along any axis.
+  last-axis row, optional clip factor, float16 side data), so callers pack codes along any axis.
 * Non-uniform levels: :func:`lloyd` fits ``2**bits`` levels in ``[0, 1]`` to normalized points
   by Lloyd iterations from the uniform grid; :func:`nearest` assigns each point its nearest
   level; :func:`level_bound` is the half-gap bound of that assignment.
@@ -140,9 +140,11 @@ def np_top_k_indices(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 def affine(x: Float[Array, "*batch m"], bits: int, dtype: mx.Dtype, alpha: mx.array | None = None):
     """Min/max codes of each last-axis row: ``(codes uint32 [..., m], scales, zeros)``.
 
-    ``velox.quant.quantize`` with one group per row and no packing. With ``alpha`` the range
-    is clipped to ``[alpha * min, alpha * max]`` and values outside saturate.
+    ``velox.quant.quantize`` with one group per row and no packing; scales and zeros are
+    stored in ``velox.quant.side_dtype(dtype)``. With ``alpha`` the range is clipped to
+    ``[alpha * min, alpha * max]`` and values outside saturate.
     """
+    dtype = quant.side_dtype(dtype)
     levels = (1 << bits) - 1
     g = x.astype(mx.float32)
     lo = g.min(axis=-1)
@@ -166,6 +168,7 @@ def np_round(x: np.ndarray | np.generic, dtype: mx.Dtype) -> np.ndarray:
 
 
 def np_affine(x: np.ndarray, bits: int, dtype: mx.Dtype, alpha: np.ndarray | np.generic | None = None):
+    dtype = quant.side_dtype(dtype)
     levels = (1 << bits) - 1
     g = np.asarray(x, np.float32)
     lo = g.min(axis=-1)

@@ -4,8 +4,11 @@ Groups run along the last axis: each group of ``group_size`` values gets a ``sca
 ``zero`` (the group minimum); codes ``q = round((x - zero) / scale)`` in ``[0, 2**bits - 1]``
 are packed as a little-endian bit stream into ``uint32`` words: code ``i`` occupies bits
 ``[i*bits, (i+1)*bits)``. This is the layout of ``mx.quantize``, so packed keys and values
-can feed ``mx.quantized_matmul`` directly. Scales and zeros are stored in the cache dtype and
-the codes are computed against the stored (rounded) scale and zero.
+can feed ``mx.quantized_matmul`` directly. Scales and zeros (side data) are stored in
+:func:`side_dtype` of the cache dtype, float16 (bfloat16 for a bfloat16 cache, whose range
+float16 lacks), whatever the model's precision, and the codes are computed against the stored
+(rounded) scale and zero. :func:`exact_dtype` resolves a method's ``residual_dtype``
+parameter, the precision of the rows it keeps exact.
 """
 
 from __future__ import annotations
@@ -14,10 +17,53 @@ import mlx.core as mx
 
 from ._typing import Array, Float, UInt
 
-__all__ = ["SUPPORTED_BITS", "pack", "unpack", "quantize", "dequantize", "error_bound",
-           "unit_roundoff"]
+__all__ = ["SUPPORTED_BITS", "RESIDUAL_DTYPES", "pack", "unpack", "quantize", "dequantize",
+           "error_bound", "unit_roundoff", "side_dtype", "exact_dtype", "rounding_bound",
+           "dtype_name", "dtype_of"]
 
 SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
+
+#: Values of a method's ``residual_dtype`` parameter ("model": the cache dtype itself).
+RESIDUAL_DTYPES = ("float16", "bfloat16", "float32", "model")
+
+_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+def side_dtype(dtype: mx.Dtype) -> mx.Dtype:
+    """Precision of scales, zeros and other side data for a cache of ``dtype``.
+
+    float16 for float16 and float32 caches (a float32 model's side data costs what an fp16
+    cache's does); bfloat16 for a bfloat16 cache (its values may exceed float16's 65504).
+    """
+    return mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
+
+
+def exact_dtype(residual_dtype: str, dtype: mx.Dtype) -> mx.Dtype:
+    """The dtype exact rows are held in: ``residual_dtype`` by name, or ``dtype`` for "model"."""
+    if residual_dtype == "model":
+        return dtype
+    if residual_dtype not in _DTYPES:
+        raise ValueError(f"residual_dtype={residual_dtype!r} is not one of {RESIDUAL_DTYPES}")
+    return _DTYPES[residual_dtype]
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """``"float16"``, ``"bfloat16"`` or ``"float32"``."""
+    return next(k for k, v in _DTYPES.items() if v == dtype)
+
+
+def dtype_of(name: str) -> mx.Dtype:
+    """Inverse of :func:`dtype_name`."""
+    return _DTYPES[name]
+
+
+def rounding_bound(x: Float[Array, "*batch"], dtype: mx.Dtype) -> Float[Array, "*batch"]:
+    """Bound on ``|x0 - x|`` for rows ``x`` stored by rounding ``x0`` (of ``dtype``) to
+    ``x.dtype``: zero when nothing was rounded; subnormal spacing included."""
+    if x.dtype == dtype or x.dtype == mx.float32:
+        return mx.zeros(x.shape, mx.float32)
+    tiny = {mx.float16: 2.0 ** -25, mx.bfloat16: 2.0 ** -134}[x.dtype]
+    return unit_roundoff(x.dtype) * mx.abs(x.astype(mx.float32)) * (1 + 2.0 ** -10) + tiny
 
 
 def unit_roundoff(dtype: mx.Dtype) -> float:
@@ -79,11 +125,12 @@ def unpack(words: UInt[Array, "*batch w"], bits: int) -> UInt[Array, "*batch m"]
     return mx.stack(codes, axis=-1).reshape(*lead, w // bits * 32)
 
 
-def quantize(x: Float[Array, "*batch m"], bits: int, group_size: int):
+def quantize(x: Float[Array, "*batch m"], bits: int, group_size: int,
+             dtype: mx.Dtype | None = None):
     """Affine min/max quantization in groups along the last axis.
 
     Returns ``(codes, scales, zeros)``: packed ``uint32 [..., m*bits/32]`` and
-    ``[..., m/group_size]`` scales and zeros in ``x.dtype``.
+    ``[..., m/group_size]`` scales and zeros in ``side_dtype(dtype or x.dtype)``.
     """
     m = x.shape[-1]
     if m % group_size:
@@ -93,8 +140,9 @@ def quantize(x: Float[Array, "*batch m"], bits: int, group_size: int):
     g = x.astype(mx.float32).reshape(*lead, m // group_size, group_size)
     lo = g.min(axis=-1)
     hi = g.max(axis=-1)
-    scales = ((hi - lo) / levels).astype(x.dtype)
-    zeros = lo.astype(x.dtype)
+    sd = side_dtype(x.dtype if dtype is None else dtype)
+    scales = ((hi - lo) / levels).astype(sd)
+    zeros = lo.astype(sd)
     s32 = scales.astype(mx.float32)[..., None]
     z32 = zeros.astype(mx.float32)[..., None]
     safe = mx.where(s32 > 0, s32, 1.0)
@@ -104,14 +152,16 @@ def quantize(x: Float[Array, "*batch m"], bits: int, group_size: int):
 
 
 def dequantize(codes: UInt[Array, "*batch w"], scales: Float[Array, "*batch g"],
-               zeros: Float[Array, "*batch g"], bits: int, group_size: int) -> Float[Array, "*batch m"]:
-    """Reconstruct ``q * scale + zero`` in the scales' dtype."""
+               zeros: Float[Array, "*batch g"], bits: int, group_size: int,
+               dtype: mx.Dtype | None = None) -> Float[Array, "*batch m"]:
+    """Reconstruct ``q * scale + zero`` (float32 arithmetic) in ``dtype`` (default: the
+    scales' dtype)."""
     q = unpack(codes, bits).astype(mx.float32)
     lead = q.shape[:-1]
     m = q.shape[-1]
     q = q.reshape(*lead, m // group_size, group_size)
     x = q * scales.astype(mx.float32)[..., None] + zeros.astype(mx.float32)[..., None]
-    return x.reshape(*lead, m).astype(scales.dtype)
+    return x.reshape(*lead, m).astype(scales.dtype if dtype is None else dtype)
 
 
 def error_bound(scales: Float[Array, "*batch g"], zeros: Float[Array, "*batch g"], bits: int,
@@ -120,12 +170,15 @@ def error_bound(scales: Float[Array, "*batch g"], zeros: Float[Array, "*batch g"
 
     Rounding terms: the stored zero and scale (relative error ``u`` each, the scale's error
     multiplied by up to ``2**bits - 1`` steps, which also bounds clipping at the top), and the
-    final rounding of the reconstruction to the cache dtype.
+    final rounding of the reconstruction (to the scales' dtype or a finer one). Side data in
+    float16 adds the absolute error of subnormal scales and zeros, ``2**-25`` each.
     """
     u = unit_roundoff(scales.dtype)
+    tiny = 2.0 ** -25 if scales.dtype == mx.float16 else 0.0
     levels = (1 << bits) - 1
     s = scales.astype(mx.float32)
     z = mx.abs(zeros.astype(mx.float32))
     top = z + levels * s
-    bound = 0.5 * s + u * (2 * z + (levels + 1) * s) + u * top + 8 * 2.0 ** -24 * top
+    bound = (0.5 * s + u * (2 * z + (levels + 1) * s) + u * top + 8 * 2.0 ** -24 * top
+             + (levels + 2) * tiny)
     return mx.repeat(bound, group_size, axis=-1)

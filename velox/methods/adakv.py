@@ -9,7 +9,8 @@ accumulates group by group over the quantized tokens: ``norm_variance`` (varianc
 norms, a quantization-sensitivity signal) or ``attention_entropy`` (Ada-KV's sign: the
 normalised entropy of each group's last ``min(obs_window, G)`` keys, as proxy queries,
 attending over the group). Statistics move in whole groups, so one chunk or token-by-token
-decoding give bit-identical states. Values are stored exact (the seed's key-only method).
+decoding give bit-identical states. Values are stored exact (the seed's key-only method), in
+``residual_dtype`` (float16 by default) like the newest keys; scales and zeros are float16.
 
 Shapes: heads sit in slots sorted by rank, so each width holds a static number of them:
 ``<lo|mid|hi>_codes [b, n_width, d, Q*bits/32]``, ``_scales``/``_zeros [b, n_width, d,
@@ -44,7 +45,7 @@ from .. import quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..accounting import state_nbytes
-from ..registry import dims_of, dispatch, prepare_init, register
+from ..registry import dispatch, prepare_init, register
 
 __all__ = ["AdaKVState", "adakv_init", "adakv_update", "adakv_get_kv", "adakv_bytes",
            "bits_by_rank"]
@@ -79,6 +80,8 @@ class AdaKVState(NamedTuple):
     update_interval: int
     importance: str
     obs_window: int
+    residual_dtype: str
+    cache_dtype: str
     backend: str
 
 
@@ -144,25 +147,27 @@ def adakv_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx
                target_avg_bits: float = 2.5, lo_bit: int = 2, mid_bit: int = 3, hi_bit: int = 4,
                group_size: int = 32, update_interval: int = 1,
                importance: str = "norm_variance", obs_window: int = 32,
-               backend: str = "auto") -> AdaKVState:
+               residual_dtype: str = "float16", backend: str = "auto") -> AdaKVState:
     """Empty AdaKV state."""
     p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
                               dict(target_avg_bits=target_avg_bits, lo_bit=lo_bit, mid_bit=mid_bit,
                                    hi_bit=hi_bit, group_size=group_size,
                                    update_interval=update_interval, importance=importance,
-                                   obs_window=obs_window))
+                                   obs_window=obs_window, residual_dtype=residual_dtype))
     b, h, d = batch, kv_heads, head_dim
+    sd, rd = quant.side_dtype(dtype), quant.exact_dtype(p["residual_dtype"], dtype)
     counts = level_counts(h, p["target_avg_bits"], p["lo_bit"], p["mid_bit"], p["hi_bit"])
     levels = {}
     for lvl in LEVELS:
         levels[f"{lvl}_codes"] = mx.zeros((b, counts[lvl], d, 0), mx.uint32)
-        levels[f"{lvl}_scales"] = mx.zeros((b, counts[lvl], d, 0), dtype)
-        levels[f"{lvl}_zeros"] = mx.zeros((b, counts[lvl], d, 0), dtype)
+        levels[f"{lvl}_scales"] = mx.zeros((b, counts[lvl], d, 0), sd)
+        levels[f"{lvl}_zeros"] = mx.zeros((b, counts[lvl], d, 0), sd)
     k = 2 if p["importance"] == "norm_variance" else 1
     return AdaKVState(**levels, head_slot=mx.zeros((b, h, 0), _slot_dtype(h)),
                       stats=mx.zeros((b, h, k), mx.float32),
-                      residual_keys=mx.zeros((b, h, 0, d), dtype), values=mx.zeros((b, h, 0, d), dtype),
-                      next_pos=mx.zeros((b, h), mx.int32), **p, backend=backend)
+                      residual_keys=mx.zeros((b, h, 0, d), rd), values=mx.zeros((b, h, 0, d), rd),
+                      next_pos=mx.zeros((b, h), mx.int32), **p, cache_dtype=quant.dtype_name(dtype),
+                      backend=backend)
 
 
 def _slot_dtype(heads: int) -> mx.Dtype:
@@ -208,9 +213,11 @@ def _ranks(importance: Float[Array, "b h"]) -> Int[Array, "b h"]:
 def _update_mlx(state: AdaKVState, keys, values, queries) -> AdaKVState:
     g, s = state.group_size, keys.shape[2]
     b, h, _, d = keys.shape
-    rows = mx.concatenate([state.residual_keys, keys], axis=2)
+    rd = state.residual_keys.dtype
+    rows = mx.concatenate([state.residual_keys, keys.astype(rd)], axis=2)
     m = rows.shape[2] // g  # groups completed by this update
-    fields = dict(residual_keys=rows[:, :, m * g:], values=mx.concatenate([state.values, values], 2),
+    fields = dict(residual_keys=rows[:, :, m * g:],
+                  values=mx.concatenate([state.values, values.astype(rd)], 2),
                   next_pos=state.next_pos + s)
     if not m:
         return state._replace(**fields)
@@ -237,7 +244,8 @@ def _update_mlx(state: AdaKVState, keys, values, queries) -> AdaKVState:
     for lvl, n in _counts(state, h).items():
         bits = level_bits(state)[lvl]
         if n:
-            q, sc, z = quant.quantize(by_slot[:, first:first + n], bits, g)
+            q, sc, z = quant.quantize(by_slot[:, first:first + n], bits, g,
+                                      quant.dtype_of(state.cache_dtype))
         else:  # an empty level keeps zero-size arrays whose token axis matches the others
             q = mx.zeros((b, 0, d, m * g * bits // 32), mx.uint32)
             sc = z = mx.zeros((b, 0, d, m), state.lo_scales.dtype)
@@ -268,12 +276,14 @@ def _np_importance(state: AdaKVState, stats: np.ndarray, tokens: int) -> float:
 
 
 def _update_reference(state: AdaKVState, keys, values, queries) -> AdaKVState:
-    dtype, g = state.residual_keys.dtype, state.group_size
+    rd, g = state.residual_keys.dtype, state.group_size
+    dtype = quant.side_dtype(quant.dtype_of(state.cache_dtype))
     b, h, s, d = keys.shape
-    rows = np.concatenate([ref.to_np(state.residual_keys, np.float32), ref.to_np(keys, np.float32)], 2)
+    rows = np.concatenate([ref.to_np(state.residual_keys, np.float32),
+                           ref.round_to(ref.to_np(keys, np.float32), rd)], 2)
     m = rows.shape[2] // g
-    fields = dict(residual_keys=ref.to_mx(rows[:, :, m * g:], dtype),
-                  values=mx.concatenate([state.values, values], 2), next_pos=state.next_pos + s)
+    fields = dict(residual_keys=ref.to_mx(rows[:, :, m * g:], rd),
+                  values=mx.concatenate([state.values, values.astype(rd)], 2), next_pos=state.next_pos + s)
     if not m:
         return state._replace(**fields)
     start = quantized_groups(state)
@@ -323,7 +333,10 @@ def _update_reference(state: AdaKVState, keys, values, queries) -> AdaKVState:
 
 # --- public functions ---------------------------------------------------------------------------
 
-_dims = dims_of("residual_keys")
+def _dims(state: AdaKVState) -> tuple[int, int, int, mx.Dtype]:
+    """``(batch, kv_heads, head_dim, dtype)``: the model's dtype, not the exact rows'."""
+    b, h, _, d = state.residual_keys.shape
+    return b, h, d, quant.dtype_of(state.cache_dtype)
 
 
 def adakv_update(state: AdaKVState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
@@ -344,11 +357,11 @@ def _by_head(state: AdaKVState, per_slot: Float[Array, "b h d q"]) -> Float[Arra
 
 def adakv_get_kv(state: AdaKVState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """Dequantized key groups (each head at its width) and the exact newest keys; exact values."""
-    bits = level_bits(state)
+    bits, cd = level_bits(state), quant.dtype_of(state.cache_dtype)
     parts = [quant.dequantize(*(getattr(state, f"{lvl}_{p}") for p in _PARTS), bits[lvl],
-                              state.group_size) for lvl in LEVELS]
+                              state.group_size, cd) for lvl in LEVELS]
     k = _by_head(state, mx.concatenate(parts, axis=1))
-    return mx.concatenate([k, state.residual_keys], axis=2), state.values
+    return mx.concatenate([k, state.residual_keys.astype(cd)], axis=2), state.values.astype(cd)
 
 
 def adakv_bytes(state: AdaKVState) -> int:
@@ -364,13 +377,15 @@ def adakv_positions(state: AdaKVState) -> Int[Array, "b h n"]:
 
 
 def adakv_error_bound(state: AdaKVState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
-    """``scale/2`` plus rounding per key element (each head at its width); zero elsewhere."""
+    """``scale/2`` plus rounding per key element (each head at its width); exact rows: their
+    rounding to ``residual_dtype``."""
     bits = level_bits(state)
     parts = [quant.error_bound(getattr(state, f"{lvl}_scales"), getattr(state, f"{lvl}_zeros"),
                                bits[lvl], state.group_size) for lvl in LEVELS]
     k = _by_head(state, mx.concatenate(parts, axis=1))
-    k = mx.concatenate([k, mx.zeros(state.residual_keys.shape, mx.float32)], axis=2)
-    return k, mx.zeros(state.values.shape, mx.float32)
+    cd = quant.dtype_of(state.cache_dtype)
+    k = mx.concatenate([k, quant.rounding_bound(state.residual_keys, cd)], axis=2)
+    return k, quant.rounding_bound(state.values, cd)
 
 
 def head_bits(state: AdaKVState) -> Int[Array, "b h g"]:

@@ -12,6 +12,9 @@ one, the coarse code is ``round(q / k)`` and the error stays within half the coa
 for direct quantization. Codes depend on the values only, not on when a group aged: one
 chunk or token-by-token decoding give bit-identical states.
 
+Scales and zeros are float16 (``velox.quant.side_dtype``); the ``< G`` exact tokens keep the
+model's dtype.
+
 Shapes: ``<tier>_<keys|values>_codes [b, h, d, n_tier*bits/32]`` (tokens last, MLX's
 packing), ``_scales``/``_zeros [b, h, d, n_tier/G]``, ``residual_* [b, h, r, d]`` (r < G).
 
@@ -95,8 +98,8 @@ def age_tiered_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype
     for tier in TIERS:
         for kind in ("keys", "values"):
             empty[f"{tier}_{kind}_codes"] = mx.zeros((b, h, d, 0), mx.uint32)
-            empty[f"{tier}_{kind}_scales"] = mx.zeros((b, h, d, 0), dtype)
-            empty[f"{tier}_{kind}_zeros"] = mx.zeros((b, h, d, 0), dtype)
+            empty[f"{tier}_{kind}_scales"] = mx.zeros((b, h, d, 0), quant.side_dtype(dtype))
+            empty[f"{tier}_{kind}_zeros"] = mx.zeros((b, h, d, 0), quant.side_dtype(dtype))
     return AgeTieredState(**empty, residual_keys=mx.zeros((b, h, 0, d), dtype),
                           residual_values=mx.zeros((b, h, 0, d), dtype),
                           next_pos=mx.zeros((b, h), mx.int32), **p, backend=backend)
@@ -219,7 +222,7 @@ def _np_target_tier(state: AgeTieredState, j: int, total: int) -> str:
 
 def _np_head(state: AgeTieredState, kind: str, i: int, h: int, rows: np.ndarray, total: int):
     """One head's groups after the update: ``{tier: (codes [d, n], scales [d, g], zeros)}``."""
-    dtype, g, bits = state.residual_keys.dtype, state.group_size, tier_bits(state)
+    dtype, g, bits = quant.side_dtype(state.residual_keys.dtype), state.group_size, tier_bits(state)
     groups: list[_Group] = []
     for tier in TIERS:  # stored groups, oldest first
         words = ref.to_np(getattr(state, f"{tier}_{kind}_codes")[i, h], np.uint32)
@@ -268,7 +271,7 @@ def _update_reference(state: AgeTieredState, keys, values, queries) -> AgeTiered
             for n, part in enumerate(_PARTS):
                 arr = np.stack([np.stack([heads[i][j][tier][n] for j in range(h)]) for i in range(b)])
                 fields[f"{tier}_{kind}_{part}"] = (mx.array(arr) if part == "codes"
-                                                   else ref.to_mx(arr, dtype))
+                                                   else ref.to_mx(arr, quant.side_dtype(dtype)))
         fields[f"residual_{kind}"] = ref.to_mx(rows[:, :, done:], dtype)
     return state._replace(**fields)
 
@@ -291,7 +294,8 @@ def age_tiered_get_kv(state: AgeTieredState) -> tuple[Float[Array, "b h n d"], F
     out = []
     for kind in ("keys", "values"):
         parts = [quant.dequantize(*(getattr(state, f"{tier}_{kind}_{p}") for p in _PARTS),
-                                  bits[tier], state.group_size).swapaxes(2, 3) for tier in TIERS]
+                                  bits[tier], state.group_size,
+                                  state.residual_keys.dtype).swapaxes(2, 3) for tier in TIERS]
         out.append(mx.concatenate(parts + [getattr(state, f"residual_{kind}")], axis=2))
     return out[0], out[1]
 
@@ -325,7 +329,7 @@ def age_tiered_error_bound(
     per step, ``L = 2**bits - 1``, ``u`` the dtype's unit roundoff (twice what they need).
     """
     bits = tier_bits(state)
-    u = quant.unit_roundoff(state.residual_keys.dtype)
+    u = quant.unit_roundoff(quant.side_dtype(state.residual_keys.dtype))
     out = []
     for kind in ("keys", "values"):
         parts = []

@@ -14,6 +14,8 @@ seed's rule), so token-by-token decoding keeps every token exact. ``adaptive_thr
 tracks the seed's closed-loop thresholds ``tau = tau_base (1 - gamma ln(var_window /
 calib_variance))`` in ``tau_high``/``tau_low`` without changing the tiers.
 
+Scales and zeros are float16 (``velox.quant.side_dtype``); High rows keep the model's dtype.
+
 Shapes: ``high_<keys|values> [b, h, nH, d]``; ``<mid|low>_<keys|values>_codes [b, h, n, w]``
 (kept channels, padded to whole words), ``_scales``/``_zeros [b, h, n, ceil(r/G)]``;
 ``<tier>_positions [b, h, n]``; ``<keys|values>_order [b, h, d]``; ``saliency_window [b, h, m]``.
@@ -137,8 +139,8 @@ def amc_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.f
         w, g = _words(ranks[tier], TIER_BITS[tier]), _groups(ranks[tier], p["group_size"])
         for kind in ("keys", "values"):
             fields[f"{tier}_{kind}_codes"] = mx.zeros((b, h, 0, w), mx.uint32)
-            fields[f"{tier}_{kind}_scales"] = mx.zeros((b, h, 0, g), dtype)
-            fields[f"{tier}_{kind}_zeros"] = mx.zeros((b, h, 0, g), dtype)
+            fields[f"{tier}_{kind}_scales"] = mx.zeros((b, h, 0, g), quant.side_dtype(dtype))
+            fields[f"{tier}_{kind}_zeros"] = mx.zeros((b, h, 0, g), quant.side_dtype(dtype))
         fields[f"{tier}_positions"] = mx.zeros((b, h, 0), mx.int32)
     order = mx.broadcast_to(mx.arange(d).astype(_order_dtype(d)), (b, h, d))
     base_high, base_low = _base_thresholds(p["k_high"], p["k_mid"])
@@ -216,13 +218,13 @@ def _quantize_prefix(x: Float[Array, "b h n d"], rank: int, bits: int, group_siz
 
 
 def _dequantize_prefix(codes, scales, zeros, rank: int, bits: int, group_size: int,
-                       head_dim: int) -> Float[Array, "b h n d"]:
+                       head_dim: int, dtype: mx.Dtype) -> Float[Array, "b h n d"]:
     q = quant.unpack(codes, bits)[..., :rank].astype(mx.float32)
     idx = mx.arange(rank) // group_size
     x = q * scales.astype(mx.float32)[..., idx] + zeros.astype(mx.float32)[..., idx]
     if head_dim > rank:
         x = mx.concatenate([x, mx.zeros((*x.shape[:-1], head_dim - rank), mx.float32)], axis=-1)
-    return x.astype(scales.dtype)
+    return x.astype(dtype)
 
 
 def _thresholds(state: AMCState, window: Float[Array, "b h m"]):
@@ -304,6 +306,7 @@ def _np_quantize_prefix(row: np.ndarray, rank: int, bits: int, group_size: int, 
 
 def _update_reference(state: AMCState, keys, values, queries) -> AMCState:
     dtype = state.high_keys.dtype
+    sd = quant.side_dtype(dtype)
     b, h, s, d = keys.shape
     sizes, ranks = tier_sizes(s, state.k_high, state.k_mid), tier_ranks(d)
     k64, k32, v32 = ref.to_np(keys), ref.to_np(keys, np.float32), ref.to_np(values, np.float32)
@@ -335,7 +338,7 @@ def _update_reference(state: AMCState, keys, values, queries) -> AMCState:
                         new.setdefault(f"high_{kind}", {})[(i, j)] = x[i, j, idx]
                         continue
                     toks = [_np_quantize_prefix(x[i, j, t][channels[kind]], ranks[tier],
-                                                TIER_BITS[tier], state.group_size, dtype) for t in idx]
+                                                TIER_BITS[tier], state.group_size, sd) for t in idx]
                     for n, part in enumerate(("codes", "scales", "zeros")):
                         width = (_words(ranks[tier], TIER_BITS[tier]) if part == "codes"
                                  else _groups(ranks[tier], state.group_size))
@@ -353,7 +356,7 @@ def _update_reference(state: AMCState, keys, values, queries) -> AMCState:
         elif name.endswith("codes"):
             arr = mx.array(arr.astype(np.uint32))
         else:
-            arr = ref.to_mx(arr, dtype)
+            arr = ref.to_mx(arr, old.dtype)
         fields[name] = mx.concatenate([old, arr], axis=2)
     if state.adaptive_thresholds:
         window = np.concatenate([ref.to_np(state.saliency_window), sal_all], axis=-1)
@@ -398,7 +401,8 @@ def amc_get_kv(state: AMCState) -> tuple[Float[Array, "b h n d"], Float[Array, "
             else:
                 rows = _dequantize_prefix(*(getattr(state, f"{tier}_{kind}_{p}")
                                             for p in ("codes", "scales", "zeros")),
-                                          ranks[tier], TIER_BITS[tier], state.group_size, d)
+                                          ranks[tier], TIER_BITS[tier], state.group_size, d,
+                                          state.high_keys.dtype)
                 ch = getattr(state, f"{kind}_order").astype(mx.int32)[:, :, None, :]
                 rows = mx.put_along_axis(mx.zeros(rows.shape, rows.dtype),
                                          mx.broadcast_to(ch, rows.shape), rows, axis=-1)

@@ -9,6 +9,8 @@ the model fitted to the previous group's symbols (a fixed prior first), so a dec
 them and nothing is stored per group. One segment per group spans every row and head; a
 segment no shorter than fixed-width packing is stored packed. The reconstruction is plain
 group quantization (error bound ``scale/2`` plus rounding); ``get_kv`` decodes on the host.
+Scales and zeros are float16 (``velox.quant.side_dtype``); the ``< G`` exact tokens keep the
+model's dtype.
 The ``layer_params`` hook gives ``layer_groups`` contiguous layer groups ``bits``,
 ``bits - 1``, ... (at least ``min(2, bits)``): shallow layers get more.
 
@@ -100,8 +102,8 @@ def cachegen_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype =
                        f"{kind}_lengths": mx.zeros((0,), mx.uint32),
                        f"{kind}_packed": mx.zeros((0,), mx.bool_),
                        f"{kind}_model": mx.array(model),
-                       f"{kind}_scales": mx.zeros((b, h, d, 0), dtype),
-                       f"{kind}_zeros": mx.zeros((b, h, d, 0), dtype)})
+                       f"{kind}_scales": mx.zeros((b, h, d, 0), quant.side_dtype(dtype)),
+                       f"{kind}_zeros": mx.zeros((b, h, d, 0), quant.side_dtype(dtype))})
     return CacheGenState(**fields, residual_keys=mx.zeros((b, h, 0, d), dtype),
                          residual_values=mx.zeros((b, h, 0, d), dtype),
                          next_pos=mx.zeros((b, h), mx.int32), **p, backend=backend)
@@ -231,6 +233,7 @@ def _update_mlx(state: CacheGenState, keys, values, queries) -> CacheGenState:
 
 def _update_reference(state: CacheGenState, keys, values, queries) -> CacheGenState:
     dtype, g, s = state.residual_keys.dtype, state.group_size, keys.shape[2]
+    sd = quant.side_dtype(dtype)
     b, h = state.next_pos.shape
     fields = {"next_pos": state.next_pos + s}
     for kind, x in zip(KINDS, (keys, values)):
@@ -243,13 +246,13 @@ def _update_reference(state: CacheGenState, keys, values, queries) -> CacheGenSt
         codes, scales, zeros = [], [], []
         for i in range(b):
             for j in range(h):  # each channel of each group: min/max affine codes
-                words, sc, z = ref.quantize(rows[i, j, :m * g].T, state.bits, g, dtype)
+                words, sc, z = ref.quantize(rows[i, j, :m * g].T, state.bits, g, sd)
                 codes.append(ref.unpack_codes(words, state.bits))
                 scales.append(sc)
                 zeros.append(z)
         shape = lambda xs: np.stack(xs).reshape(b, h, *xs[0].shape)  # noqa: E731
-        fields.update(_append(state, kind, shape(codes), ref.to_mx(shape(scales), dtype),
-                              ref.to_mx(shape(zeros), dtype)))
+        fields.update(_append(state, kind, shape(codes), ref.to_mx(shape(scales), sd),
+                              ref.to_mx(shape(zeros), sd)))
     return state._replace(**fields)
 
 
@@ -271,7 +274,7 @@ def cachegen_get_kv(state: CacheGenState) -> tuple[Float[Array, "b h n d"], Floa
     for kind in KINDS:
         codes = quant.pack(mx.array(decode_codes(state, kind)), state.bits)
         x = quant.dequantize(codes, getattr(state, f"{kind}_scales"), getattr(state, f"{kind}_zeros"),
-                             state.bits, state.group_size).swapaxes(2, 3)
+                             state.bits, state.group_size, state.residual_keys.dtype).swapaxes(2, 3)
         out.append(mx.concatenate([x, getattr(state, f"residual_{kind}")], axis=2))
     return out[0], out[1]
 

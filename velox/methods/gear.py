@@ -6,7 +6,7 @@ Tokens are compressed in blocks of ``group_size`` (``G``); the ``T mod G`` newes
 smallest entries are kept exact (value and index); the others are quantized, outliers left
 out of the ranges (keys per channel along the tokens, values per token in groups of ``G``
 channels): ``D``; the residual ``R = X - D`` (zero at the outliers) gets a truncated SVD of
-width ``rank``, ``R ~ L Rt`` (``L = U s``, cache dtype), whose components after those holding
+width ``rank``, ``R ~ L Rt`` (``L = U s``, float16 like the scales and zeros), whose components after those holding
 ``energy_threshold`` of ``|R|^2`` are zeroed. ``get_kv`` is ``D + L Rt`` with the outliers
 restored. Blocks depend on their own tokens only: one chunk or token-by-token decoding give
 bit-identical states. Error bound: the quantization bound plus ``|L Rt|``.
@@ -101,15 +101,16 @@ def gear_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.
     b, h, d, g, r = batch, kv_heads, head_dim, p["group_size"], p["rank"]
     k = outlier_count(p["sparse_fraction"], g, d)
     idx = _index_dtype(g, d)
-    z = lambda *shape, t=dtype: mx.zeros(shape, t)  # noqa: E731
+    sd = quant.side_dtype(dtype)
+    z = lambda *shape, t=sd: mx.zeros(shape, t)  # noqa: E731
     return GearState(
         keys_codes=z(b, h, d, 0, t=mx.uint32), keys_scales=z(b, h, d, 0), keys_zeros=z(b, h, d, 0),
-        keys_left=z(b, h, 0, r), keys_right=z(b, h, 0, r, d), keys_outliers=z(b, h, 0, k),
+        keys_left=z(b, h, 0, r), keys_right=z(b, h, 0, r, d), keys_outliers=z(b, h, 0, k, t=dtype),
         keys_outlier_index=z(b, h, 0, k, t=idx),
         values_codes=z(b, h, 0, d * p["bits"] // 32, t=mx.uint32), values_scales=z(b, h, 0, d // g),
         values_zeros=z(b, h, 0, d // g), values_left=z(b, h, 0, r), values_right=z(b, h, 0, r, d),
-        values_outliers=z(b, h, 0, k), values_outlier_index=z(b, h, 0, k, t=idx),
-        residual_keys=z(b, h, 0, d), residual_values=z(b, h, 0, d),
+        values_outliers=z(b, h, 0, k, t=dtype), values_outlier_index=z(b, h, 0, k, t=idx),
+        residual_keys=z(b, h, 0, d, t=dtype), residual_values=z(b, h, 0, d, t=dtype),
         next_pos=z(b, h, t=mx.int32), **p, backend=backend)
 
 
@@ -198,7 +199,7 @@ def _compress(state: GearState, kind: str, blocks: Float[Array, "b h m G d"]) ->
         codes, scales, zeros = quant.quantize(xq, state.bits, g)
         deq = _dequant32(codes, scales, zeros, state.bits, g).reshape(b, h, m, g, d)
     resid = mx.where(mask, 0.0, x - deq)
-    left, right = _lowrank(resid, state.rank, state.energy_threshold, dtype)
+    left, right = _lowrank(resid, state.rank, state.energy_threshold, quant.side_dtype(dtype))
     vals = mx.take_along_axis(flat, idx, axis=-1).astype(dtype)
     new = {"codes": codes, "scales": scales, "zeros": zeros,
            "left": left.reshape(b, h, m * g, state.rank), "right": right, "outliers": vals,
@@ -267,7 +268,8 @@ def _np_block(state: GearState, kind: str, x: np.ndarray, dtype: mx.Dtype) -> di
     for line in lines:
         vals, out = x[line], mask[line]
         fill = vals[~out].min() if (~out).any() else np.float32(0)
-        q, scale, zero = ref.quantize_group(np.where(out, fill, vals).astype(np.float32), bits, dtype)
+        q, scale, zero = ref.quantize_group(np.where(out, fill, vals).astype(np.float32), bits,
+                                            quant.side_dtype(dtype))
         codes[line], deq[line] = q, q.astype(np.float32) * scale + zero
         scales.append(scale)
         zeros.append(zero)
@@ -312,7 +314,7 @@ def _update_reference(state: GearState, keys, values, queries) -> GearState:
             elif f == "outlier_index":
                 new = mx.array(new.astype(np.int64)).astype(old.dtype)
             else:
-                new = ref.to_mx(new, dtype)
+                new = ref.to_mx(new, old.dtype)
             fields[f"{kind}_{f}"] = mx.concatenate([old, new], axis=_axis(kind, f))
     return state._replace(**fields)
 

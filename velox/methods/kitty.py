@@ -74,12 +74,13 @@ def kitty_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx
                                    group_size=group_size))
     b, h, d = batch, kv_heads, head_dim
     c = boosted_channels(p["hi_fraction"], d)
+    sd = quant.side_dtype(dtype)
     return KittyState(
         key_hi_codes=mx.zeros((b, h, c, 0), mx.uint32), key_lo_codes=mx.zeros((b, h, d - c, 0), mx.uint32),
         key_hi_channels=mx.zeros((b, h, 0, c), nuq.index_dtype(d)),
-        key_scales=mx.zeros((b, h, 0, d), dtype), key_zeros=mx.zeros((b, h, 0, d), dtype),
-        value_codes=mx.zeros((b, h, d, 0), mx.uint32), value_scales=mx.zeros((b, h, 0), dtype),
-        value_zeros=mx.zeros((b, h, 0), dtype), buffer_keys=mx.zeros((b, h, 0, d), dtype),
+        key_scales=mx.zeros((b, h, 0, d), sd), key_zeros=mx.zeros((b, h, 0, d), sd),
+        value_codes=mx.zeros((b, h, d, 0), mx.uint32), value_scales=mx.zeros((b, h, 0), sd),
+        value_zeros=mx.zeros((b, h, 0), sd), buffer_keys=mx.zeros((b, h, 0, d), dtype),
         buffer_values=mx.zeros((b, h, 0, d), dtype), next_pos=mx.zeros((b, h), mx.int32),
         **p, backend=backend)
 
@@ -117,8 +118,9 @@ def _update_mlx(state: KittyState, keys, values, queries) -> KittyState:
                 code = code.transpose(0, 1, 3, 2, 4).reshape(b, h, hi - lo, -1)
                 parts.append((code, sc[..., 0], zr[..., 0]))
             else:
-                parts.append((mx.zeros((b, h, 0, 0), mx.uint32), mx.zeros((b, h, n_g, 0), bk.dtype),
-                              mx.zeros((b, h, n_g, 0), bk.dtype)))
+                sd = quant.side_dtype(bk.dtype)
+                parts.append((mx.zeros((b, h, 0, 0), mx.uint32), mx.zeros((b, h, n_g, 0), sd),
+                              mx.zeros((b, h, n_g, 0), sd)))
         inv = mx.argsort(perm, axis=-1)
         sc = mx.take_along_axis(mx.concatenate([parts[0][1], parts[1][1]], axis=-1), inv, axis=-1)
         zr = mx.take_along_axis(mx.concatenate([parts[0][2], parts[1][2]], axis=-1), inv, axis=-1)
@@ -173,12 +175,14 @@ def _update_reference(state: KittyState, keys, values, queries) -> KittyState:
             key_lo_codes=_cat3(state.key_lo_codes, mx.array(nuq.np_pack(lo_codes, state.lo_bit))),
             key_hi_channels=mx.concatenate([state.key_hi_channels,
                                             mx.array(chans).astype(state.key_hi_channels.dtype)], axis=2),
-            key_scales=mx.concatenate([state.key_scales, ref.to_mx(ks, dtype)], axis=2),
-            key_zeros=mx.concatenate([state.key_zeros, ref.to_mx(kz, dtype)], axis=2),
+            key_scales=mx.concatenate([state.key_scales, ref.to_mx(ks, state.key_scales.dtype)], axis=2),
+            key_zeros=mx.concatenate([state.key_zeros, ref.to_mx(kz, state.key_zeros.dtype)], axis=2),
             value_codes=_cat3(state.value_codes,
                               mx.array(nuq.np_pack(np.swapaxes(vq, 2, 3), state.lo_bit))),
-            value_scales=mx.concatenate([state.value_scales, ref.to_mx(vs, dtype)], axis=2),
-            value_zeros=mx.concatenate([state.value_zeros, ref.to_mx(vz, dtype)], axis=2))
+            value_scales=mx.concatenate([state.value_scales, ref.to_mx(vs, state.value_scales.dtype)],
+                                        axis=2),
+            value_zeros=mx.concatenate([state.value_zeros, ref.to_mx(vz, state.value_zeros.dtype)],
+                                       axis=2))
     return state._replace(**fields)
 
 
@@ -200,7 +204,7 @@ def kitty_get_kv(state: KittyState) -> tuple[Float[Array, "b h n d"], Float[Arra
     b, h, n_g, d = state.key_scales.shape
     if n_g == 0:
         return state.buffer_keys, state.buffer_values
-    g, c, dtype = state.group_size, state.key_hi_codes.shape[2], state.key_scales.dtype
+    g, c, dtype = state.group_size, state.key_hi_codes.shape[2], state.buffer_keys.dtype
     parts = []
     sets = ((state.key_hi_codes, state.hi_bit, c), (state.key_lo_codes, state.lo_bit, d - c))
     for codes, bits, rows in sets:

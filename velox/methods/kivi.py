@@ -6,11 +6,15 @@ References:
 
 Storage: after ``T`` tokens, the oldest ``Q = group_size * floor(max(T - residual_length, 0) /
 group_size)`` are quantized and the rest (``residual_length`` to ``residual_length +
-group_size - 1`` tokens) stay in the cache dtype. Keys are quantized per channel in groups of
+group_size - 1`` tokens) stay exact. Keys are quantized per channel in groups of
 ``group_size`` tokens (stored transposed, ``[b, h, d, Q]``, groups along the last axis);
 values per token in groups of ``group_size`` channels. Codes are packed into uint32 words in
 MLX's affine layout (``velox.quant``). The quantized count depends on ``T`` only, so a prompt
 absorbed in one chunk or token by token yields bit-identical states.
+
+Scales and zeros are float16 (``velox.quant.side_dtype``) and the residual window is held
+in ``residual_dtype`` (default float16, what an fp16 cache holds), whatever the model's
+dtype; ``get_kv`` returns the model's dtype.
 
 Deviations from the paper:
     * Keys and values share one residual window flushed in whole key groups; the paper's code
@@ -30,7 +34,7 @@ from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..accounting import state_nbytes
 from ..qattention import Affine, Dense, attend_segments
-from ..registry import dims_of, dispatch, prepare_init, register
+from ..registry import dispatch, prepare_init, register
 
 __all__ = ["KiviState", "kivi_init", "kivi_update", "kivi_get_kv", "kivi_bytes"]
 
@@ -52,23 +56,28 @@ class KiviState(NamedTuple):
     bits: int
     group_size: int
     residual_length: int
+    residual_dtype: str
+    cache_dtype: str
     backend: str
 
 
 def kivi_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
               bits: int = 2, group_size: int = 32, residual_length: int = 128,
-              backend: str = "auto") -> KiviState:
+              residual_dtype: str = "float16", backend: str = "auto") -> KiviState:
     """Empty KIVI state."""
     p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
-                              dict(bits=bits, group_size=group_size, residual_length=residual_length))
+                              dict(bits=bits, group_size=group_size, residual_length=residual_length,
+                                   residual_dtype=residual_dtype))
     b, h, d = batch, kv_heads, head_dim
     vw, vg = d * p["bits"] // 32, d // p["group_size"]
+    sd, rd = quant.side_dtype(dtype), quant.exact_dtype(p["residual_dtype"], dtype)
     return KiviState(
-        key_codes=mx.zeros((b, h, d, 0), mx.uint32), key_scales=mx.zeros((b, h, d, 0), dtype),
-        key_zeros=mx.zeros((b, h, d, 0), dtype), value_codes=mx.zeros((b, h, 0, vw), mx.uint32),
-        value_scales=mx.zeros((b, h, 0, vg), dtype), value_zeros=mx.zeros((b, h, 0, vg), dtype),
-        residual_keys=mx.zeros((b, h, 0, d), dtype), residual_values=mx.zeros((b, h, 0, d), dtype),
-        next_pos=mx.zeros((b, h), mx.int32), **p, backend=backend)
+        key_codes=mx.zeros((b, h, d, 0), mx.uint32), key_scales=mx.zeros((b, h, d, 0), sd),
+        key_zeros=mx.zeros((b, h, d, 0), sd), value_codes=mx.zeros((b, h, 0, vw), mx.uint32),
+        value_scales=mx.zeros((b, h, 0, vg), sd), value_zeros=mx.zeros((b, h, 0, vg), sd),
+        residual_keys=mx.zeros((b, h, 0, d), rd), residual_values=mx.zeros((b, h, 0, d), rd),
+        next_pos=mx.zeros((b, h), mx.int32), **p, cache_dtype=quant.dtype_name(dtype),
+        backend=backend)
 
 
 def quantized_tokens(state: KiviState) -> int:
@@ -86,14 +95,15 @@ def _flush_count(state: KiviState, s: int) -> int:
 
 def _update_mlx(state: KiviState, keys, values, queries) -> KiviState:
     s = keys.shape[2]
-    rk = mx.concatenate([state.residual_keys, keys], axis=2)
-    rv = mx.concatenate([state.residual_values, values], axis=2)
+    rd, cd = state.residual_keys.dtype, quant.dtype_of(state.cache_dtype)
+    rk = mx.concatenate([state.residual_keys, keys.astype(rd)], axis=2)
+    rv = mx.concatenate([state.residual_values, values.astype(rd)], axis=2)
     f = _flush_count(state, s)
     fields = dict(residual_keys=rk[:, :, f:], residual_values=rv[:, :, f:],
                   next_pos=state.next_pos + s)
     if f:
-        kc, ks, kz = quant.quantize(rk[:, :, :f].swapaxes(2, 3), state.bits, state.group_size)
-        vc, vs, vz = quant.quantize(rv[:, :, :f], state.bits, state.group_size)
+        kc, ks, kz = quant.quantize(rk[:, :, :f].swapaxes(2, 3), state.bits, state.group_size, cd)
+        vc, vs, vz = quant.quantize(rv[:, :, :f], state.bits, state.group_size, cd)
         fields.update(
             key_codes=mx.concatenate([state.key_codes, kc], axis=3),
             key_scales=mx.concatenate([state.key_scales, ks], axis=3),
@@ -112,26 +122,31 @@ _np_quantize = ref.quantize
 
 def _update_reference(state: KiviState, keys, values, queries) -> KiviState:
     dtype = state.residual_keys.dtype
+    sd = quant.side_dtype(quant.dtype_of(state.cache_dtype))
     s = keys.shape[2]
-    rk = np.concatenate([ref.to_np(state.residual_keys, np.float32), ref.to_np(keys, np.float32)], 2)
-    rv = np.concatenate([ref.to_np(state.residual_values, np.float32), ref.to_np(values, np.float32)], 2)
+    new = lambda x: ref.round_to(ref.to_np(x, np.float32), dtype)  # noqa: E731  (held in dtype)
+    rk = np.concatenate([ref.to_np(state.residual_keys, np.float32), new(keys)], 2)
+    rv = np.concatenate([ref.to_np(state.residual_values, np.float32), new(values)], 2)
     f = _flush_count(state, s)
     fields = dict(residual_keys=ref.to_mx(rk[:, :, f:], dtype),
                   residual_values=ref.to_mx(rv[:, :, f:], dtype), next_pos=state.next_pos + s)
     if f:
-        kc, ks, kz = _np_quantize(np.swapaxes(rk[:, :, :f], 2, 3), state.bits, state.group_size, dtype)
-        vc, vs, vz = _np_quantize(rv[:, :, :f], state.bits, state.group_size, dtype)
+        kc, ks, kz = _np_quantize(np.swapaxes(rk[:, :, :f], 2, 3), state.bits, state.group_size, sd)
+        vc, vs, vz = _np_quantize(rv[:, :, :f], state.bits, state.group_size, sd)
         fields.update(
             key_codes=mx.concatenate([state.key_codes, mx.array(kc)], axis=3),
-            key_scales=mx.concatenate([state.key_scales, ref.to_mx(ks, dtype)], axis=3),
-            key_zeros=mx.concatenate([state.key_zeros, ref.to_mx(kz, dtype)], axis=3),
+            key_scales=mx.concatenate([state.key_scales, ref.to_mx(ks, sd)], axis=3),
+            key_zeros=mx.concatenate([state.key_zeros, ref.to_mx(kz, sd)], axis=3),
             value_codes=mx.concatenate([state.value_codes, mx.array(vc)], axis=2),
-            value_scales=mx.concatenate([state.value_scales, ref.to_mx(vs, dtype)], axis=2),
-            value_zeros=mx.concatenate([state.value_zeros, ref.to_mx(vz, dtype)], axis=2))
+            value_scales=mx.concatenate([state.value_scales, ref.to_mx(vs, sd)], axis=2),
+            value_zeros=mx.concatenate([state.value_zeros, ref.to_mx(vz, sd)], axis=2))
     return state._replace(**fields)
 
 
-_dims = dims_of("residual_keys")
+def _dims(state: KiviState) -> tuple[int, int, int, mx.Dtype]:
+    """``(batch, kv_heads, head_dim, dtype)``: the model's dtype, not the residual's."""
+    b, h, _, d = state.residual_keys.shape
+    return b, h, d, quant.dtype_of(state.cache_dtype)
 
 
 def kivi_update(state: KiviState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
@@ -141,13 +156,14 @@ def kivi_update(state: KiviState, keys: Float[Array, "b h s d"], values: Float[A
 
 
 def kivi_get_kv(state: KiviState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
-    """Dequantized keys and values followed by the exact residual window."""
+    """Dequantized keys and values followed by the exact residual window (model dtype)."""
+    cd = quant.dtype_of(state.cache_dtype)
     k = quant.dequantize(state.key_codes, state.key_scales, state.key_zeros, state.bits,
-                         state.group_size).swapaxes(2, 3)
+                         state.group_size, cd).swapaxes(2, 3)
     v = quant.dequantize(state.value_codes, state.value_scales, state.value_zeros, state.bits,
-                         state.group_size)
-    return (mx.concatenate([k, state.residual_keys], axis=2),
-            mx.concatenate([v, state.residual_values], axis=2))
+                         state.group_size, cd)
+    return (mx.concatenate([k, state.residual_keys.astype(cd)], axis=2),
+            mx.concatenate([v, state.residual_values.astype(cd)], axis=2))
 
 
 def kivi_bytes(state: KiviState) -> int:
@@ -173,11 +189,14 @@ def kivi_positions(state: KiviState) -> Int[Array, "b h n"]:
 
 
 def kivi_error_bound(state: KiviState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
-    """Per-element reconstruction error bound of ``kivi_get_kv`` (zero in the residual window)."""
+    """Per-element reconstruction error bound of ``kivi_get_kv`` (in the residual window: its
+    rounding to ``residual_dtype``)."""
+    cd = quant.dtype_of(state.cache_dtype)
     kb = quant.error_bound(state.key_scales, state.key_zeros, state.bits, state.group_size)
     vb = quant.error_bound(state.value_scales, state.value_zeros, state.bits, state.group_size)
-    r = mx.zeros(state.residual_keys.shape, mx.float32)
-    return (mx.concatenate([kb.swapaxes(2, 3), r], axis=2), mx.concatenate([vb, r], axis=2))
+    rk = quant.rounding_bound(state.residual_keys, cd)
+    rv = quant.rounding_bound(state.residual_values, cd)
+    return (mx.concatenate([kb.swapaxes(2, 3), rk], axis=2), mx.concatenate([vb, rv], axis=2))
 
 
 register(KEY, state_type=KiviState, init=kivi_init, update=kivi_update, get_kv=kivi_get_kv,

@@ -36,11 +36,12 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from .. import nuq
+from .. import nuq, quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..accounting import state_nbytes
-from ..registry import dims_of, dispatch, prepare_init, register
+from ..registry import dispatch, prepare_init, register
+from .kivi import _dims as kivi_dims
 from .kivi import KiviState, kivi_error_bound, kivi_get_kv, kivi_init, kivi_positions, kivi_update
 
 __all__ = ["KiviSinkState", "kivi_sink_init", "kivi_sink_update", "kivi_sink_get_kv", "kivi_sink_bytes"]
@@ -66,6 +67,8 @@ class KiviSinkState(NamedTuple):
     bits: int
     group_size: int
     residual_length: int
+    residual_dtype: str
+    cache_dtype: str
     n_sink_tokens: int
     backend: str
 
@@ -81,20 +84,24 @@ def _with(state: KiviSinkState, inner: KiviState, **fields) -> KiviSinkState:
 
 def kivi_sink_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
                    bits: int = 2, group_size: int = 32, residual_length: int = 128,
-                   n_sink_tokens: int = 5, backend: str = "auto") -> KiviSinkState:
-    """Empty KIVI-with-sinks state."""
+                   n_sink_tokens: int = 5, residual_dtype: str = "float16",
+                   backend: str = "auto") -> KiviSinkState:
+    """Empty KIVI-with-sinks state (sink rows held in ``residual_dtype`` too)."""
     p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
                               dict(bits=bits, group_size=group_size, residual_length=residual_length,
-                                   n_sink_tokens=n_sink_tokens))
+                                   n_sink_tokens=n_sink_tokens, residual_dtype=residual_dtype))
     inner = kivi_init(batch, kv_heads, head_dim, dtype=dtype, bits=p["bits"], group_size=p["group_size"],
-                      residual_length=p["residual_length"], backend=backend)
+                      residual_length=p["residual_length"], residual_dtype=p["residual_dtype"],
+                      backend=backend)
     b, h, d = batch, kv_heads, head_dim
-    return KiviSinkState(**inner._asdict(), sink_keys=mx.zeros((b, h, 0, d), dtype),
-                         sink_values=mx.zeros((b, h, 0, d), dtype),
+    rd = inner.residual_keys.dtype
+    return KiviSinkState(**inner._asdict(), sink_keys=mx.zeros((b, h, 0, d), rd),
+                         sink_values=mx.zeros((b, h, 0, d), rd),
                          sink_positions=mx.zeros((b, h, 0), mx.int32), n_sink_tokens=p["n_sink_tokens"])
 
 
-_dims = dims_of("residual_keys")
+def _dims(state: KiviSinkState) -> tuple[int, int, int, mx.Dtype]:
+    return kivi_dims(_kivi(state))
 
 
 def _first_flush(state: KiviSinkState, s: int) -> int:
@@ -111,8 +118,9 @@ def _update_mlx(state: KiviSinkState, keys, values, queries) -> KiviSinkState:
     if not f:
         return _with(state, kivi_update(_kivi(state), keys, values))
     r, g, n = state.residual_keys.shape[2], state.group_size, min(state.n_sink_tokens, f)
-    ck = mx.concatenate([state.residual_keys, keys], axis=2)
-    cv = mx.concatenate([state.residual_values, values], axis=2)
+    rd = state.residual_keys.dtype
+    ck = mx.concatenate([state.residual_keys, keys.astype(rd)], axis=2)
+    cv = mx.concatenate([state.residual_values, values.astype(rd)], axis=2)
     b, h, _, d = ck.shape
     def rows(x, idx):
         return mx.take_along_axis(x, mx.broadcast_to(idx, (b, h, idx.shape[2], d)), axis=2)
@@ -130,7 +138,7 @@ def _update_mlx(state: KiviSinkState, keys, values, queries) -> KiviSinkState:
     mk = mx.concatenate([rows(ck, src), ck[:, :, f:]], axis=2)
     mv = mx.concatenate([rows(cv, src), cv[:, :, f:]], axis=2)
     inner = kivi_update(_kivi(state)._replace(residual_keys=mk[:, :, :r], residual_values=mv[:, :, :r]),
-                        mk[:, :, r:], mv[:, :, r:])
+                        mk[:, :, r:].astype(keys.dtype), mv[:, :, r:].astype(keys.dtype))
     return _with(state, inner, sink_keys=rows(ck, pos[..., None]), sink_values=rows(cv, pos[..., None]),
                  sink_positions=pos.astype(mx.int32))
 
@@ -139,10 +147,11 @@ def _update_reference(state: KiviSinkState, keys, values, queries) -> KiviSinkSt
     f = _first_flush(state, keys.shape[2])
     if not f:
         return _with(state, kivi_update(_kivi(state), keys, values))
-    dtype = keys.dtype
+    dtype = state.residual_keys.dtype
     r, g, n = state.residual_keys.shape[2], state.group_size, min(state.n_sink_tokens, f)
-    ck = np.concatenate([ref.to_np(state.residual_keys, np.float32), ref.to_np(keys, np.float32)], 2)
-    cv = np.concatenate([ref.to_np(state.residual_values, np.float32), ref.to_np(values, np.float32)], 2)
+    new = lambda x: ref.round_to(ref.to_np(x, np.float32), dtype)  # noqa: E731  (held in dtype)
+    ck = np.concatenate([ref.to_np(state.residual_keys, np.float32), new(keys)], 2)
+    cv = np.concatenate([ref.to_np(state.residual_values, np.float32), new(values)], 2)
     b, h, _, d = ck.shape
     sinks = np.zeros((b, n), np.int64)
     mk, mv = ck.copy(), cv.copy()
@@ -160,7 +169,7 @@ def _update_reference(state: KiviSinkState, keys, values, queries) -> KiviSinkSt
     sv = np.take_along_axis(cv, pos[..., None], axis=2)
     inner = kivi_update(_kivi(state)._replace(residual_keys=ref.to_mx(mk[:, :, :r], dtype),
                                               residual_values=ref.to_mx(mv[:, :, :r], dtype)),
-                        ref.to_mx(mk[:, :, r:], dtype), ref.to_mx(mv[:, :, r:], dtype))
+                        ref.to_mx(mk[:, :, r:], keys.dtype), ref.to_mx(mv[:, :, r:], keys.dtype))
     return _with(state, inner, sink_keys=ref.to_mx(sk, dtype), sink_values=ref.to_mx(sv, dtype),
                  sink_positions=mx.array(pos, mx.int32))
 
@@ -180,8 +189,8 @@ def _put_rows(x, positions, rows):
 def kivi_sink_get_kv(state: KiviSinkState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """KIVI's dequantized keys and values with the exact sink rows in place."""
     k, v = kivi_get_kv(_kivi(state))
-    return (_put_rows(k, state.sink_positions, state.sink_keys),
-            _put_rows(v, state.sink_positions, state.sink_values))
+    return (_put_rows(k, state.sink_positions, state.sink_keys.astype(k.dtype)),
+            _put_rows(v, state.sink_positions, state.sink_values.astype(v.dtype)))
 
 
 def kivi_sink_bytes(state: KiviSinkState) -> int:
@@ -195,10 +204,11 @@ def kivi_sink_positions(state: KiviSinkState) -> Int[Array, "b h n"]:
 
 
 def kivi_sink_error_bound(state: KiviSinkState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
-    """KIVI's bound, zero on the exact sink rows."""
+    """KIVI's bound; on the exact sink rows, their rounding to ``residual_dtype``."""
     kb, vb = kivi_error_bound(_kivi(state))
-    zero = mx.zeros(state.sink_keys.shape, mx.float32)
-    return _put_rows(kb, state.sink_positions, zero), _put_rows(vb, state.sink_positions, zero)
+    cd = quant.dtype_of(state.cache_dtype)
+    return (_put_rows(kb, state.sink_positions, quant.rounding_bound(state.sink_keys, cd)),
+            _put_rows(vb, state.sink_positions, quant.rounding_bound(state.sink_values, cd)))
 
 
 register(KEY, state_type=KiviSinkState, init=kivi_sink_init, update=kivi_sink_update,

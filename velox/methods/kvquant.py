@@ -94,12 +94,13 @@ def kvquant_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = 
     kk, kv = outlier_counts(p["outlier_fraction"], p["group_size"], d)
     n_levels = 1 << p["bits"]
     z = lambda *shape, t=dtype: mx.zeros((b, h) + shape, t)  # noqa: E731
+    sd = quant.side_dtype(dtype)
     return KVQuantState(
-        sink_keys=z(0, d), sink_values=z(0, d), key_codes=z(d, 0, t=mx.uint32), key_scales=z(0, d),
-        key_zeros=z(0, d), key_levels=z(0, n_levels), key_outliers=z(0, d, kk),
+        sink_keys=z(0, d), sink_values=z(0, d), key_codes=z(d, 0, t=mx.uint32), key_scales=z(0, d, t=sd),
+        key_zeros=z(0, d, t=sd), key_levels=z(0, n_levels, t=sd), key_outliers=z(0, d, kk),
         key_outlier_index=z(0, d, kk, t=nuq.index_dtype(p["group_size"])),
-        value_codes=z(d, 0, t=mx.uint32), value_scales=z(0), value_zeros=z(0), value_levels=z(0, n_levels),
-        value_outliers=z(0, kv), value_outlier_index=z(0, kv, t=nuq.index_dtype(d)),
+        value_codes=z(d, 0, t=mx.uint32), value_scales=z(0, t=sd), value_zeros=z(0, t=sd),
+        value_levels=z(0, n_levels, t=sd), value_outliers=z(0, kv), value_outlier_index=z(0, kv, t=nuq.index_dtype(d)),
         buffer_keys=z(0, d), buffer_values=z(0, d), next_pos=mx.zeros((b, h), mx.int32),
         **p, backend=backend)
 
@@ -151,7 +152,8 @@ def _update_mlx(state: KVQuantState, keys, values, queries) -> KVQuantState:
                   next_pos=state.next_pos + keys.shape[2])
     if f:
         b, h, _, d = bk.shape
-        g, n_g, dtype, n_levels = state.group_size, f // state.group_size, bk.dtype, 1 << state.bits
+        g, n_g, n_levels = state.group_size, f // state.group_size, 1 << state.bits
+        dtype = quant.side_dtype(bk.dtype)
         kk, kv = state.key_outliers.shape[-1], state.value_outliers.shape[-1]
         kx = bk[:, :, :f].reshape(b, h, n_g, g, d).swapaxes(3, 4)          # a vector per channel
         kq, ks, kz, kl, ko, ki = _vectors(kx, kk, dtype, state.lloyd_iters, n_levels)
@@ -197,10 +199,11 @@ def _np_group(rows: np.ndarray, k: int, dtype, iters: int, n_levels: int):
 
 
 def _update_reference(state: KVQuantState, keys, values, queries) -> KVQuantState:
-    dtype = keys.dtype
     cat = lambda a, x: np.concatenate([ref.to_np(a, np.float32), ref.to_np(x, np.float32)], 2)  # noqa: E731
     sk, sv, bk, bv, f = _route(state, keys, values, cat)
-    to = lambda x: ref.to_mx(x, dtype)  # noqa: E731
+    to = lambda x: ref.to_mx(x, keys.dtype)  # noqa: E731
+    dtype = quant.side_dtype(keys.dtype)
+    side = lambda x: ref.to_mx(x, dtype)  # noqa: E731
     fields = dict(sink_keys=to(sk), sink_values=to(sv), buffer_keys=to(bk[:, :, f:]),
                   buffer_values=to(bv[:, :, f:]), next_pos=state.next_pos + keys.shape[2])
     if f:
@@ -228,13 +231,13 @@ def _update_reference(state: KVQuantState, keys, values, queries) -> KVQuantStat
         mxc = lambda a, x: mx.concatenate([a, x], axis=2)  # noqa: E731
         fields.update(
             key_codes=mx.concatenate([state.key_codes, mx.array(nuq.np_pack(kq, state.bits))], axis=3),
-            key_scales=mxc(state.key_scales, to(ks)), key_zeros=mxc(state.key_zeros, to(kz)),
-            key_levels=mxc(state.key_levels, to(kl)), key_outliers=mxc(state.key_outliers, to(ko)),
+            key_scales=mxc(state.key_scales, side(ks)), key_zeros=mxc(state.key_zeros, side(kz)),
+            key_levels=mxc(state.key_levels, side(kl)), key_outliers=mxc(state.key_outliers, to(ko)),
             key_outlier_index=mxc(state.key_outlier_index,
                                   mx.array(ki).astype(state.key_outlier_index.dtype)),
             value_codes=mx.concatenate([state.value_codes, mx.array(nuq.np_pack(vq, state.bits))], axis=3),
-            value_scales=mxc(state.value_scales, to(vs)), value_zeros=mxc(state.value_zeros, to(vz)),
-            value_levels=mxc(state.value_levels, to(vl)), value_outliers=mxc(state.value_outliers, to(vo)),
+            value_scales=mxc(state.value_scales, side(vs)), value_zeros=mxc(state.value_zeros, side(vz)),
+            value_levels=mxc(state.value_levels, side(vl)), value_outliers=mxc(state.value_outliers, to(vo)),
             value_outlier_index=mxc(state.value_outlier_index,
                                     mx.array(vi).astype(state.value_outlier_index.dtype)))
     return state._replace(**fields)
@@ -270,7 +273,7 @@ def kvquant_get_kv(state: KVQuantState) -> tuple[Float[Array, "b h n d"], Float[
     cat = lambda *xs: mx.concatenate(xs, axis=2)  # noqa: E731
     if n_g == 0:
         return cat(state.sink_keys, state.buffer_keys), cat(state.sink_values, state.buffer_values)
-    g, dtype = state.group_size, state.key_scales.dtype
+    g, dtype = state.group_size, state.buffer_keys.dtype
     kq, vq = _codes(state)
     k = _decode(kq, state.key_levels, state.key_scales, state.key_zeros, dtype)
     k = mx.put_along_axis(k, state.key_outlier_index.astype(mx.int32), state.key_outliers, axis=-1)

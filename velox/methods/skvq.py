@@ -42,7 +42,7 @@ from .. import nuq, quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..accounting import state_nbytes
-from ..registry import dims_of, dispatch, prepare_init, register
+from ..registry import dispatch, prepare_init, register
 
 __all__ = ["SKVQState", "skvq_init", "skvq_update", "skvq_get_kv", "skvq_bytes", "CLIP_GRID"]
 
@@ -78,33 +78,40 @@ class SKVQState(NamedTuple):
     reorder: bool
     clip_search: bool
     clip_alpha: float
+    residual_dtype: str
+    cache_dtype: str
     backend: str
 
 
 def skvq_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
               bits_key: int = 2, bits_value: int = 2, group_size: int = 32, window: int = 128,
               n_sink: int = 5, reorder: bool = True, clip_search: bool = True, clip_alpha: float = 1.0,
-              backend: str = "auto") -> SKVQState:
+              residual_dtype: str = "float16", backend: str = "auto") -> SKVQState:
     """Empty SKVQ state (identity permutations and ``clip_alpha`` until calibration)."""
     p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
                               dict(bits_key=bits_key, bits_value=bits_value, group_size=group_size,
                                    window=window, n_sink=n_sink, reorder=reorder,
-                                   clip_search=clip_search, clip_alpha=clip_alpha))
+                                   clip_search=clip_search, clip_alpha=clip_alpha,
+                                   residual_dtype=residual_dtype))
     b, h, d = batch, kv_heads, head_dim
     n_g = d // p["group_size"]
-    z = lambda *shape, t=dtype: mx.zeros((b, h) + shape, t)  # noqa: E731
+    sd, rd = quant.side_dtype(dtype), quant.exact_dtype(p["residual_dtype"], dtype)
+    z = lambda *shape, t=sd: mx.zeros((b, h) + shape, t)  # noqa: E731
     ident = mx.zeros((b, h, 1), nuq.index_dtype(d)) + mx.arange(d).astype(nuq.index_dtype(d))
     clip = mx.full((b, h, n_g), p["clip_alpha"], mx.float32)
     return SKVQState(
-        sink_keys=z(0, d), sink_values=z(0, d),
+        sink_keys=z(0, d, t=rd), sink_values=z(0, d, t=rd),
         key_codes=z(0, d * p["bits_key"] // 32, t=mx.uint32), key_scales=z(0, n_g), key_zeros=z(0, n_g),
         value_codes=z(0, d * p["bits_value"] // 32, t=mx.uint32), value_scales=z(0, n_g),
         value_zeros=z(0, n_g), key_perm=ident, value_perm=ident, key_clip=clip, value_clip=clip,
-        window_keys=z(0, d), window_values=z(0, d), next_pos=mx.zeros((b, h), mx.int32),
-        **p, backend=backend)
+        window_keys=z(0, d, t=rd), window_values=z(0, d, t=rd), next_pos=mx.zeros((b, h), mx.int32),
+        **p, cache_dtype=quant.dtype_name(dtype), backend=backend)
 
 
-_dims = dims_of("window_keys")
+def _dims(state: SKVQState) -> tuple[int, int, int, mx.Dtype]:
+    """``(batch, kv_heads, head_dim, dtype)``: the model's dtype, not the exact rows'."""
+    b, h, _, d = state.window_keys.shape
+    return b, h, d, quant.dtype_of(state.cache_dtype)
 
 
 def _route(state: SKVQState, keys, values, cat):
@@ -147,13 +154,13 @@ def _quantize_rows(x, perm, clip, bits, group_size, dtype):
 
 
 def _update_mlx(state: SKVQState, keys, values, queries) -> SKVQState:
-    cat = lambda a, x: mx.concatenate([a, x], axis=2)  # noqa: E731
+    cat = lambda a, x: mx.concatenate([a, x.astype(a.dtype)], axis=2)  # noqa: E731
     sk, sv, wk, wv, f = _route(state, keys, values, cat)
     fields = dict(sink_keys=sk, sink_values=sv, window_keys=wk[:, :, f:], window_values=wv[:, :, f:],
                   next_pos=state.next_pos + keys.shape[2])
     if not f:
         return state._replace(**fields)
-    dtype, g = keys.dtype, state.group_size
+    dtype, g = quant.side_dtype(keys.dtype), state.group_size
     kp, vp, kc, vc = state.key_perm, state.value_perm, state.key_clip, state.value_clip
     if state.key_codes.shape[2] == 0:  # the first flush: calibrate on the first window
         c = max(state.window, 1)
@@ -191,12 +198,15 @@ def _np_calibrate(x: np.ndarray, bits: int, group_size: int, dtype, state: SKVQS
 
 
 def _update_reference(state: SKVQState, keys, values, queries) -> SKVQState:
-    dtype = keys.dtype
-    cat = lambda a, x: np.concatenate([ref.to_np(a, np.float32), ref.to_np(x, np.float32)], 2)  # noqa: E731
+    rd = state.window_keys.dtype
+    dtype = quant.side_dtype(keys.dtype)
+    cat = lambda a, x: np.concatenate([ref.to_np(a, np.float32),  # noqa: E731  (held in rd)
+                                       ref.round_to(ref.to_np(x, np.float32), rd)], 2)
     sk, sv, wk, wv, f = _route(state, keys, values, cat)
     to = lambda x: ref.to_mx(x, dtype)  # noqa: E731
-    fields = dict(sink_keys=to(sk), sink_values=to(sv), window_keys=to(wk[:, :, f:]),
-                  window_values=to(wv[:, :, f:]), next_pos=state.next_pos + keys.shape[2])
+    ex = lambda x: ref.to_mx(x, rd)  # noqa: E731
+    fields = dict(sink_keys=ex(sk), sink_values=ex(sv), window_keys=ex(wk[:, :, f:]),
+                  window_values=ex(wv[:, :, f:]), next_pos=state.next_pos + keys.shape[2])
     if not f:
         return state._replace(**fields)
     b, h, _, d = wk.shape
@@ -250,14 +260,14 @@ def _dequantize(codes, scales, zeros, perm, bits, group_size, dtype):
 
 
 def skvq_get_kv(state: SKVQState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
-    """Exact sinks, dequantized tokens, exact window."""
-    dtype, g = state.window_keys.dtype, state.group_size
+    """Exact sinks, dequantized tokens, exact window (model dtype)."""
+    dtype, g = quant.dtype_of(state.cache_dtype), state.group_size
     k = _dequantize(state.key_codes, state.key_scales, state.key_zeros, state.key_perm, state.bits_key, g,
                     dtype)
     v = _dequantize(state.value_codes, state.value_scales, state.value_zeros, state.value_perm,
                     state.bits_value, g, dtype)
-    return (mx.concatenate([state.sink_keys, k, state.window_keys], axis=2),
-            mx.concatenate([state.sink_values, v, state.window_values], axis=2))
+    return (mx.concatenate([state.sink_keys.astype(dtype), k, state.window_keys.astype(dtype)], axis=2),
+            mx.concatenate([state.sink_values.astype(dtype), v, state.window_values.astype(dtype)], axis=2))
 
 
 def skvq_bytes(state: SKVQState) -> int:
@@ -274,14 +284,16 @@ def skvq_positions(state: SKVQState) -> Int[Array, "b h n"]:
 
 def skvq_error_bound(state: SKVQState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """Per-element bound on ``|get_kv - input|``: scale/2 plus rounding plus the clipping
-    excess ``(1/alpha - 1) * max(|lo|, |hi|)`` of the token's group; zero for exact rows."""
+    excess ``(1/alpha - 1) * max(|lo|, |hi|)`` of the token's group; for exact rows, their
+    rounding to ``residual_dtype``."""
     out = []
     for kind, bits in (("key", state.bits_key), ("value", state.bits_value)):
         sc, zr = getattr(state, f"{kind}_scales"), getattr(state, f"{kind}_zeros")
         bound = nuq.affine_bound(sc, zr, bits, alpha=getattr(state, f"{kind}_clip")[:, :, None, :])
         bound = _unpermute(mx.repeat(bound, state.group_size, axis=-1), getattr(state, f"{kind}_perm"))
-        sink = mx.zeros(getattr(state, f"sink_{kind}s").shape, mx.float32)
-        win = mx.zeros(getattr(state, f"window_{kind}s").shape, mx.float32)
+        cd = quant.dtype_of(state.cache_dtype)
+        sink = quant.rounding_bound(getattr(state, f"sink_{kind}s"), cd)
+        win = quant.rounding_bound(getattr(state, f"window_{kind}s"), cd)
         out.append(mx.concatenate([sink, bound, win], axis=2))
     return out[0], out[1]
 

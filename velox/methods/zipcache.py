@@ -95,7 +95,7 @@ def zipcache_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype =
                                    group_size=group_size, quantize_values=quantize_values))
     b, h, d = batch, kv_heads, head_dim
     k = salient_tokens(p["hi_fraction"], p["group_size"])
-    z = lambda *shape, t=dtype: mx.zeros((b, h) + shape, t)  # noqa: E731
+    z = lambda *shape, t=quant.side_dtype(dtype): mx.zeros((b, h) + shape, t)  # noqa: E731
     return ZipCacheState(
         key_hi_codes=z(0, d * p["hi_bits"] // 32, t=mx.uint32),
         key_lo_codes=z(0, d * p["lo_bits"] // 32, t=mx.uint32),
@@ -104,7 +104,8 @@ def zipcache_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype =
         value_hi_codes=z(0, d * p["hi_bits"] // 32, t=mx.uint32),
         value_lo_codes=z(0, d * p["lo_bits"] // 32, t=mx.uint32), value_channels=z(0, d),
         value_hi_scales=z(0), value_hi_zeros=z(0), value_lo_scales=z(0), value_lo_zeros=z(0),
-        values=z(0, d), buffer_keys=z(0, d), buffer_values=z(0, d), buffer_scores=z(0, t=mx.float32),
+        values=z(0, d, t=dtype), buffer_keys=z(0, d, t=dtype), buffer_values=z(0, d, t=dtype),
+        buffer_scores=z(0, t=mx.float32),
         next_pos=mx.zeros((b, h), mx.int32), **p, backend=backend)
 
 
@@ -165,7 +166,7 @@ def _update_mlx(state: ZipCacheState, keys, values, queries) -> ZipCacheState:
     if not state.quantize_values:
         fields.update(values=_cat(state.values, bv[:, :, :f]))
         return state._replace(**fields)
-    chan = mx.sqrt(mx.abs(vv.astype(mx.float32)).max(axis=3)).astype(dtype)   # [b, h, G, d]
+    chan = mx.sqrt(mx.abs(vv.astype(mx.float32)).max(axis=3)).astype(quant.side_dtype(dtype))
     c32 = chan.astype(mx.float32)[:, :, :, None]
     y = vv.astype(mx.float32) / mx.where(c32 > 0, c32, 1.0)
     fields.update(value_channels=_cat(state.value_channels, chan))
@@ -230,7 +231,7 @@ def _update_reference(state: ZipCacheState, keys, values, queries) -> ZipCacheSt
                 rows = slice(t * g, (t + 1) * g)
                 sal[i, j, t], order = nuq.np_top_k_indices(score[i, j, rows], k)
                 kk, vv = bk[i, j, rows][order], bv[i, j, rows][order]     # salient tokens first
-                chan[i, j, t] = nuq.np_round(np.sqrt(np.abs(vv).max(axis=0)), dtype)
+                chan[i, j, t] = nuq.np_round(np.sqrt(np.abs(vv).max(axis=0)), quant.side_dtype(dtype))
                 y = vv / np.where(chan[i, j, t] > 0, chan[i, j, t], np.float32(1.0))
                 for nm, lo, hi in (("hi", 0, k), ("lo", k, g)):
                     bits = sizes[nm][1]
@@ -249,18 +250,18 @@ def _update_reference(state: ZipCacheState, keys, values, queries) -> ZipCacheSt
         fields.update({
             f"key_{nm}_codes": _cat(getattr(state, f"key_{nm}_codes"),
                                     mx.array(nuq.np_pack(kc[nm].reshape(b, h, n_g * m, d), bits))),
-            f"key_{nm}_scales": _cat(getattr(state, f"key_{nm}_scales"), ref.to_mx(ks[nm], dtype)),
-            f"key_{nm}_zeros": _cat(getattr(state, f"key_{nm}_zeros"), ref.to_mx(kz[nm], dtype))})
+            f"key_{nm}_scales": _cat(getattr(state, f"key_{nm}_scales"), ref.to_mx(ks[nm], quant.side_dtype(dtype))),
+            f"key_{nm}_zeros": _cat(getattr(state, f"key_{nm}_zeros"), ref.to_mx(kz[nm], quant.side_dtype(dtype)))})
         if state.quantize_values:
             fields.update({
                 f"value_{nm}_codes": _cat(getattr(state, f"value_{nm}_codes"),
                                           mx.array(nuq.np_pack(vc[nm].reshape(b, h, n_g * m, d), bits))),
                 f"value_{nm}_scales": _cat(getattr(state, f"value_{nm}_scales"),
-                                           ref.to_mx(vs[nm].reshape(b, h, -1), dtype)),
+                                           ref.to_mx(vs[nm].reshape(b, h, -1), quant.side_dtype(dtype))),
                 f"value_{nm}_zeros": _cat(getattr(state, f"value_{nm}_zeros"),
-                                          ref.to_mx(vz[nm].reshape(b, h, -1), dtype))})
+                                          ref.to_mx(vz[nm].reshape(b, h, -1), quant.side_dtype(dtype)))})
     if state.quantize_values:
-        fields["value_channels"] = _cat(state.value_channels, ref.to_mx(chan, dtype))
+        fields["value_channels"] = _cat(state.value_channels, ref.to_mx(chan, quant.side_dtype(dtype)))
     else:
         fields["values"] = _cat(state.values, ref.to_mx(bv[:, :, :f], dtype))
     return state._replace(**fields)
