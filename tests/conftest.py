@@ -5,15 +5,21 @@ import os
 # cosine can flip a near-tie such as CaM's merge target). Read by MLX at its first matmul.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
+import velox  # noqa: E402,F401  (before any test module imports mlx.core: loads OpenBLAS, velox._blas)
 from hypothesis import HealthCheck, settings
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
                                                      HealthCheck.data_too_large])
-# ci: fixed example count and derandomized, so CI runs are reproducible and bounded in time.
+# ci (the default): fixed example count and derandomized, so runs are reproducible and bounded
+# in time; VELOX_HYPOTHESIS_PROFILE=dev draws new random cases, =thorough 300 per property.
 settings.register_profile("ci", max_examples=12, derandomize=True, print_blob=True, **_common)
 settings.register_profile("dev", max_examples=25, **_common)
 settings.register_profile("thorough", max_examples=300, **_common)
-settings.load_profile(os.environ.get("VELOX_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+_PROFILES = ("ci", "dev", "thorough")
+_profile = os.environ.get("VELOX_HYPOTHESIS_PROFILE") or "ci"
+if _profile not in _PROFILES:
+    raise ValueError(f"VELOX_HYPOTHESIS_PROFILE={_profile!r} is not one of {', '.join(_PROFILES)}")
+settings.load_profile(_profile)
 
 
 import jaxtyping

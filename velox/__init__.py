@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import _blas  # noqa: F401  (first: OpenBLAS must load before mlx.core)
+
 import mlx.core as mx
 
 from . import methods as _methods  # noqa: F401  (registers every method)
