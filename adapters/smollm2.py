@@ -433,9 +433,11 @@ def _ensure_converted(root: Path, progress: bool) -> Path:
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700
         if progress:
-            print(f"velox: converting {gguf.name} into {target} ...", file=sys.stderr, flush=True)
+            print(f"velox: converting the embedded {gguf.name} into {target}, once "
+                  f"(set VELOX_CACHE_DIR to put it elsewhere) ...", file=sys.stderr, flush=True)
         start = time.perf_counter()
         convert(gguf, tmp, dtype=dtype)
+        size = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file())
         # The marker is written last: a folder without it is never reused.
         (tmp / _MARKER).write_text(json.dumps(marker, indent=2))
         if target.exists() and not _is_valid(target, marker):
@@ -448,7 +450,8 @@ def _ensure_converted(root: Path, progress: bool) -> Path:
                 raise
         if progress:
             took = time.perf_counter() - start
-            print(f"velox: converted in {took:.1f} s", file=sys.stderr, flush=True)
+            print(f"velox: wrote {size / 1e6:.0f} MB to {target} in {took:.1f} s",
+                  file=sys.stderr, flush=True)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -463,14 +466,14 @@ def _load_local(folder: Path) -> tuple[Any, Any]:
 
 
 def load_default_model(
-    cache_dir: Path | None = None, *, progress: bool = False
+    cache_dir: Path | None = None, *, progress: bool = True
 ) -> tuple[Any, Any]:
     """Load SmolLM2-135M-Instruct, converting the embedded GGUF once into a cache folder.
 
     Args:
         cache_dir: Cache root (default: :func:`default_cache_dir`); the model lives in
             its ``smollm2-135m-instruct-f32`` subfolder.
-        progress: Print a line to stderr when converting.
+        progress: Say on stderr when converting: the folder, then the bytes written.
 
     Returns:
         ``(model, tokenizer)`` as returned by ``mlx_lm.load``.

