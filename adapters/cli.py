@@ -4,9 +4,8 @@
     velox compare                       # the core five at two budgets plus the full cache
     velox methods
 
-Bad arguments print one line on stderr and exit with status 2. Run as a command on Linux, the
-process re-executes itself with OpenBLAS in ``LD_PRELOAD`` when it is installed and not yet
-preloaded (``VELOX_NO_OPENBLAS=1`` opts out).
+Bad arguments print one line on stderr and exit with status 2, before any model is loaded.
+OpenBLAS, when installed, is loaded in-process by ``import velox`` (``velox._blas``).
 """
 
 from __future__ import annotations
@@ -20,12 +19,13 @@ import json
 import math
 import os
 import platform
+import shutil
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 CORE_METHODS = ("streaming_llm", "h2o", "tova", "snapkv", "kivi")
 DEFAULT_BUDGETS = (64, 256)
 FULL = "full"
@@ -76,19 +76,22 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="stream an answer through a compressed cache")
-    g.add_argument("prompt")
-    g.add_argument("--method", default="tova", help="method key, or 'full' for no compression")
+    g.add_argument("prompt", help="the question or text to continue")
+    g.add_argument("--method", default="tova",
+                   help="method key, or 'full' for no compression (default tova)")
     g.add_argument("--budget", type=_positive_int, help="tokens kept (methods with a budget or window)")
     g.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="a method parameter (repeatable)")
     g.add_argument("--model", help="an mlx-lm model folder (default: the embedded SmolLM2)")
-    g.add_argument("--max-tokens", type=_positive_int, default=128)
+    g.add_argument("--max-tokens", type=_positive_int, default=128,
+                   help="most tokens to generate (default 128)")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     g.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS)
 
     c = sub.add_parser("compare", help="perplexity, passkey, agreement, memory and speed of methods")
     c.add_argument("--methods", default=",".join(CORE_METHODS),
-                   help="comma-separated method keys, or 'all' (default: the core five)")
+                   help="comma-separated method keys, or 'all' (default: the core five, "
+                        f"{','.join(CORE_METHODS)})")
     c.add_argument("--budgets", type=lambda s: _csv_list(_positive_int, s),
                    default=list(DEFAULT_BUDGETS),
                    help="budgets for methods with a budget or window (default: 64,256)")
@@ -101,21 +104,30 @@ def _parser() -> argparse.ArgumentParser:
                    help="tokens streamed for perplexity (default 512)")
     c.add_argument("--prefix", type=_positive_int, help="tokens before the first scored one "
                    "(default: half the context)")
-    c.add_argument("--chunk", type=_positive_int, default=64, help="tokens per scored chunk")
+    c.add_argument("--chunk", type=_positive_int, default=64,
+                   help="tokens per scored chunk (default 64; 1 is token-by-token decoding)")
     c.add_argument("--prefill-chunk", type=_positive_int, default=512,
                    help="tokens per prefill forward (default 512)")
     c.add_argument("--new-tokens", type=_positive_int, default=16,
                    help="greedy tokens compared with the full cache (default 16)")
     c.add_argument("--passkey-lengths", type=lambda s: _csv_list(int, s), default=[384],
-                   help="passkey prompt lengths in tokens (empty to skip)")
-    c.add_argument("--passkey-depths", type=lambda s: _csv_list(float, s), default=[0.25, 0.75])
-    c.add_argument("--passkey-trials", type=_positive_int, default=1)
-    c.add_argument("--seed", type=int, default=0)
+                   help="passkey prompt lengths in tokens (default 384; empty to skip)")
+    c.add_argument("--passkey-depths", type=lambda s: _csv_list(float, s), default=[0.25, 0.75],
+                   help="where the key sits in the filler, 0 (start) to 1 (end) "
+                        "(default 0.25,0.75)")
+    c.add_argument("--passkey-trials", type=_positive_int, default=1,
+                   help="prompts per length and depth, each with its own key and filler "
+                        "(default 1)")
+    c.add_argument("--seed", type=int, default=0,
+                   help="draws the passkeys and their filler windows (default 0)")
     c.add_argument("--model", help="an mlx-lm model folder (default: the embedded SmolLM2)")
-    c.add_argument("--out", help="folder for compare.json, .csv, .md and .png")
+    c.add_argument("--out", help="folder for compare.json, .csv, .md and .png (checked, and "
+                                 "created, before the run)")
     c.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS)
 
-    sub.add_parser("methods", help="the table of registered methods")
+    m = sub.add_parser("methods", help="the table of registered methods")
+    m.add_argument("--markdown", action="store_true",
+                   help="print the README's markdown table instead of the terminal one")
     return p
 
 
@@ -249,27 +261,6 @@ def _label(method: str, params: dict[str, Any]) -> str:
     return method if not params else method + " " + ", ".join(f"{k}={v}" for k, v in params.items())
 
 
-# --- OpenBLAS ------------------------------------------------------------------------
-
-def _reexec_with_openblas(verbose: bool) -> None:
-    """Re-execute this command with OpenBLAS preloaded (Linux, when it is installed)."""
-    if not sys.platform.startswith("linux") or os.environ.get("VELOX_NO_OPENBLAS", "0") not in ("", "0"):
-        return
-    if os.environ.get("_VELOX_REEXEC") or not os.path.exists(OPENBLAS):
-        return
-    preload = os.environ.get("LD_PRELOAD", "")
-    if OPENBLAS in preload.replace(":", " ").split():
-        return
-    env = dict(os.environ, LD_PRELOAD=f"{OPENBLAS} {preload}".strip(), _VELOX_REEXEC="1")
-    if verbose:
-        print(f"velox: re-executing with LD_PRELOAD={OPENBLAS}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    script = sys.argv[0] if sys.argv and os.path.isfile(sys.argv[0]) else None
-    head = [script] if script else ["-m", "velox.adapters.cli"]
-    os.execve(sys.executable, [sys.executable, *head, *sys.argv[1:]], env)
-
-
 # --- commands ------------------------------------------------------------------------
 
 def _load(path: str | None, verbose: bool):
@@ -300,10 +291,42 @@ def _fmt_bytes(n: int | float) -> str:
     return f"{n:.2f} GiB"
 
 
+def methods_text(width: int) -> str:
+    """The registered methods as a table for a terminal ``width`` columns wide.
+
+    One line per method (key, name, family, phases, queries, kernels), then its paper and
+    parameter defaults wrapped under it.
+    """
+    from velox.spec import load_spec, spec_keys
+
+    specs = [load_spec(k) for k in spec_keys()]
+    head = ("key", "method", "family", "phases", "queries", "kernels")
+    cells = [(s.key, s.name, s.family, s.phases, s.queries,
+              ",".join(b for b in s.backends if b not in ("reference", "mlx")) or "-") for s in specs]
+    widths = [max(len(r[i]) for r in [head, *cells]) for i in range(len(head))]
+    width = max(width, 40)
+    wrap = textwrap.TextWrapper(width=width, initial_indent="    ", subsequent_indent="    ",
+                                break_on_hyphens=False)
+
+    def line(row) -> str:
+        text = "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+        return text if len(text) <= width else textwrap.fill(text, width, subsequent_indent="  ")
+
+    out = [line(head), line(["-" * w for w in widths])]
+    for s, row in zip(specs, cells):
+        paper = f"arXiv {s.arxiv}" if s.arxiv else s.venue
+        params = ", ".join(f"{p.name}={p.default!r}" for p in s.params.values()) or "no parameters"
+        out += [line(row), wrap.fill(f"{paper}; {params}")]
+    return "\n".join(out) + "\n"
+
+
 def cmd_methods(args) -> int:
     from velox.spec import method_table
 
-    sys.stdout.write(method_table())
+    if args.markdown:
+        sys.stdout.write(method_table())
+    else:
+        sys.stdout.write(methods_text(shutil.get_terminal_size((100, 24)).columns))
     return 0
 
 
@@ -311,6 +334,8 @@ def cmd_generate(args) -> int:
     from velox.spec import validate_params
     from velox.registry import get_method
 
+    if args.no_chat and not args.prompt.strip():
+        raise ValueError("the prompt is empty (with --no-chat the model needs at least one token)")
     params = dict(parse_param(p) for p in args.param)
     if args.method == FULL:
         if params or args.budget:
@@ -334,6 +359,8 @@ def cmd_generate(args) -> int:
     if not args.no_chat and getattr(tokenizer, "chat_template", None):
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
                                                add_generation_prompt=True)
+    elif not args.prompt.strip():
+        raise ValueError("the prompt is empty and the model has no chat template")
     last = None
     for last in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
                                 prompt_cache=caches):
@@ -343,8 +370,10 @@ def cmd_generate(args) -> int:
     print()
     label = _label(args.method, params)
     if last is not None:
-        print(f"[{label}] KV cache {_fmt_bytes(mem.kv_bytes)} for {mem.tokens} tokens "
-              f"({mem.ratio:.2f}x vs fp16 {_fmt_bytes(mem.fp16_bytes)}); "
+        print(f"[{label}] KV cache {_fmt_bytes(mem.kv_bytes)} holding {mem.stored} of the "
+              f"{mem.tokens} tokens seen; a full {mem.dtype} cache of them "
+              f"{_fmt_bytes(mem.full_bytes)} ({mem.full_ratio:.2f}x the bytes held), as fp16 "
+              f"{_fmt_bytes(mem.fp16_bytes)} ({mem.ratio:.2f}x); "
               f"prompt {last.prompt_tokens} tokens at {last.prompt_tps:.1f} tok/s, "
               f"decode {last.generation_tokens} tokens at {last.generation_tps:.1f} tok/s")
     return 0
@@ -377,14 +406,19 @@ def _capacity(method: str, params: dict) -> int | None:
 def _row(method: str, params: dict, ev, full_ppl: float | None) -> dict[str, Any]:
     pk = ev.passkey
     ppl = ev.perplexity.ppl
+    mem = ev.agreement.memory
     return {
         "method": method,
         "params": ", ".join(f"{k}={v}" for k, v in params.items()),
         "capacity": _capacity(method, params),
-        "kv_bytes": ev.agreement.memory.kv_bytes,
-        "fp16_bytes": ev.agreement.memory.fp16_bytes,
-        "tokens_seen": ev.agreement.memory.tokens,
-        "ratio": ev.agreement.memory.ratio,
+        "kv_bytes": mem.kv_bytes,
+        "ratio_vs_full": None,  # filled in once the full cache's row is known
+        "ratio_vs_fp16": mem.ratio,
+        "fp16_bytes": mem.fp16_bytes,
+        "dense_bytes": mem.full_bytes,
+        "dtype": mem.dtype,
+        "tokens_seen": mem.tokens,
+        "tokens_stored": mem.stored,
         "ppl": ppl,
         "nll": ev.perplexity.nll,
         "ppl_delta_pct": 0.0 if full_ppl is None else 100.0 * (ppl / full_ppl - 1.0),
@@ -400,65 +434,228 @@ def _row(method: str, params: dict, ev, full_ppl: float | None) -> dict[str, Any
     }
 
 
-def _markdown(rows: list[dict], new_tokens: int) -> str:
-    head = ["method", "parameters", "KV bytes", "ratio vs fp16", "perplexity", "Δ ppl vs full",
-            "passkey", f"agreement ({new_tokens} tok)", "first diverge", "KL", "decode tok/s"]
+def _markdown(rows: list[dict], new_tokens: int, notes: list[str] = ()) -> str:
+    """The compare table, then ``notes`` (what the ratios and the speed are measured against)."""
+    head = ["method", "parameters", "KV bytes", "ratio vs full", "ratio vs fp16", "perplexity",
+            "Δ ppl vs full", "passkey", f"agreement ({new_tokens} tok)", "first diverge", "KL",
+            "decode tok/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         pk = "-" if r["passkey"] is None else f"{r['passkey']:.2f}"
         lines.append("| " + " | ".join([
-            f"`{r['method']}`", r["params"] or "-", _fmt_bytes(r["kv_bytes"]), f"{r['ratio']:.2f}x",
+            f"`{r['method']}`", r["params"] or "-", _fmt_bytes(r["kv_bytes"]),
+            f"{r['ratio_vs_full']:.2f}x", f"{r['ratio_vs_fp16']:.2f}x",
             f"{r['ppl']:.3f}", f"{r['ppl_delta_pct']:+.1f}%", pk, f"{r['agreement']:.2f}",
             str(r["first_divergence"]), f"{r['kl']:.4f}", f"{r['decode_tok_s']:.1f}",
         ]) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + "".join(f"\n{n}\n" for n in notes)
+
+
+def _notes(rows: list[dict], load: dict[str, Any], new_tokens: int) -> list[str]:
+    """Lines under the table: what the ratios divide, and the machine's load during timing."""
+    full = rows[0]
+    tokens = full["tokens_seen"]
+    slots = round(full["kv_bytes"] * tokens / full["dense_bytes"]) if full["dense_bytes"] else 0
+    notes = [
+        f"Ratios are bytes over the bytes held (higher is smaller). *vs full*: the full cache of "
+        f"this run, {_fmt_bytes(full['kv_bytes'])} (mlx-lm's KVCache, {full['dtype']}, "
+        f"{slots} slots allocated for the {tokens} tokens seen). *vs fp16*: "
+        f"the {tokens} tokens seen as fp16 keys and values with no spare slots, "
+        f"{_fmt_bytes(full['fp16_bytes'])}."]
+    cpus = os.cpu_count() or 1
+    if load["before"] is not None:
+        lo = min(r["load_before"] for r in rows)
+        hi = max(r["load_after"] for r in rows)
+        notes.append(
+            f"decode tok/s: {new_tokens - 1} whole-model decode steps per configuration, timed "
+            f"while the 1-minute load average of this {cpus}-CPU machine was {lo:.2f} to "
+            f"{hi:.2f} ({load['before']:.2f} before the run, {load['after']:.2f} after; the run "
+            f"used {load['cpu_per_wall']:.2f} CPU-seconds per second). A load above {cpus}, the "
+            f"CPU count, means other processes competed for the CPUs and the figures say more "
+            f"about the machine than about the cache; time speed apart with "
+            f"benchmarks/bench_decode.py.")
+    else:
+        notes.append(f"decode tok/s: {new_tokens - 1} whole-model decode steps per "
+                     f"configuration (this run used {load['cpu_per_wall']:.2f} CPU-seconds per "
+                     f"second); time speed apart with benchmarks/bench_decode.py.")
+    return notes
+
+
+def _loadavg() -> float | None:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
 def _point_label(row: dict) -> str:
+    """A short name for one configuration: ``full``, ``tova 64`` or ``kivi bits=2, ...``."""
     if row["method"] == FULL:
-        return ""
+        return "full"
     if row["capacity"] is not None:
-        return f"{row['capacity']} tok"
-    return row["params"] or "defaults"
+        return f"{row['method']} {row['capacity']}"
+    return f"{row['method']} {row['params'] or 'defaults'}"
+
+
+def pareto(points: list[tuple[float, float]], *, lower_is_better: bool) -> list[int]:
+    """Indices of the points no other point beats: at most as many bytes and a better score.
+
+    ``points`` are ``(bytes, score)``; the result is in increasing bytes.
+    """
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], points[i][1] if lower_is_better
+                                                      else -points[i][1]))
+    best, out = None, []
+    for i in order:
+        y = points[i][1]
+        if y is None or (isinstance(y, float) and not math.isfinite(y)):
+            continue
+        if best is None or (y < best if lower_is_better else y > best):
+            out.append(i)
+            best = y
+    return out
+
+
+def _nice_ticks(lo: float, hi: float) -> list[float]:
+    """1-2-5 (or 1-2-3-5) ticks covering ``[lo, hi]`` (at least three)."""
+    for steps in ((1, 2, 5), (1, 2, 3, 5)):
+        ticks = []
+        for e in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1):
+            ticks += [m * 10.0 ** e for m in steps]
+        inside = [t for t in ticks if lo <= t <= hi]
+        if len(inside) >= 4:
+            return inside
+    if len(inside) < 3:  # a narrow range: add the neighbours
+        below = [t for t in ticks if t < lo][-1:]
+        above = [t for t in ticks if t > hi][:1]
+        inside = below + inside + above
+    return inside
+
+
+def _place_labels(ax, items: list[tuple[float, float, str, Any]], renderer, avoid=()) -> None:
+    """Annotate ``(x, y, text, color)`` points, moving each label until it overlaps no other
+    label and none of the ``avoid`` artists."""
+    offsets = [(6, 5, "left", "bottom"), (6, -5, "left", "top"), (-6, 5, "right", "bottom"),
+               (-6, -5, "right", "top"), (6, 17, "left", "bottom"), (6, -17, "left", "top"),
+               (-6, 17, "right", "bottom"), (-6, -17, "right", "top"), (6, 29, "left", "bottom"),
+               (6, -29, "left", "top")]
+    placed = [a.get_window_extent(renderer) for a in avoid]
+    frame = ax.get_window_extent(renderer)
+    for x, y, text, color in sorted(items, key=lambda t: (t[0], t[1])):
+        for dx, dy, ha, va in offsets:
+            ann = ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), ha=ha,
+                              va=va, fontsize=7.5, color=color, zorder=6,
+                              bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.8))
+            box = ann.get_window_extent(renderer)
+            inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
+            if inside and not any(box.overlaps(b) for b in placed):
+                placed.append(box)
+                break
+            ann.remove()
+        else:  # no free spot: the first one, on top
+            ann = ax.annotate(text, (x, y), textcoords="offset points", xytext=offsets[0][:2],
+                              fontsize=7.5, color=color, zorder=6)
+            placed.append(ann.get_window_extent(renderer))
 
 
 def _plot(rows: list[dict], path: Path, title: str) -> None:
+    """Perplexity and passkey accuracy against the bytes held, with each panel's frontier."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullLocator
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.8))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     palette = plt.cm.tab10 if len(methods) <= 10 else plt.cm.tab20
     colors = {m: palette(i % palette.N) for i, m in enumerate(methods)}
-    shapes = "os^vDPXph<>"
-    markers = {m: shapes[(i // 10) % len(shapes)] for i, m in enumerate(methods)}
-    for ax, key, label in ((axes[0], "ppl", "perplexity (lower is better)"),
-                           (axes[1], "passkey", "passkey accuracy")):
+    shapes = "osD^vPXph<>"
+    markers = {m: "*" if m == FULL else shapes[i % len(shapes)] for i, m in enumerate(methods)}
+    mib = [r["kv_bytes"] / 2**20 for r in rows]
+    lo, hi = min(mib) / 1.3, max(mib) * 1.3
+    ticks = _nice_ticks(lo, hi)
+    lo, hi = min(lo, ticks[0]), max(hi, ticks[-1])
+    renderer = fig.canvas.get_renderer()
+    panels = ((axes[0], "ppl", "perplexity (lower is better)", True),
+              (axes[1], "passkey", "passkey accuracy (higher is better)", False))
+    for ax, key, label, lower in panels:
+        pts = [(x, r[key], r) for x, r in zip(mib, rows)
+               if r[key] is not None and math.isfinite(r[key])]
+        fixed = []  # texts the point labels keep clear of
         for m in methods:
-            pts = sorted((r["kv_bytes"] / 2**20, r[key], _point_label(r)) for r in rows
-                         if r["method"] == m and r[key] is not None)
-            if not pts:
+            mine = sorted((x, y) for x, y, r in pts if r["method"] == m)
+            if not mine:
                 continue
-            xs, ys, names = zip(*pts)
+            xs, ys = zip(*mine)
             if m == FULL:
-                ax.axhline(ys[0], color=colors[m], linestyle=":", linewidth=1)
-            ax.plot(xs, ys, marker="*" if m == FULL else markers[m], markersize=12 if m == FULL else 7,
-                    color=colors[m], label=m, linestyle="-" if len(xs) > 1 else "none")
-            for x, y, n in zip(xs, ys, names):
-                if n:
-                    ax.annotate(n, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+                ax.axhline(ys[0], color="0.5", linestyle=":", linewidth=1, zorder=1)
+                fixed.append(ax.annotate("full cache", (1.0, ys[0]), xycoords=("axes fraction", "data"),
+                            xytext=(-4, 3), textcoords="offset points", ha="right", va="bottom",
+                            fontsize=7.5, color="0.4"))
+            ax.plot(xs, ys, marker=markers[m], markersize=14 if m == FULL else 7, color=colors[m],
+                    markerfacecolor=colors[m] if m == FULL else "none", markeredgewidth=1.6,
+                    linestyle="-" if len(xs) > 1 else "none", linewidth=1, alpha=0.9, zorder=3,
+                    label=m)
+        front = [pts[i] for i in pareto([(x, y) for x, y, _ in pts], lower_is_better=lower)]
+        if front:
+            fx = [x for x, _, _ in front] + [hi]
+            fy = [y for _, y, _ in front] + [front[-1][1]]
+            ax.step(fx, fy, where="post", color="0.2", linewidth=5, alpha=0.15, zorder=2,
+                    solid_capstyle="butt")
         ax.set_xscale("log")
+        ax.set_xlim(lo, hi)
+        ax.xaxis.set_major_locator(FixedLocator(ticks))
+        ax.xaxis.set_major_formatter(lambda v, _: f"{v:g}")
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xlabel("KV cache bytes held (MiB, log scale)")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
-    axes[1].set_ylim(-0.05, 1.05)
-    axes[0].legend(fontsize=8)
+        if key == "passkey":
+            ax.set_ylim(-0.08, 1.25)
+            ax.set_yticks([0, 0.25, 0.5, 0.75, 1.0])
+        else:
+            ys = [y for _, y, _ in pts]
+            span = max(ys) - min(ys) or 1.0
+            ax.set_ylim(min(ys) - 0.08 * span, max(ys) + 0.25 * span)
+        # each budget once, over its points, with the method that scores best there
+        caps: dict[int, list[tuple[float, float, str]]] = {}
+        for x, y, r in pts:
+            if r["capacity"] is not None:
+                caps.setdefault(r["capacity"], []).append((x, y, r["method"]))
+        for cap, group in caps.items():
+            gx = math.exp(sum(math.log(x) for x, _, _ in group) / len(group))
+            top = (min if lower else max)(y for _, y, _ in group)
+            best = list(dict.fromkeys(m for _, y, m in group if y == top))
+            names = ", ".join(best) if len(best) <= 2 else f"{len(best)} tied"
+            fixed.append(ax.annotate(f"budget {cap}\nbest: {names}", (gx, 1.0),
+                        xycoords=("data", "axes fraction"), xytext=(0, -4),
+                        textcoords="offset points", ha="center", va="top", fontsize=8,
+                        color="0.25", zorder=7,
+                        bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="0.8", alpha=0.9)))
+        fig.canvas.draw()
+        _place_labels(ax, [(x, y, _point_label(r), colors[r["method"]]) for x, y, r in front
+                           if r["method"] != FULL and (lower or y > 0)], renderer, fixed)
+    handles, names = axes[0].get_legend_handles_labels()
+    frontier = plt.Line2D([], [], color="0.2", linewidth=5, alpha=0.15)
+    fig.legend([*handles, frontier], [*names, "frontier (best at or below each size; labelled)"],
+               loc="lower center", ncol=min(len(names) + 1, 7), fontsize=8.5, frameon=False)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07 + 0.035 * ((len(names) + 1) // 7), 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+OUT_FILES = ("compare.json", "compare.csv", "compare.md", "compare.png")
+
+
+def _prepare_out(out: Path) -> None:
+    """Create the ``--out`` folder now, so a bad path fails before the run, not after it."""
+    for name in OUT_FILES:
+        if (out / name).is_dir():
+            raise ValueError(f"--out {out}: {out / name} is a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {out}: cannot create the folder ({exc.strerror or exc})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: the folder is not writable")
 
 
 def cmd_compare(args) -> int:
@@ -470,6 +667,9 @@ def cmd_compare(args) -> int:
         raise ValueError("--methods is empty")
     configs = [(FULL, {})] + method_configs([m for m in methods if m != FULL], args.budgets,
                                             args.param)
+    if args.context < 2:
+        raise ValueError(f"--context must be at least 2 (one context token and one scored), "
+                         f"got {args.context}")
     prefix = args.prefix or args.context // 2
     if not 1 <= prefix < args.context:
         raise ValueError(f"--prefix must be in [1, {args.context - 1}], got {prefix}")
@@ -478,6 +678,8 @@ def cmd_compare(args) -> int:
             raise ValueError(f"--passkey-depths must be in [0, 1], got {d}")
     text = _read_text(args.text)
     out = Path(args.out).expanduser() if args.out else None
+    if out is not None:
+        _prepare_out(out)
 
     from tqdm import tqdm
 
@@ -485,6 +687,7 @@ def cmd_compare(args) -> int:
 
     wall = time.perf_counter()
     cpu = time.process_time()
+    load_before = _loadavg()
     model, tokenizer = _load(args.model, args.verbose)
     tokens = harness.text_tokens(tokenizer, text, args.context)
     pk_text = args.text if args.text in harness.text_names() else "pride"
@@ -501,6 +704,7 @@ def cmd_compare(args) -> int:
         for method, params in configs:
             bar.set_description(_label(method, params))
             done = bar.n
+            before, t_wall, t_cpu = _loadavg(), time.perf_counter(), time.process_time()
             ev = harness.evaluate(
                 model, tokenizer, tokens, _factory(model, method, params), prefix=prefix,
                 chunk=args.chunk, prefill_chunk=args.prefill_chunk, new_tokens=args.new_tokens,
@@ -510,26 +714,40 @@ def cmd_compare(args) -> int:
             bar.update(max(0, per_config - (bar.n - done)))
             if reference is None:
                 reference, full_ppl = ev.reference, ev.perplexity.ppl
-            rows.append(_row(method, params, ev, full_ppl))
+            row = _row(method, params, ev, full_ppl)
+            t_wall = time.perf_counter() - t_wall
+            row.update(load_before=before, load_after=_loadavg(),
+                       cpu_per_wall=(time.process_time() - t_cpu) / t_wall if t_wall else None)
+            rows.append(row)
             if args.verbose:
                 r = rows[-1]
                 tqdm.write(f"{_label(method, params)}: ppl {r['ppl']:.3f}, passkey {r['passkey']}, "
                            f"agreement {r['agreement']:.2f}, {r['seconds']:.1f} s", file=sys.stderr)
     wall = time.perf_counter() - wall
     cpu = time.process_time() - cpu
-    table = _markdown(rows, args.new_tokens)
+    for r in rows:
+        r["ratio_vs_full"] = rows[0]["kv_bytes"] / r["kv_bytes"] if r["kv_bytes"] else math.inf
+    load = {"before": load_before, "after": _loadavg(), "cpu_per_wall": cpu / wall}
+    table = _markdown(rows, args.new_tokens, _notes(rows, load, args.new_tokens))
     sys.stdout.write(table)
     print(f"{len(configs)} configurations in {wall:.1f} s ({cpu:.1f} s of CPU time)")
     if out is not None:
-        _write(out, rows, table, args, wall, cpu, prefix)
-        print(f"wrote {out / 'compare.json'}, .csv, .md and .png")
+        failed = _write(out, rows, table, args, wall, cpu, prefix, load)
+        written = [n for n in OUT_FILES if n not in failed]
+        if written:
+            print(f"wrote {', '.join(str(out / n) for n in written)}")
+        for name, why in failed.items():
+            print(f"velox: error: could not write {out / name}: {why}", file=sys.stderr)
+        if failed:
+            return 1
     return 0
 
 
-def _settings(args, wall: float, cpu: float, prefix: int) -> dict[str, Any]:
+def _settings(args, wall: float, cpu: float, prefix: int, load: dict[str, Any]) -> dict[str, Any]:
     import mlx.core as mx
 
     import velox
+    from velox import _blas
 
     try:
         import mlx_lm
@@ -550,30 +768,43 @@ def _settings(args, wall: float, cpu: float, prefix: int) -> dict[str, Any]:
         "cpu_seconds": round(cpu, 1),
         "machine": {"platform": platform.platform(), "processor": platform.machine(),
                     "cpus": os.cpu_count(), "device": str(mx.default_device()),
-                    "openblas_preloaded": OPENBLAS in os.environ.get("LD_PRELOAD", ""),
-                    "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None},
+                    "openblas": _blas.loaded is not None, "openblas_status": _blas.reason,
+                    "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+                    "load_average_before": load["before"], "cpu_per_wall": round(load["cpu_per_wall"], 2)},
         "versions": {"velox": velox.__version__, "mlx": mx.__version__, "mlx_lm": mlx_lm_version,
                      "python": platform.python_version()},
     }
 
 
 def _write(out: Path, rows: list[dict], table: str, args, wall: float, cpu: float,
-           prefix: int) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    settings = _settings(args, wall, cpu, prefix)
+           prefix: int, load: dict[str, Any]) -> dict[str, str]:
+    """Write every file it can; returns ``{file name: why not}`` for those it could not."""
+    failed: dict[str, str] = {}
+
+    def attempt(name: str, write) -> None:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            write(out / name)
+        except Exception as exc:  # a finished run must not be lost to one file
+            failed[name] = " ".join(str(exc).split()) or type(exc).__name__
+
+    settings = _settings(args, wall, cpu, prefix, load)
     clean = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
               for k, v in r.items()} for r in rows]
-    (out / "compare.json").write_text(json.dumps({"settings": settings, "rows": clean}, indent=2))
+    attempt("compare.json", lambda p: p.write_text(
+        json.dumps({"settings": settings, "rows": clean}, indent=2)))
     buf = io.StringIO()
     fields = [k for k in clean[0] if k not in ("passkey_cells", "phase_seconds")]
     w = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore", lineterminator="\n")
     w.writeheader()
     w.writerows(clean)
-    (out / "compare.csv").write_text(buf.getvalue())
-    (out / "compare.md").write_text(table)
-    title = (f"{settings['model']}: {args.context}-token '{args.text}' stream "
-             f"(prefix {prefix}, chunk {args.chunk}); passkey {args.passkey_lengths} tokens")
-    _plot(rows, out / "compare.png", title)
+    attempt("compare.csv", lambda p: p.write_text(buf.getvalue()))
+    attempt("compare.md", lambda p: p.write_text(table))
+    lengths = ", ".join(str(n) for n in args.passkey_lengths) or "none"
+    title = (f"{settings['model']}: {args.context}-token '{args.text}' stream (prefix {prefix}, "
+             f"chunk {args.chunk}); passkey prompts of {lengths} tokens")
+    attempt("compare.png", lambda p: _plot(rows, p, title))
+    return failed
 
 
 # --- entry point ---------------------------------------------------------------------
@@ -582,14 +813,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run the ``velox`` command; returns the exit status.
 
     Args:
-        argv: arguments without the program name (default: ``sys.argv[1:]``; only then may the
-            process re-execute itself with OpenBLAS preloaded).
+        argv: arguments without the program name (default: ``sys.argv[1:]``).
     Returns:
         0 on success, 2 on bad arguments (one line on stderr).
     """
     args = _parser().parse_args(argv)
-    if argv is None and args.command in ("generate", "compare"):
-        _reexec_with_openblas(args.verbose)
     handler = {"generate": cmd_generate, "compare": cmd_compare, "methods": cmd_methods}
     try:
         return handler[args.command](args)

@@ -25,8 +25,8 @@ Protocols (shared by the functions below and by ``velox compare``):
   positions where the compressed argmax equals ``g``.
 * **Speed and memory.** Decode tokens/s is timed on the free run: single-token greedy steps after
   the prefill, the first step excluded (warm-up, compilation). Memory is ``cache_nbytes`` (bytes
-  the cache really holds) after the run, and the ratio is the fp16 cost of the tokens seen over
-  that (a full fp32 cache is 0.5x).
+  the cache really holds) after the run, beside a full cache of the tokens seen in the same
+  dtype and in fp16 (:class:`Memory`).
 * **Passkey** (:func:`passkey`). A five-digit key is hidden at a relative ``depth`` of filler
   made of a shipped public-domain text, with the question at the end; the prompt is ``length``
   tokens. Like ``mlx_lm.generate``, ``prompt[:-1]`` is prefilled and decoding starts from the
@@ -49,7 +49,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from velox.adapters.mlxlm import VeloxCache, cache_fp16_bytes, cache_nbytes
+import velox
+from velox.adapters.mlxlm import VeloxCache, _dims, cache_nbytes
 
 __all__ = [
     "Memory", "Perplexity", "Continuation", "Agreement", "PasskeyTrial", "Passkey", "Evaluation",
@@ -104,16 +105,29 @@ def text_tokens(tokenizer, text: str, n: int, *, offset: int = 0) -> list[int]:
 
 @dataclass(frozen=True)
 class Memory:
-    """Bytes a prompt cache really holds and the fp16 cost of the tokens it has seen."""
+    """Bytes a prompt cache really holds, and what full caches of the tokens seen would need.
+
+    ``full_bytes`` is a full cache of the tokens seen in the cache's own dtype (keys and
+    values, every layer, no preallocated slots); ``fp16_bytes`` the same in fp16. ``stored``
+    is the most tokens any layer keeps.
+    """
 
     kv_bytes: int
     fp16_bytes: int
     tokens: int
+    full_bytes: int = 0
+    stored: int = 0
+    dtype: str = ""
 
     @property
     def ratio(self) -> float:
         """fp16 bytes of the tokens seen over the bytes held (higher is smaller)."""
         return self.fp16_bytes / self.kv_bytes if self.kv_bytes else math.inf
+
+    @property
+    def full_ratio(self) -> float:
+        """Bytes of a full cache of the same dtype over the bytes held (higher is smaller)."""
+        return self.full_bytes / self.kv_bytes if self.kv_bytes else math.inf
 
 
 @dataclass(frozen=True)
@@ -202,17 +216,32 @@ class Evaluation:
 # --- cache plumbing ------------------------------------------------------------------
 
 def memory(caches: list) -> Memory:
-    """Real bytes held by ``caches`` and the fp16 bytes of the tokens they have seen."""
+    """Real bytes held by ``caches``, the bytes full caches of the tokens seen would need (in
+    the caches' dtype and in fp16), and the tokens seen and stored."""
     fp16 = 0
+    full = 0
     tokens = 0
+    stored = 0
+    dtypes = set()
     for c in caches:
         if isinstance(c, VeloxCache):
-            fp16 += cache_fp16_bytes([c])
+            if c.velox_state is None:
+                continue
+            b, h, d, dtype = _dims(c)
+            n, kept = c.offset, c.size()
         elif getattr(c, "keys", None) is not None and hasattr(c.keys, "shape"):
             b, h, _, d = c.keys.shape
-            fp16 += int(c.offset) * b * h * d * 2 * 2
-        tokens = max(tokens, int(getattr(c, "offset", 0)))
-    return Memory(kv_bytes=cache_nbytes(caches), fp16_bytes=fp16, tokens=tokens)
+            dtype = c.keys.dtype
+            n = kept = int(c.offset)
+        else:
+            continue
+        fp16 += velox.fp16_bytes(n, b, h, d)
+        full += n * b * h * d * 2 * dtype.size
+        dtypes.add(str(dtype).split(".")[-1])
+        tokens = max(tokens, int(n))
+        stored = max(stored, int(kept))
+    return Memory(kv_bytes=cache_nbytes(caches), fp16_bytes=fp16, tokens=tokens,
+                  full_bytes=full, stored=stored, dtype="/".join(sorted(dtypes)))
 
 
 def _eval_caches(caches: list) -> None:

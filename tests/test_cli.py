@@ -3,9 +3,11 @@ how compare turns budgets into parameters, OpenBLAS re-execution, and short runs
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -38,6 +40,7 @@ def run_main(capsys, *argv):
     (["compare", "--methods", "kivi", "--param", "bits=9"], "bits=9 is not one of"),
     (["compare", "--methods", "tova", "--param", "h2o.grace=3"], "which is not compared"),
     (["compare", "--methods", "tova", "--context", "64", "--prefix", "64"], "--prefix"),
+    (["compare", "--methods", "tova", "--context", "1"], "--context must be at least 2 (one context token and one scored), got 1"),
     (["compare", "--methods", "tova", "--passkey-depths", "1.5"], "--passkey-depths"),
     (["compare", "--methods", "tova", "--text", "nope"], "unknown text 'nope'"),
     (["compare", "--methods", "tova", "--text", "/nonexistent/t.txt"], "does not exist"),
@@ -107,11 +110,102 @@ def test_import_velox_loads_openblas_in_process():
     assert on[2] * 3 < off[2], (on, off)  # 512x512 fp32: ~1 ms against ~45 ms on 2 cores
 
 
-def test_methods_prints_the_spec_table(capsys):
-    code, out, err = run_main(capsys, "methods")
+def _no_model(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+    monkeypatch.setattr(cli, "_load", refuse)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", "--no-chat", ""], "the prompt is empty"),
+    (["generate", "--no-chat", "  "], "the prompt is empty"),
+    (["compare", "--methods", "tova", "--out", "{file}/sub"], "cannot create the folder"),
+    (["compare", "--methods", "tova", "--out", "{file}"], "cannot create the folder"),
+    (["compare", "--methods", "tova", "--out", "{dir}"], "compare.json is a folder"),
+])
+def test_errors_come_before_the_model_loads(capsys, monkeypatch, tmp_path, argv, needle):
+    _no_model(monkeypatch)
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "d" / "compare.json").mkdir(parents=True)
+    argv = [a.format(file=tmp_path / "a-file", dir=tmp_path / "d") for a in argv]
+    code, out, err = run_main(capsys, *argv)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err.count("\n") == 1 and err.startswith("velox: error: ") and needle in err, err
+
+
+def test_every_option_says_what_it_does():
+    parser = cli._parser()
+    subs = next(a for a in parser._actions if a.dest == "command").choices
+    for name, sub in subs.items():
+        for action in sub._actions:
+            if action.dest in ("help", "verbose"):
+                continue
+            assert action.help, f"velox {name} {action.option_strings or action.dest} has no help"
+            if action.default not in (None, False, argparse.SUPPRESS) and action.option_strings:
+                shown = ",".join(map(str, action.default)) if isinstance(action.default, list) \
+                    else str(action.default)
+                assert shown in action.help, (name, action.option_strings, action.help)
+
+
+def test_methods_fits_the_terminal_and_markdown_is_a_flag(capsys, monkeypatch):
+    for columns in (80, 120):
+        monkeypatch.setenv("COLUMNS", str(columns))
+        code, out, err = run_main(capsys, "methods")
+        assert code == 0 and err == ""
+        lines = out.splitlines()
+        assert max(map(len, lines)) <= columns
+        keys = [line.split()[0] for line in lines[2:] if not line.startswith(" ")]
+        assert keys == sorted(get_method(k).spec.key for k in keys) and "tova" in keys
+        assert len(keys) == len(method_table().splitlines()) - 2
+    assert "budget=512, n_sink=4, per_head=False" in out
+    code, out, err = run_main(capsys, "methods", "--markdown")
     assert code == 0 and out == method_table() and err == ""
     for key in ("tova", "kivi", "streaming_llm"):
         assert f"| `{key}` |" in out
+
+
+def test_pareto_keeps_what_nothing_beats():
+    pts = [(3.0, 17.0), (2.8, 16.9), (2.9, 15.9), (11.3, 15.4), (11.4, 15.42), (33.7, 15.42),
+           (12.0, 15.37)]
+    assert cli.pareto(pts, lower_is_better=True) == [1, 2, 3, 6]
+    acc = [(2.8, 0.0), (2.9, 0.5), (4.7, 0.5), (11.3, 1.0), (33.7, 1.0)]
+    assert cli.pareto(acc, lower_is_better=False) == [0, 1, 3]
+    assert cli.pareto([], lower_is_better=True) == []
+
+
+def _rows(n: int = 3) -> list[dict]:
+    base = dict(params="", capacity=None, kv_bytes=2**20, ratio_vs_full=1.0, ratio_vs_fp16=0.5,
+                fp16_bytes=2**19, dense_bytes=2**20, dtype="float32", tokens_seen=100,
+                tokens_stored=100, ppl=10.0, nll=2.3, ppl_delta_pct=0.0, passkey=1.0,
+                passkey_cells={}, agreement=1.0, first_divergence=4, kl=0.0, top1=1.0,
+                decode_tok_s=10.0, seconds=1.0, phase_seconds={}, load_before=0.5,
+                load_after=0.7, cpu_per_wall=1.0)
+    return [dict(base, method=m, kv_bytes=2**20 >> i, ppl=10.0 + i, capacity=None if i == 0 else 64)
+            for i, m in enumerate(["full", "tova", "h2o"][:n])]
+
+
+def test_a_failed_write_loses_nothing_else(tmp_path):
+    out = tmp_path / "run"
+    (out / "compare.csv").mkdir(parents=True)  # this one cannot be written
+    args = cli._parser().parse_args(["compare"])
+    load = {"before": 0.5, "after": 0.6, "cpu_per_wall": 1.0}
+    failed = cli._write(out, _rows(), "the table\n", args, 1.0, 1.0, 256, load)
+    assert list(failed) == ["compare.csv"] and failed["compare.csv"]
+    assert json.loads((out / "compare.json").read_text())["rows"][1]["method"] == "tova"
+    assert (out / "compare.md").read_text() == "the table\n"
+    assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_notes_say_what_ratios_and_speed_are_against():
+    rows = _rows()
+    notes = cli._notes(rows, {"before": 0.4, "after": 2.5, "cpu_per_wall": 1.8}, 16)
+    assert "*vs full*: the full cache of this run, 1.00 MiB" in notes[0]
+    assert "float32" in notes[0] and "100 tokens seen" in notes[0]
+    assert "*vs fp16*" in notes[0] and "512.00 KiB" in notes[0]
+    assert "15 whole-model decode steps" in notes[1] and "0.40 before" in notes[1]
+    assert "2.50 after" in notes[1] and "1.80 CPU-seconds per second" in notes[1]
+    md = cli._markdown(rows, 16, notes)
+    assert "| ratio vs full | ratio vs fp16 |" in md and md.endswith(notes[1] + "\n")
 
 
 def test_parse_param():
@@ -184,7 +278,12 @@ def test_compare_end_to_end_writes_json_csv_png(capsys, tmp_path):
     assert tova["tokens_seen"] == full["tokens_seen"] == 112 + 4 - 1
     for r in rows:
         assert r["ppl"] > 1 and r["decode_tok_s"] > 0 and 0 <= r["agreement"] <= 1
-        assert r["ratio"] == pytest.approx(r["fp16_bytes"] / r["kv_bytes"])
+        assert r["ratio_vs_fp16"] == pytest.approx(r["fp16_bytes"] / r["kv_bytes"])
+        assert r["ratio_vs_full"] == pytest.approx(full["kv_bytes"] / r["kv_bytes"])
+        assert r["dense_bytes"] == 2 * r["fp16_bytes"] and r["dtype"] == "float32"
+        assert r["load_before"] >= 0 and r["cpu_per_wall"] > 0
+    assert full["ratio_vs_full"] == 1.0 and tova["ratio_vs_full"] > 1
+    assert full["tokens_stored"] == 115 and tova["tokens_stored"] == stream["tokens_stored"] == 48
     assert data["settings"]["context"] == 112 and data["settings"]["wall_seconds"] > 0
     with open(out / "compare.csv") as f:
         table = list(csv.DictReader(f))
@@ -193,6 +292,8 @@ def test_compare_end_to_end_writes_json_csv_png(capsys, tmp_path):
     assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "compare.md").read_text()
     assert md in stdout and "| `tova` | budget=48 |" in md
+    assert "*vs full*: the full cache of this run" in md and "decode tok/s:" in md
+    assert f"wrote {out / 'compare.json'}, {out / 'compare.csv'}" in stdout
 
 
 @pytest.mark.model
@@ -202,5 +303,11 @@ def test_generate_streams_and_reports(capsys):
     assert code == 0, err
     answer, stats = out.strip().rsplit("\n", 1)
     assert "Paris" in answer
-    assert stats.startswith("[tova budget=32] KV cache ") and "x vs fp16" in stats
+    assert stats.startswith("[tova budget=32] KV cache ")
+    found = re.search(r"holding (\d+) of the (\d+) tokens seen; a full float32 cache of them "
+                      r"[\d.]+ [KM]iB \(([\d.]+)x the bytes held\), as fp16 [\d.]+ [KM]iB "
+                      r"\(([\d.]+)x\)", stats)
+    assert found, stats
+    stored, seen, vs_full, vs_fp16 = found.groups()
+    assert int(stored) == 32 < int(seen) and float(vs_full) == pytest.approx(2 * float(vs_fp16), abs=0.011)
     assert "decode" in stats and "tok/s" in stats

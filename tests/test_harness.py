@@ -128,10 +128,17 @@ def test_memory_of_plain_and_velox_caches(model):
     # KVCache preallocates 256 slots per layer: the bytes held, not the tokens seen
     assert m.kv_bytes == 3 * 2 * 256 * 32 * 2 * 4
     assert m.fp16_bytes == 3 * 2 * 30 * 32 * 2 * 2 and m.tokens == 30
+    assert m.full_bytes == 2 * m.fp16_bytes and m.dtype == "float32" and m.stored == 30
+    assert m.full_ratio == m.full_bytes / m.kv_bytes < 1  # preallocated slots cost bytes
     caches = make_cache(model, "kivi", residual_length=8)
     harness.prefill(model, TOKENS[:70], caches, chunk=16)
     m = harness.memory(caches)
-    assert 0 < m.kv_bytes < 2 * m.fp16_bytes  # less than the fp32 cache it replaces
+    assert 0 < m.kv_bytes < m.full_bytes == 2 * m.fp16_bytes  # less than the fp32 cache
+    assert m.full_ratio > 1 and m.tokens == m.stored == 70 and m.dtype == "float32"
+    caches = make_cache(model, "tova", budget=24)
+    harness.prefill(model, TOKENS[:70], caches, chunk=16)
+    m = harness.memory(caches)
+    assert m.stored == 24 and m.tokens == 70 and m.full_bytes == 3 * 2 * 70 * 32 * 2 * 4
 
 
 def test_evaluate_runs_every_measurement(model):
