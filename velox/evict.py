@@ -5,13 +5,21 @@ best, in increasing absolute position". Stored rows are always sorted by positio
 candidates (stored + new) are too, and keeping sorted indices keeps the order.
 
 Tie rule (all backends): among equal scores the newer token is kept.
+
+Non-finite rule (all backends, every selection): a non-finite score (NaN, or +-inf from an
+overflow) ranks lowest, below every finite score, ties among them by the tie rule; protected
+slots (sinks, recent window) always survive; positions stay strictly increasing and the
+budget holds. :func:`ranked` applies it; :func:`top_budget` ranks through it.
+
+Constants (index arrays, masks) come from a cache bounded in bytes (:data:`CONST_BYTES`), so
+a cache that grows a token a step never keeps one array per length alive.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 import math
-from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
@@ -19,9 +27,9 @@ import numpy as np
 from ._typing import Array, Bool, Float, Int, Shaped
 from .registry import dims_of
 
-__all__ = ["empty_rows", "new_positions", "protected", "top_budget", "row_offsets", "all_but",
+__all__ = ["empty_rows", "new_positions", "protected", "ranked", "top_budget", "row_offsets", "all_but",
            "take_rows", "append_rows", "keep_rows", "dims", "row_sq_norms", "row_norms",
-           "cuda_update", "with_compacted"]
+           "cuda_update", "with_compacted", "cached_const", "CONST_BYTES"]
 
 
 def empty_rows(batch: int, heads: int, head_dim: int, dtype: mx.Dtype):
@@ -35,22 +43,51 @@ def new_positions(next_pos: Int[Array, "b h"], s: int) -> Int[Array, "b h s"]:
     return next_pos[:, :, None] + _const("arange", s)
 
 
-@lru_cache(maxsize=512)
+CONST_BYTES = 1 << 20  # bytes the constant cache may hold (1 MiB)
+_CONSTS: OrderedDict[tuple, mx.array] = OrderedDict()
+_CONST_HELD = [0]
+
+
+def cached_const(key: tuple, build: Callable[[], np.ndarray]) -> mx.array:
+    """``mx.array(build())``, cached by ``key`` (least recently used first out).
+
+    The cache holds at most :data:`CONST_BYTES`; larger arrays are built but not kept. A
+    decode step at a full cache asks for the same few shapes every step and hits; a cache
+    that grows asks for a new length every step, and the bound keeps those from piling up.
+    The arrays are shared: read them, do not assign into them.
+    """
+    hit = _CONSTS.get(key)
+    if hit is not None:
+        _CONSTS.move_to_end(key)
+        return hit
+    arr = mx.array(build())
+    if arr.nbytes <= CONST_BYTES:
+        _CONSTS[key] = arr
+        _CONST_HELD[0] += arr.nbytes
+        while _CONST_HELD[0] > CONST_BYTES:
+            _CONST_HELD[0] -= _CONSTS.popitem(last=False)[1].nbytes
+    return arr
+
+
 def _const(kind: str, *args: int) -> mx.array:
     """Small static index arrays, built once in NumPy: constants to ``mx.compile`` rather than
     a chain of primitives run at every call (each costs microseconds on a decode step)."""
+    return cached_const((kind, *args), lambda: _build_const(kind, *args))
+
+
+def _build_const(kind: str, *args: int) -> np.ndarray:
     if kind == "arange":
-        return mx.array(np.arange(args[0], dtype=np.int32))
+        return np.arange(args[0], dtype=np.int32)
     if kind == "base":  # row offsets of [b, h] blocks of n rows: [b, h, 1]
         b, h, n = args
-        return mx.array((np.arange(b * h, dtype=np.int32) * n).reshape(b, h, 1))
+        return (np.arange(b * h, dtype=np.int32) * n).reshape(b, h, 1)
     if kind == "append":  # flat rows of [b, h] blocks of n rows, each followed by s copies of its last
         b, h, n, s = args
         rows = np.minimum(np.arange(n + s), n - 1)[None, :] + (np.arange(b * h) * n)[:, None]
-        return mx.array(rows.reshape(-1).astype(np.int32))
+        return rows.reshape(-1).astype(np.int32)
     n, n_sink, recent = args  # "protected"
     i = np.arange(n)
-    return mx.array((i < n_sink) | ((i >= n - recent) if recent else False))
+    return (i < n_sink) | ((i >= n - recent) if recent else False)
 
 
 def protected(n: int, n_sink: int, recent: int = 0) -> Bool[Array, "n"]:
@@ -65,8 +102,16 @@ def protected(n: int, n_sink: int, recent: int = 0) -> Bool[Array, "n"]:
     return _const("protected", n, n_sink, recent)
 
 
+def ranked(scores: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
+    """Scores as selections rank them: a non-finite score (NaN, +-inf) becomes ``-inf``, the
+    lowest rank (see the module's non-finite rule)."""
+    return mx.where(mx.isfinite(scores), scores, -mx.inf)
+
+
 def _order_key(scores: Float[Array, "b h n"]) -> Int[Array, "b h n"]:
-    """Int64 keys ordered like (score, index): the float bits made monotone, index breaks ties."""
+    """Int64 keys ordered like (score, index): the float bits made monotone, index breaks ties.
+
+    ``scores`` hold no NaN (:func:`ranked`): a NaN's bits would order above ``+inf``."""
     bits = mx.view(scores.astype(mx.float32), mx.int32)
     mono = mx.where(bits < 0, bits ^ 0x7FFFFFFF, bits).astype(mx.int64)
     n = scores.shape[-1]
@@ -77,13 +122,15 @@ def top_budget(scores: Float[Array, "b h n"], budget: int,
                protect: Bool[Array, "... n"] | None = None) -> Int[Array, "b h k"] | None:
     """Indices of the ``budget`` highest-scoring candidates, ascending; ``None`` keeps all.
 
-    Protected candidates score ``+inf``; callers guarantee they number fewer than ``budget``.
-    When exactly one candidate goes (a decode step at a full cache) the loser is an argmin
-    (its first occurrence: the older of equal scores goes), otherwise a partition.
+    Non-finite scores rank lowest (:func:`ranked`); protected candidates score ``+inf``;
+    callers guarantee they number fewer than ``budget``. When exactly one candidate goes (a
+    decode step at a full cache) the loser is an argmin (its first occurrence: the older of
+    equal scores goes), otherwise a partition.
     """
     n = scores.shape[-1]
     if n <= budget:
         return None
+    scores = ranked(scores)
     if protect is not None:
         scores = mx.where(protect, mx.inf, scores)
     if n == budget + 1:
@@ -130,14 +177,14 @@ def append_rows(a: Shaped[Array, "b h n *rest"], x: Shaped[Array, "b h s *rest"]
     rows into the longer array (its last row repeated into the new slots) and an in-place
     write of ``x`` there: MLX's CPU concatenation copies ~2x slower than its row gather.
     Otherwise (other devices, narrow rows, an empty ``a``, more new rows than old, mixed
-    dtypes) a concatenation.
+    dtypes, a gather index over a quarter of :data:`CONST_BYTES`) a concatenation.
     """
     n, s = a.shape[2], x.shape[2]
     rest = a.shape[3:]
-    if (mx.default_device() != mx.cpu or n == 0 or s == 0 or s > n or a.dtype != x.dtype
-            or math.prod(rest) <= _SHIFT_MAX):
-        return mx.concatenate([a, x], axis=2)
     b, h = a.shape[:2]
+    if (mx.default_device() != mx.cpu or n == 0 or s == 0 or s > n or a.dtype != x.dtype
+            or math.prod(rest) <= _SHIFT_MAX or 4 * b * h * (n + s) > CONST_BYTES // 4):
+        return mx.concatenate([a, x], axis=2)
     out = mx.take(a.reshape(b * h * n, *rest), _const("append", b, h, n, s), axis=0)
     start = mx.array([0, 0, n] + [0] * len(rest))
     return mx.slice_update(out.reshape(b, h, n + s, *rest), x, start, axes=tuple(range(a.ndim)))

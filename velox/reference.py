@@ -11,7 +11,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["to_np", "to_mx", "softmax", "attention_weights", "protected", "top_budget",
+__all__ = ["to_np", "to_mx", "softmax", "attention_weights", "protected", "ranked", "top_budget",
            "scoring_queries", "Candidates", "candidates", "keep"]
 
 
@@ -58,12 +58,19 @@ def protected(positions: np.ndarray, total: int | np.integer, n_sink: int, recen
     return (positions < n_sink) | (positions >= total - recent if recent else False)
 
 
+def ranked(scores: np.ndarray) -> np.ndarray:
+    """Scores as selections rank them: non-finite (NaN, +-inf) -> ``-inf``, the lowest rank."""
+    scores = np.asarray(scores, dtype=np.float64)
+    return np.where(np.isfinite(scores), scores, -np.inf)
+
+
 def top_budget(scores: np.ndarray, budget: int, protect: np.ndarray | None = None) -> np.ndarray | None:
-    """One head: indices of the ``budget`` best candidates, ascending (ties: newer wins)."""
+    """One head: indices of the ``budget`` best candidates, ascending (ties: newer wins;
+    non-finite scores rank lowest, protected candidates highest)."""
     n = scores.shape[-1]
     if n <= budget:
         return None
-    scores = np.asarray(scores, dtype=np.float64)
+    scores = ranked(scores)
     if protect is not None:
         scores = np.where(protect, np.inf, scores)
     order = np.lexsort((np.arange(n), scores))  # ascending by score, then by index
