@@ -16,6 +16,8 @@ merges every loser):
 
 Values always merge, keys too with ``merge_keys``; a merged loser's score moves to its targets
 (split evenly in ``window``). A multi-token chunk is one selection whose losers merge at once.
+A loser whose key, value or score is not finite is dropped, never merged, and a target is
+never one of non-finite cosine (``evict.ranked``), so a NaN never spreads into a kept row.
 
 The state keeps each stored key's L2 norm (``key_norms``, float32, 4 bytes per token and kv
 head), computed once when the key arrives (and again for a key changed by a merge), so that
@@ -140,6 +142,10 @@ def _merge_mlx(state: CaMState, stored: tuple, fresh: tuple, idx: mx.array) -> t
     b, h, B, d = sk.shape
     lose_count = lk.shape[2]
     lk, lv = lk.astype(mx.float32), lv.astype(mx.float32)
+    # a loser with a non-finite key, value or score is dropped, not merged
+    fine = (mx.isfinite(lk).all(axis=-1) & mx.isfinite(lv).all(axis=-1)
+            & mx.isfinite(l_acc))                                           # [b, h, E]
+    lk, lv = mx.where(fine[..., None], lk, 0.0), mx.where(fine[..., None], lv, 0.0)
     if state.merge == "window":
         tgt = before[..., None] + mx.arange(state.merge_window, dtype=mx.int32)  # [b, h, E, width]
         valid = tgt < B
@@ -152,13 +158,14 @@ def _merge_mlx(state: CaMState, stored: tuple, fresh: tuple, idx: mx.array) -> t
     else:
         unit = lk / mx.maximum(l_norm, 1e-30)[..., None]
         cos = (unit @ sk.astype(mx.float32).swapaxes(-1, -2)) / mx.maximum(s_norm, 1e-30)[:, :, None, :]
-        cos = mx.where(mx.arange(B) >= state.n_sink, cos, -mx.inf)          # sinks: first slots
+        cos = mx.where(mx.arange(B) >= state.n_sink, evict.ranked(cos), -mx.inf)  # sinks: first slots
         tgt = mx.argmax(cos, axis=-1).astype(mx.int32)[..., None]           # [b, h, E, 1]
         den = mx.take_along_axis(s_acc, tgt[..., 0], axis=2)
         sim = mx.take_along_axis(cos, tgt, axis=3)
+        has_target = sim[..., 0] > -mx.inf  # a non-sink target of finite cosine
+        sim = mx.where(has_target[..., None], sim, 0.0)
         weight = mx.clip(sim, 0.0, 1.0) if state.merge == "sim_weighted" else mx.ones_like(sim)
-        has_target = None  # every loser has one
-    on = has_target
+    on = fine if has_target is None else has_target & fine
     if state.merge_gate:
         u = hash_uniform(state.seed, lpos)
         prob = mx.where(l_acc >= den, 1.0, l_acc / mx.maximum(den, 1e-30))
@@ -217,7 +224,7 @@ def _merge_mlx(state: CaMState, stored: tuple, fresh: tuple, idx: mx.array) -> t
         s_norm = s_norm.reshape(-1)
         s_norm[flat] = evict.row_norms(sk.reshape(-1, d)[flat])
         s_norm = s_norm.reshape(b, h, B)
-    moved = (share * l_acc[..., None]).reshape(-1)                          # scores follow merges
+    moved = (share * mx.where(fine, l_acc, 0.0)[..., None]).reshape(-1)     # scores follow merges
     s_acc = (s_acc.reshape(-1).at[flat].add(moved)).reshape(b, h, B)
     return sk, sv, spos, s_acc, s_norm
 
@@ -254,6 +261,8 @@ def _merge_reference(state: CaMState, keys, values, pos, acc, chosen):
     add_k, add_v = np.zeros_like(sk), np.zeros_like(sv)
     mass, moved = np.zeros(len(chosen)), np.zeros(len(chosen))
     for e in lose:
+        if not (np.isfinite(keys[e]).all() and np.isfinite(values[e]).all() and np.isfinite(acc[e])):
+            continue  # a non-finite loser is dropped, not merged
         if state.merge == "window":
             first = np.searchsorted(chosen, e)           # kept tokens before e
             targets = np.arange(first, min(first + state.merge_window, len(chosen)))
@@ -261,9 +270,12 @@ def _merge_reference(state: CaMState, keys, values, pos, acc, chosen):
                 continue
             weights = np.full(len(targets), 1.0 / len(targets))
         else:
-            cos = [keys[e] @ sk[j] / max(np.linalg.norm(keys[e]) * np.linalg.norm(sk[j]), 1e-30)
-                   for j in range(len(chosen))]
+            with np.errstate(over="ignore", invalid="ignore"):
+                cos = ref.ranked(np.array([keys[e] @ sk[j] / max(np.linalg.norm(keys[e]) * np.linalg.norm(sk[j]), 1e-30)
+                                           for j in range(len(chosen))]))
             j = max(range(state.n_sink, len(chosen)), key=lambda t: (cos[t], -t))
+            if cos[j] == -np.inf:  # no target of finite cosine
+                continue
             targets = np.array([j])
             weights = np.array([min(max(cos[j], 0.0), 1.0) if state.merge == "sim_weighted" else 1.0])
             if weights[0] == 0:  # orthogonal or opposed: nothing to merge
