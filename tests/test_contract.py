@@ -166,6 +166,20 @@ def test_attend_equals_dense_attention(case):
                        atol=tol, rtol=tol)
 
 
+@_given_cases(fraction=0.5, contents=vt.NONFINITE)
+def test_nonfinite_input(case):
+    """NaN, +-inf and overflowing inputs: protected tokens survive, the position and byte
+    invariants hold, and finite tokens' rows are kept as the method's family allows
+    (:func:`velox.testing.check_nonfinite` states what is asserted per family)."""
+    vt.check_nonfinite(case, "mlx")
+
+
+@_given_cases(fraction=0.3, dtypes=("float32",), contents=vt.NONFINITE)
+def test_nonfinite_input_reference(case):
+    """The same rule on the ``reference`` backend."""
+    vt.check_nonfinite(case, "reference")
+
+
 # --- bad input ------------------------------------------------------------------------
 
 def _small_state(key, **over):

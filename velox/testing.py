@@ -24,11 +24,16 @@ from .spec import Param, Spec, evaluate, validate_params
 __all__ = ["Case", "cases", "param_strategy", "make_inputs", "run", "DTYPES",
            "check_capacity", "check_sinks", "check_positions", "check_next_pos",
            "check_error_bound", "check_bytes", "check_signature", "head_independent",
-           "row_case", "assert_states_close"]
+           "row_case", "assert_states_close", "NONFINITE", "nonfinite_tokens", "check_nonfinite"]
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 CONTENTS = ("normal", "peaky", "zeros", "repeat")
 CONTINUOUS = ("normal",)
+# "normal" data with a few tokens spoiled: one element of their keys, values or queries NaN,
+# +inf or -inf, or ("overflow") their key rows scaled to |k| ~ 1e30, finite in float32 and
+# bfloat16 (inf in float16) but with overflowing dot products. See check_nonfinite.
+NONFINITE = ("nan", "inf", "-inf", "overflow")
+_SPOIL = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,8 @@ def cases(draw, key: str, *, dtypes: tuple[str, ...] = tuple(DTYPES), max_chunk:
           max_updates: int = 7, contents: tuple[str, ...] = CONTENTS) -> Case:
     """A scenario for method ``key``: dims, spec-drawn params and a sequence of chunk sizes.
 
+    ``contents`` may also name the :data:`NONFINITE` kinds (see :func:`check_nonfinite`).
+
     Chunk sizes mix prefill chunks and single-token decode steps, and the total usually
     exceeds the method's capacity so eviction and flushing are exercised. ``contents``
     picks how keys are generated: ``normal`` (std 0.5) or ``peaky`` (std 2) Gaussian, or the
@@ -128,18 +135,53 @@ def _content(rng: np.random.Generator, shape: tuple[int, ...], content: str,
     return x * 2.0 if content == "peaky" else x * 0.5
 
 
+def nonfinite_tokens(case: Case) -> np.ndarray:
+    """``[T]`` bool: the absolute positions whose inputs a non-finite ``case`` spoils (about
+    one token in eight, never positions 0 and 1: sinks survive either way, and a spoiled
+    first token would leave nothing finite to compare). All False for other contents."""
+    bad = np.zeros(case.tokens, bool)
+    if case.content in NONFINITE:
+        rng = np.random.default_rng(case.seed + 1)
+        bad[2:] = rng.random(max(case.tokens - 2, 0)) < 0.125
+    return bad
+
+
+def _spoil(rng: np.random.Generator, k: np.ndarray, v: np.ndarray, q: np.ndarray | None,
+           bad: np.ndarray, content: str) -> None:
+    """Spoil tokens ``bad`` (``[s]``) of one chunk in place: keys always (one element, or the
+    whole row scaled for ``overflow``), values and queries each with probability 1/2."""
+    for t in np.flatnonzero(bad):
+        c = rng.integers(0, k.shape[-1])
+        if content == "overflow":
+            k[:, :, t] *= np.float32(1e30) / np.maximum(np.abs(k[:, :, t]).max(), 1e-3)
+        else:
+            k[:, :, t, c] = _SPOIL[content]
+        if rng.random() < 0.5:
+            v[:, :, t, c] = np.float32(1e30) if content == "overflow" else _SPOIL[content]
+        if q is not None and rng.random() < 0.5:
+            q[:, :, t, c] = np.float32(1e30) if content == "overflow" else _SPOIL[content]
+
+
 def make_inputs(case: Case) -> list[Step]:
     """The keys, values (and queries) of every update of ``case``, from its seed."""
     rng = np.random.default_rng(case.seed)
+    spoil_rng = np.random.default_rng(case.seed + 2)
     pool = rng.standard_normal((3, case.head_dim)).astype(np.float32)
-    steps = []
+    bad = nonfinite_tokens(case)
+    content = "normal" if case.content in NONFINITE else case.content
+    steps, start = [], 0
     for s in case.chunks:
         shape = (case.batch, case.heads, s, case.head_dim)
-        k = _content(rng, shape, case.content, pool)
+        k = _content(rng, shape, content, pool)
         v = rng.standard_normal(shape).astype(np.float32)
         q = None
         if case.groups:
             q = rng.standard_normal((case.batch, case.heads * case.groups, s, case.head_dim))
+        if bad[start:start + s].any():
+            q = None if q is None else q.astype(np.float32)
+            with np.errstate(over="ignore", invalid="ignore"):
+                _spoil(spoil_rng, k, v, q, bad[start:start + s], case.content)
+        start += s
         cast = lambda x: mx.array(x.astype(np.float32)).astype(case.mx_dtype)  # noqa: E731
         steps.append(Step(cast(k), cast(v), None if q is None else cast(q)))
     return steps
@@ -345,3 +387,96 @@ def capacity(case: Case) -> int | None:
 
 def evaluate_expr(expr: str, env: dict[str, Any]) -> Any:
     return evaluate(expr, env)
+
+
+# --- non-finite input -----------------------------------------------------------------
+
+def recent_count(case: Case) -> int:
+    """The newest tokens the spec's ``contract.recent`` (an expression of the parameters)
+    says every update keeps; 0 when the spec names none."""
+    expr = get_method(case.key).spec.contract.get("recent")
+    return int(evaluate(expr, dict(case.params))) if expr else 0
+
+
+def _finite_twin(steps: list[Step]) -> list[Step]:
+    """``steps`` with every non-finite or overflowing (|x| > 1e20) entry set to 0."""
+    def fix(x):
+        if x is None:
+            return None
+        y = x.astype(mx.float32)
+        return mx.where(mx.isfinite(y) & (mx.abs(y) <= 1e20), y, 0.0).astype(x.dtype)
+    return [Step(fix(s.keys), fix(s.values), fix(s.queries)) for s in steps]
+
+
+def check_nonfinite(case: Case, backend: str = "mlx") -> None:
+    """The non-finite rule on a case whose content is one of :data:`NONFINITE`.
+
+    Every method: no exception but a ``ValueError`` saying what is not finite; after every
+    update positions strictly increase below the tokens seen, ``next_pos`` counts them, the
+    stored count follows :func:`check_capacity`, and the reported bytes are the arrays'
+    bytes, equal to those of the same case with the spoiled entries set to 0 (unless two
+    finite inputs of the same shapes already store different bytes: range-coded methods).
+    Then, by what the method keeps:
+
+    * a spec naming ``sinks`` (and ``recent``): the sinks and the ``recent`` newest tokens
+      are present;
+    * ``exact_rows``: kept rows are the input rows bit for bit (NaN where the input's is);
+    * a declared error bound: each element of a kept finite token's row is within its bound
+      wherever that bound is finite (a group holding a spoiled element may lose its bound);
+    * neither (merging: CaM): the kept rows of finite tokens stay finite.
+    """
+    m = get_method(case.key)
+    steps = make_inputs(case)
+    try:
+        states = run(case, backend, steps=steps)
+    except ValueError as err:
+        assert any(w in str(err).lower() for w in ("finite", "nan", "inf")), (
+            f"a ValueError on non-finite input must say so: {err}")
+        return
+    check_capacity(case, states)
+    check_next_pos(case, states)
+    check_sinks(case, states)
+    check_bytes(case, states)
+    twin = run(case, backend, steps=_finite_twin(steps))
+    if [m.nbytes(s) for s in states] != [m.nbytes(s) for s in twin]:
+        # data-dependent storage (range coding) shows as finite inputs of the same shapes
+        # storing different bytes
+        counts = {tuple(m.nbytes(s) for s in twin)}
+        for extra in range(1, 4):
+            other = Case(**{**case.__dict__, "content": "normal", "seed": case.seed + extra})
+            counts.add(tuple(m.nbytes(s) for s in run(other, backend)))
+        assert len(counts) > 1, (
+            "non-finite input changed the byte count: "
+            f"{[m.nbytes(s) for s in states]} vs {[m.nbytes(s) for s in twin]}")
+    bad = nonfinite_tokens(case)
+    recent = recent_count(case)
+    for t, state in enumerate(states):
+        seen = sum(case.chunks[:t + 1])
+        pos = np.array(m.positions(state))
+        assert pos.dtype == np.int32
+        if pos.shape[-1]:
+            assert (np.diff(pos, axis=-1) > 0).all(), "positions not strictly increasing"
+            assert pos.min() >= 0 and pos.max() < seen
+        need = np.arange(max(seen - recent, 0), seen)
+        for row in pos.reshape(-1, pos.shape[-1]):
+            assert np.isin(need, row).all(), f"recent {need} missing from {row}"
+        k, v = m.get_kv(state)
+        assert k.shape[2] == pos.shape[-1] and v.shape[2] == pos.shape[-1]
+        assert k.dtype == case.mx_dtype and v.dtype == case.mx_dtype
+        hk, hv = history(steps[:t + 1])
+        idx = mx.array(pos)
+        finite = ~bad[pos][..., None]  # [b, h, n, 1]: the kept token's inputs are finite
+        for got, hist, name, i in ((k, hk, "keys", 0), (v, hv, "values", 1)):
+            want = np.array(mx.take_along_axis(hist, idx[..., None], axis=2).astype(mx.float32))
+            got = np.array(got.astype(mx.float32))
+            if m.spec.contract.get("exact_rows", False):
+                assert np.array_equal(got, want, equal_nan=True), f"kept {name} differ from the input rows"
+            elif m.error_bound is not None:
+                lim = np.array(m.error_bound(state)[i].astype(mx.float32))
+                lim = np.broadcast_to(lim, got.shape)
+                with np.errstate(invalid="ignore"):
+                    ok = ~(finite & np.isfinite(lim)) | (np.abs(got - want) <= lim)
+                assert ok.all(), f"{name}: a finite token's element exceeds its finite bound"
+            else:
+                assert np.isfinite(got[np.broadcast_to(finite, got.shape)]).all(), (
+                    f"{name}: a finite token's kept row is not finite")
