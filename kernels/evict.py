@@ -13,7 +13,8 @@ costs launch and bookkeeping time that dwarfs its work at decode sizes. Two kern
 * ``compact``: a few blocks per (batch row, kv head); each finds the row's loser (a given
   candidate, or the argmin of a score, optionally averaged over its chunk of positions
   (ChunkKV) and over the heads of a batch row when the layer keeps one token set, protected
-  slots left out, the older of equal scores going first) and moves its share of the kept rows
+  slots left out, the older of equal scores going first, a non-finite score ranking lowest as
+  ``velox.evict.ranked`` ranks it) and moves its share of the kept rows
   of keys, values, positions and the carried per-token data (scores, or MorphKV's profiles
   shifted by one voter) into place, the new row last; ``next_pos`` advances. The scores may
   come from MLX ops (KNorm's key norms, Q-Filters' projections, CurDKV's leverage of the new
@@ -62,6 +63,10 @@ __device__ unsigned int velox_mix(unsigned int x) {
 }
 // a uniform float in (0, 1) from a mixed hash
 __device__ float velox_unit(unsigned int h) { return ((float)(h >> 9) + 0.5f) * 1.1920928955078125e-07f; }
+// a score as selections rank it: non-finite (NaN, +-inf) -> -inf, the lowest rank
+__device__ float velox_ranked(float s) { return isfinite(s) ? s : __int_as_float(0xff800000); }
+// max propagating NaN, as MLX's maximum does (fmaxf drops a NaN)
+__device__ float velox_max_nan(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
 // (value, index) minimum; an index of `none` is empty; ties go to the lower index
 template <int NT>
 __device__ int velox_block_argmin(float v, int i, int none, float* red, int* red_i) {
@@ -155,16 +160,16 @@ _NOISE = """const unsigned int qp = (unsigned int)next_pos[bh];
             tau = __fadd_rn(params[2], __fmul_rn(params[3], __fdiv_rn(fminf((float)qp, params[4]), params[4])));
         const float nz = __fmul_rn(tau, g);"""
 
-_GROUP = {"mean": ("ws[t] + p", "ws[t] / (float)G"), "max": ("fmaxf(ws[t], p)", "ws[t]")}
+_GROUP = {"mean": ("ws[t] + p", "ws[t] / (float)G"), "max": ("velox_max_nan(ws[t], p)", "ws[t]")}
 
 _ACCUMULATE = {
     "decay": "scores[bh * N + t] = wt + (t < n ? old[bh * n + t] * params[1] : 0.0f);",
-    "max": "scores[bh * N + t] = t < n ? fmaxf(old[bh * n + t], wt) : wt;",
+    "max": "scores[bh * N + t] = t < n ? velox_max_nan(old[bh * n + t], wt) : wt;",
     "vote_sum": """float a = 0.0f;
         if (t < n) for (int j = 0; j < old_shape[3]; ++j) a += old[(bh * n + t) * old_shape[3] + j];
         scores[bh * N + t] = a + wt;""",
     "vote_max": """float a = wt;
-        if (t < n) for (int j = 0; j < old_shape[3]; ++j) a = fmaxf(a, old[(bh * n + t) * old_shape[3] + j]);
+        if (t < n) for (int j = 0; j < old_shape[3]; ++j) a = velox_max_nan(a, old[(bh * n + t) * old_shape[3] + j]);
         scores[bh * N + t] = a;""",
 }
 
@@ -210,6 +215,7 @@ _COMPACT_BODY = """
                 for (int hh = 0; hh < H; ++hh) s += score(bi * H + hh, t);
                 s = s / (float)H;
             }
+            s = velox_ranked(s);
             if (best_i == N || s < best) { best = s; best_i = t; }
         }
         drop = velox_block_argmin<THREADS>(best, best_i, N, red, red_i);

@@ -9,7 +9,8 @@ score (``old * decay + w``), two kernels finish the step:
   first of equal cosines; or, with ``window``, the ``m <= merge_window`` survivors after the
   loser), the weight (``clip(cos, 0, 1)``, ``1`` or ``1 / m``), the gate (a Bernoulli draw
   with probability ``min(1, A_e / mean A over the targets)`` from the counter-based hash of
-  the seed and the loser's position) and, when keys merge, the merged keys' norms. It writes
+  the seed and the loser's position; a loser with a non-finite key, value or score, or with no
+  target of finite cosine, is not merged) and, when keys merge, the merged keys' norms. It writes
   a small plan: ``iplan [b, h, 3]`` = (loser, first target slot, targets merged) and
   ``fplan [b, h, 3 + t]`` = (weight, score moved to each target, new key's norm, the ``t``
   merged keys' norms).
@@ -63,7 +64,7 @@ _PLAN_BODY = """
     int best_i = N;
     for (int t = tid; t < N; t += NT) {
         if (t < N_SINK || t >= N - RECENT) continue;
-        const float s = S[bh * N + t];
+        const float s = velox_ranked(S[bh * N + t]);
         if (best_i == N || s < best) { best = s; best_i = t; }
     }
     const int e = velox_block_argmin<NT>(best, best_i, N, red, red_i);
@@ -77,9 +78,14 @@ _PLAN_BODY = """
     const float l_acc = S[bh * N + e];
     const int lpos = e < n ? P[rows + e] : next_pos[bh];
     const float lscale = fmaxf(l_norm, 1e-30f);
-    for (int c = tid; c < d; c += NT)
+    // a loser with a non-finite key, value or score is dropped, never merged
+    float bad = isfinite(l_acc) ? 0.0f : 1.0f;
+    for (int c = tid; c < d; c += NT) {
         lk[c] = e < n ? static_cast<float>(K[(rows + e) * d + c]) : static_cast<float>(knew[bh * d + c]);
-    __syncthreads();
+        const float lv = e < n ? static_cast<float>(V[(rows + e) * d + c]) : static_cast<float>(vnew[bh * d + c]);
+        if (!isfinite(lk[c]) || !isfinite(lv)) bad = 1.0f;
+    }
+    const bool fine = velox_block_reduce<NT>(bad, red, VeloxMax()) == 0.0f;
     int tfirst = 0, m = 0;
     float den = 0.0f, wgt = 0.0f;
     if (MODE == 2) {  // the survivors after the loser (slot j >= e is candidate j + 1)
@@ -101,20 +107,20 @@ _PLAN_BODY = """
                 acc += (lk[x] / lscale) * kx;
             }
             for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-            const float cs = acc / fmaxf(c < n ? NORM[rows + c] : nnorm, 1e-30f);
+            const float cs = velox_ranked(acc / fmaxf(c < n ? NORM[rows + c] : nnorm, 1e-30f));
             if (bj == n || cs > bc) { bc = cs; bj = j; }
         }
         const int jt = velox_block_argmin<NT>(-bc, bj, n, red, red_i);
         if (lane == 0 && bj == jt && jt < n) sim_s = bc;
         __syncthreads();
-        if (jt < n) {
+        if (jt < n && sim_s > -__int_as_float(0x7f800000)) {  // a target of finite cosine
             tfirst = jt;
             m = 1;
             den = S[bh * N + (jt < e ? jt : jt + 1)];
             wgt = MODE == 0 ? fminf(fmaxf(sim_s, 0.0f), 1.0f) : 1.0f;
         }
     }
-    bool on = m > 0;
+    bool on = m > 0 && fine;
     if (MERGE_GATE && on) {
         const float u = velox_unit(velox_mix(seedmix[0] ^ (unsigned int)lpos));
         const float prob = l_acc >= den ? 1.0f : l_acc / fmaxf(den, 1e-30f);
@@ -195,7 +201,7 @@ _COMPACT_BODY = """
 def _plan_spec() -> dict:
     """The ``mx.fast.cuda_kernel`` arguments of the ``plan`` kernel."""
     return dict(name="velox_merge_plan",
-                input_names=["S", "K", "knew", "NORM", "P", "next_pos", "seedmix"],
+                input_names=["S", "K", "knew", "V", "vnew", "NORM", "P", "next_pos", "seedmix"],
                 output_names=["iplan", "fplan"],
                 source=re.sub(r"\bNT\b", str(THREADS), _PLAN_BODY), header=_MERGE_HEADER)
 
@@ -228,7 +234,8 @@ def merge_step(keys, values, positions, new_keys, new_values, next_pos, scores, 
     width = 3 + ((merge_window if mode == 2 else 1) if merge_keys and mode != 3 else 0)
     common = [("MODE", mode), ("MERGE_KEYS", int(bool(merge_keys) and mode != 3)), ("FW", width)]
     iplan, fplan = _kernel("plan")(
-        inputs=[scores, keys, new_keys, key_norms, positions, next_pos, _seed_mix(seed)],
+        inputs=[scores, keys, new_keys, values, new_values, key_norms, positions, next_pos,
+                _seed_mix(seed)],
         grid=(b * h * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(b, h, 3), (b, h, width)], output_dtypes=[mx.int32, mx.float32],
         template=[("HEAD_DIM", d), ("N_SINK", n_sink), ("RECENT", recent),
