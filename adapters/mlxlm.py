@@ -12,7 +12,9 @@ Protocol facts this class honours:
   update (eviction, quantization) applies after this step's attention.
 * ``make_mask`` answers ``None`` for one query and ``"causal"`` for a chunk (every kept token
   precedes the chunk, so MLX's causal mask aligned to the last keys is right).
-* No ``bits`` attribute and no ``to_quantized``: mlx-lm cannot route around or replace it.
+* No ``bits`` attribute, and ``to_quantized`` raises: mlx-lm can neither route around the
+  cache nor swap it for its own quantized one (``kv_bits``). ``generate_step``'s ``kv_bits``
+  and ``max_kv_size`` (which a given prompt cache ignores) are refused at the first step.
 * ``is_trimmable()`` is ``False`` and ``trim`` refuses: an evicting or quantizing state
   cannot forget tokens exactly.
 * Real queries: while velox caches exist, mlx-lm's ``scaled_dot_product_attention`` is
@@ -22,23 +24,29 @@ Protocol facts this class honours:
   update then runs at the next call with the key-as-query proxy.
 * Every array of the state is scheduled for evaluation after each update, so lazy graphs
   never accumulate over a long decode.
+* ``save_cache`` / ``load_cache``: one checksummed ``.safetensors`` file; a loaded cache is
+  checked against its method and decodes as the saved one would have.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import base as _mlx_base
 from mlx_lm.models.cache import KVCache, _BaseCache, make_prompt_cache
 
 import velox
 from velox import evict
+from velox.backend import BackendUnavailable, resolve_backend
 from velox.registry import Method, get_method
 from velox.spec import validate_params
 
@@ -75,7 +83,9 @@ class VeloxCache(_BaseCache):
         self._model = model
         self._compile = compile
         self._real_queries = real_queries
-        self._routed = False  # set by make_cache: the model's attention goes through the wrapper
+        # Whether the model's attention goes through the wrapper: set by make_cache (and by
+        # load_cache given the model); None (load_cache without it): found at the first step.
+        self._routed: bool | None = False
         self._fused = False
         self._state: tuple | None = None
         self._pending: tuple[mx.array, mx.array] | None = None
@@ -116,6 +126,11 @@ class VeloxCache(_BaseCache):
         return "causal"
 
     @property
+    def to_quantized(self):
+        """Refused: mlx-lm's ``kv_bits`` would swap this cache for a plain quantized one."""
+        raise ValueError(_KV_BITS)
+
+    @property
     def nbytes(self) -> int:
         """Bytes the velox state really holds (plus new tokens not yet absorbed)."""
         total = 0 if self._state is None else self.method.nbytes(self._state)
@@ -149,15 +164,28 @@ class VeloxCache(_BaseCache):
         method's ``attend`` hook, or the fused compiled decode step), only the new tokens are
         returned: the wrapper ignores what it is handed.
         """
+        if self.layer == 0:
+            _refuse_ignored_generate_args(sys._getframe(1))
+        wants_queries = self._real_queries or self.method.attend is not None
+        if self._routed is None:  # loaded without its model: find out from this forward
+            if self._pending is None:
+                if wants_queries:
+                    install_query_capture()  # the model's module is imported by now
+            else:  # the last forward did not call the wrapper
+                self._routed = self._fused = False
+                if self.method.attend is not None:
+                    raise ValueError(f"{self.method.key} needs a model whose attention calls "
+                                     "mlx-lm's scaled_dot_product_attention")
         if self._pending is not None and self._wrapped_only():
             raise RuntimeError(
                 f"{self.method.key} attends through mlx-lm's scaled_dot_product_attention, "
                 "but the last forward did not call it for this layer")
         self._accept(keys, values)
-        deferred = _capture_installed() and (self._real_queries or self.method.attend is not None)
-        self._fused = deferred and self._routed and self._steady(keys)
-        if deferred and (self.method.attend is not None or self._fused):
+        deferred = _capture_installed() and wants_queries
+        self._fused = deferred and self._routed is not False and self._steady(keys)
+        if deferred and (self.method.attend is not None or self._fused) and self._routed:
             return keys, values
+        # Stored + new (lazy: never computed if the wrapper attends itself).
         k, v = self.method.get_kv(self._state)
         out = evict.append_rows(k, keys), evict.append_rows(v, values)
         if not deferred:
@@ -167,6 +195,8 @@ class VeloxCache(_BaseCache):
     def attention(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
                   mask, sinks=None) -> mx.array:
         """This step's attention (plain, fused, or the method's ``attend``), then the update."""
+        if self._routed is None:
+            self._routed = True
         if self._pending is None:  # proxy mode: the update already ran in update_and_fetch
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                         mask=mask, sinks=sinks)
@@ -287,6 +317,33 @@ def _compiled_update(m: Method):
         fn = _COMPILED[m.key] = (lambda s, k, v, q: without_q(s, k, v) if q is None
                                  else with_q(s, k, v, q))
     return fn
+
+
+_KV_BITS = ("kv_bits does not apply to a velox cache: mlx-lm would replace it with its own "
+            "quantized cache. Drop kv_bits and pick a quantizing velox method instead, e.g. "
+            "make_cache(model, 'kivi', bits=4) or make_cache(model, 'tova+affine', bits=4)")
+
+
+def _refuse_ignored_generate_args(frame, depth: int = 24) -> None:
+    """Raise if mlx-lm's ``generate_step`` up the stack was given ``kv_bits`` (it would swap
+    the cache, see ``VeloxCache.to_quantized``) or ``max_kv_size`` (ignored with a
+    ``prompt_cache``: it only sizes a cache generate_step makes itself)."""
+    generate = sys.modules.get("mlx_lm.generate")  # not imported: generate_step is not running
+    code = getattr(getattr(generate, "generate_step", None), "__code__", None)
+    for _ in range(depth):
+        if frame is None or code is None:
+            return
+        if frame.f_code is code:
+            if frame.f_locals.get("kv_bits") is not None:
+                raise ValueError(_KV_BITS)
+            size = frame.f_locals.get("max_kv_size")
+            if size is not None:
+                raise ValueError(
+                    f"max_kv_size={size} has no effect on a velox prompt cache (mlx-lm ignores it "
+                    "when prompt_cache is given); drop it and bound the cache with the method's "
+                    "own parameters, e.g. make_cache(model, 'streaming_llm', window_size=...)")
+            return
+        frame = frame.f_back
 
 
 # --- real-query capture: wrap mlx-lm's attention for velox caches only --------------------
@@ -430,7 +487,10 @@ def _dims(c: VeloxCache) -> tuple[int, int, int, mx.Dtype]:
 
 # --- save / load ----------------------------------------------------------------------
 
-_FORMAT = "velox-prompt-cache-1"
+_FORMAT = "velox-prompt-cache-2"
+_FORMAT_V1 = "velox-prompt-cache-1"  # written before the checksum; loads with a warning
+_MARKER = "__velox__"
+_LOAD_WITH = "a velox prompt cache: load it with velox.adapters.mlxlm.load_cache(path)"
 
 
 def _split(value: Any, name: str, arrays: dict[str, mx.array]) -> Any:
@@ -443,20 +503,33 @@ def _split(value: Any, name: str, arrays: dict[str, mx.array]) -> Any:
     return value
 
 
-def _join(desc: Any, arrays: dict[str, mx.array]) -> Any:
-    if isinstance(desc, dict) and "__array__" in desc:
-        return arrays[desc["__array__"]]
-    if isinstance(desc, dict) and "__dict__" in desc:
-        return {k: _join(v, arrays) for k, v in desc["__dict__"].items()}
-    return desc
-
-
 def _save_record(record: tuple, prefix: str, arrays: dict[str, mx.array]) -> dict[str, Any]:
     return {k: _split(v, f"{prefix}.{k}", arrays) for k, v in record._asdict().items()}
 
 
+def _array_bytes(x: mx.array) -> bytes:
+    if x.dtype == mx.bfloat16:  # NumPy has no bfloat16: hash the same bits as uint16
+        x = x.view(mx.uint16)
+    return np.ascontiguousarray(np.array(x)).tobytes()
+
+
+def _checksum(arrays: dict[str, mx.array]) -> str:
+    """SHA-256 over every array (name, dtype, shape, bytes), in sorted name order."""
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        x = arrays[name]
+        h.update(f"{name}|{x.dtype}|{tuple(x.shape)}|".encode())
+        h.update(_array_bytes(x))
+    return h.hexdigest()
+
+
 def save_cache(path: str | Path, caches: list, metadata: dict[str, str] | None = None) -> None:
-    """Save velox caches (every array and static field) to one ``.safetensors`` file."""
+    """Save velox caches (every array and static field) to one ``.safetensors`` file.
+
+    The file carries a SHA-256 of its array data, checked by :func:`load_cache`, and is laid
+    out so that mlx-lm's ``load_prompt_cache`` refuses it with a message naming
+    :func:`load_cache`.
+    """
     arrays: dict[str, mx.array] = {}
     layers = []
     shared = None
@@ -474,37 +547,311 @@ def save_cache(path: str | Path, caches: list, metadata: dict[str, str] | None =
     record = None
     if shared is not None and shared.record is not None:
         record = _save_record(shared.record, "record", arrays)
-    meta = {"format": _FORMAT, "layers": json.dumps(layers),
-            "layer_params": json.dumps(shared.layer_params if shared else None),
-            "record": json.dumps(record), "user": json.dumps(metadata or {})}
+    arrays[_MARKER] = mx.array([2], dtype=mx.uint8)
+    mx.eval(arrays)
+    fields = {"format": _FORMAT, "layers": json.dumps(layers),
+              "layer_params": json.dumps(shared.layer_params if shared else None),
+              "record": json.dumps(record), "user": json.dumps(metadata or {}),
+              "sha256": _checksum(arrays)}
+    # mlx-lm's load_prompt_cache reads [metadata, class names, scalars]; its scalar loop
+    # raises "Unknown type <_LOAD_WITH>" on the marker before it looks up any class.
+    meta = {f"0.{k}": v for k, v in fields.items()}
+    meta.update({f"1.{i}": "VeloxCache" for i in range(max(len(caches), 1))})
+    meta.update({"2.0": "", "2.1.0": _MARKER, "2.1.1": _LOAD_WITH})
     mx.save_safetensors(str(path), arrays, metadata=meta)
 
 
-def load_cache(path: str | Path) -> tuple[list, dict[str, str]]:
-    """Load caches saved by :func:`save_cache`: ``(caches, user_metadata)``."""
-    arrays, meta = mx.load(str(path), return_metadata=True)
-    if meta.get("format") != _FORMAT:
-        raise ValueError(f"{path} is not a velox prompt cache")
-    layers = json.loads(meta["layers"])
-    layer_params = json.loads(meta["layer_params"])
-    record_meta = json.loads(meta["record"])
+def load_cache(path: str | Path, model=None, *,
+               backend: str | None = None) -> tuple[list, dict[str, str]]:
+    """Load caches saved by :func:`save_cache`: ``(caches, user_metadata)``.
+
+    The file is checked before any cache is built, and every problem raises ``ValueError``
+    naming it: the checksum of the array data, the method, its parameters (types, ranges,
+    constraints), the offset, the backend, each array's presence, dtype and shape against a
+    fresh state of those parameters, and the arrays against each other (positions, stored
+    count, ``get_kv``, one dry update). Files written before the checksum existed
+    (``velox-prompt-cache-1``) load after the other checks, with a ``UserWarning``.
+
+    Args:
+        path: a file written by :func:`save_cache`.
+        model: the mlx-lm model the caches will run in (its layer count is checked). Without
+            it, each cache finds out at its first step whether the model's attention goes
+            through velox's wrapper.
+        backend: run the states on this backend (``"auto"``, ``"mlx"``, ...) rather than
+            the one they were saved with. Without it, a state saved on a backend this
+            machine lacks (``cuda`` on a CPU) raises ``velox.backend.BackendUnavailable``.
+    Returns:
+        The caches, which decode exactly as the saved ones would have (real queries, fused
+        compiled decode step, backend), and the user metadata.
+    """
+    where = str(path)
+    try:
+        arrays, raw = mx.load(where, return_metadata=True)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"{where} is not a velox prompt cache: {e}") from None
+    meta = _read_meta(where, raw, arrays)
+    layers, layer_params, record_meta = meta["layers"], meta["layer_params"], meta["record"]
+    used: set[str] = set()
     shared = None
     caches = []
     for i, entry in enumerate(layers):
-        m = get_method(entry["method"])
-        if m.layer_update is not None and shared is None:
-            shared = _Model(method=m, layer_params=layer_params, n_layers=len(layers))
-        c = VeloxCache(entry["method"], entry["params"], backend=entry["backend"],
-                       layer=entry["layer"], model=shared, compile=entry["compile"],
-                       real_queries=entry["real_queries"])
-        if entry["state"] is not None:
-            c._state = m.state_type(**{k: _join(v, arrays) for k, v in entry["state"].items()})
-        c._offset = entry["offset"]
+        c = _load_layer(f"{where}: layer {i}", i, entry, arrays, used, backend)
+        if c.method.layer_update is not None:
+            if shared is None:
+                shared = _Model(method=c.method, layer_params=layer_params, n_layers=len(layers))
+            c._model = shared
         caches.append(c)
-    if shared is not None and record_meta is not None:
-        rec_type = type(shared.method.model_init(layer_params))
-        shared.record = rec_type(**{k: _join(v, arrays) for k, v in record_meta.items()})
-    return caches, json.loads(meta["user"])
+    if shared is not None:
+        _check_layer_params(where, shared, caches)
+        if record_meta is not None:
+            fresh = shared.method.model_init(layer_params)
+            rec = _build(f"{where}: cross-layer record", type(fresh), record_meta, arrays, used)
+            # What the record learnt (e.g. reallocated budgets) differs from a fresh one.
+            _compare(f"{where}: cross-layer record", rec, fresh, static_values=False)
+            shared.record = rec
+    elif record_meta is not None or layer_params is not None:
+        raise ValueError(f"{where}: holds a cross-layer record but no layer's method uses one")
+    extra = sorted(set(arrays) - used)
+    if extra:
+        raise ValueError(f"{where}: arrays {', '.join(extra)} belong to no layer")
+    _route(where, caches, model)
+    return caches, meta["user"]
+
+
+def _read_meta(where: str, raw: dict[str, str], arrays: dict[str, mx.array]) -> dict[str, Any]:
+    """The file's velox metadata, parsed; the checksum checked (and the marker dropped)."""
+    if raw.get("0.format") == _FORMAT:
+        fields = {k[2:]: v for k, v in raw.items() if k.startswith("0.")}
+        if "sha256" not in fields:
+            raise ValueError(f"{where}: {_FORMAT} file without its sha256 checksum")
+        digest = _checksum(arrays)
+        if digest != fields["sha256"]:
+            raise ValueError(f"{where}: the array data do not match the sha256 checksum written "
+                             f"at save ({fields['sha256'][:16]}... recorded, {digest[:16]}... "
+                             "read): the file is corrupted")
+        if _MARKER not in arrays:
+            raise ValueError(f"{where}: the {_MARKER} array is missing")
+        del arrays[_MARKER]
+    elif raw.get("format") == _FORMAT_V1:
+        fields = dict(raw)
+        warnings.warn(f"{where} was written before velox prompt caches carried a checksum: its "
+                      "array data cannot be verified (save it again to add one)", UserWarning,
+                      stacklevel=3)
+    else:
+        hint = (" (it looks like mlx-lm's own prompt cache: load it with "
+                "mlx_lm.models.cache.load_prompt_cache)" if any(k.startswith("1.") for k in raw) else "")
+        raise ValueError(f"{where} is not a velox prompt cache{hint}")
+    out = {}
+    for name, kind in (("layers", list), ("layer_params", (list, type(None))),
+                       ("record", (dict, type(None))), ("user", dict)):
+        try:
+            out[name] = json.loads(fields[name])
+        except KeyError:
+            raise ValueError(f"{where}: the metadata lacks {name!r}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: the metadata {name!r} is not valid JSON ({e})") from None
+        if not isinstance(out[name], kind):
+            raise ValueError(f"{where}: the metadata {name!r} is a {type(out[name]).__name__}")
+    return out
+
+
+_ENTRY = {"method": str, "params": dict, "backend": str, "layer": int, "offset": int,
+          "compile": bool, "real_queries": bool, "state": (dict, type(None))}
+
+
+def _load_layer(where: str, i: int, entry: Any, arrays: dict[str, mx.array], used: set[str],
+                backend: str | None) -> VeloxCache:
+    if not isinstance(entry, dict) or set(entry) != set(_ENTRY):
+        got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+        raise ValueError(f"{where}: the entry must have the fields {', '.join(_ENTRY)}; got {got}")
+    for name, kind in _ENTRY.items():
+        value = entry[name]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(f"{where}: {name}={value!r} is not a {getattr(kind, '__name__', kind)}")
+    if entry["layer"] != i:
+        raise ValueError(f"{where}: the entry says layer {entry['layer']}")
+    offset = entry["offset"]
+    if offset < 0:
+        raise ValueError(f"{where}: offset={offset} is negative")
+    try:
+        m = get_method(entry["method"])
+        c = VeloxCache(entry["method"], entry["params"], backend=backend or entry["backend"],
+                       layer=i, compile=entry["compile"], real_queries=entry["real_queries"])
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    desc = entry["state"]
+    if desc is None:
+        if offset != 0:
+            raise ValueError(f"{where}: offset={offset} but the cache holds no state")
+        if c.backend != "auto":
+            _resolve(where, c.backend, m, saved=backend is None)
+        return c
+    saved = desc.get("backend")
+    if not isinstance(saved, str):
+        raise ValueError(f"{where}: the state records no backend")
+    run_on = _resolve(where, backend or saved, m, saved=backend is None)
+    desc = _with_backend(desc, run_on)
+    st = _build(where, m.state_type, desc, arrays, used)
+    _check_state(where, m, st, entry["params"], offset)
+    c._state, c._offset = st, offset
+    return c
+
+
+def _resolve(where: str, name: str, m: Method, *, saved: bool) -> str:
+    try:
+        return resolve_backend(name, m.key, m.backends)
+    except BackendUnavailable as e:
+        hint = "; load_cache(path, backend='mlx') runs it on MLX instead" if saved else ""
+        raise BackendUnavailable(f"{where}: {e}{hint}") from None
+
+
+def _with_backend(desc: Any, backend: str) -> Any:
+    """``desc`` with every static ``backend`` field (nested records included) set to ``backend``."""
+    if isinstance(desc, dict) and "__dict__" in desc:
+        return {"__dict__": _with_backend(desc["__dict__"], backend)}
+    if isinstance(desc, dict) and "__array__" not in desc:
+        return {k: (backend if k == "backend" and isinstance(v, str) else _with_backend(v, backend))
+                for k, v in desc.items()}
+    return desc
+
+
+def _build(where: str, record_type: type, desc: dict, arrays: dict[str, mx.array],
+           used: set[str]) -> tuple:
+    fields = set(record_type._fields)
+    missing, extra = sorted(fields - set(desc)), sorted(set(desc) - fields)
+    if missing or extra:
+        raise ValueError(f"{where}: {record_type.__name__} fields missing: {', '.join(missing) or '-'}; "
+                         f"unknown: {', '.join(extra) or '-'}")
+
+    def join(d: Any, name: str) -> Any:
+        if isinstance(d, dict) and "__array__" in d:
+            key = d["__array__"]
+            if key not in arrays:
+                raise ValueError(f"{where}: array {key!r} ({name}) is missing from the file")
+            used.add(key)
+            return arrays[key]
+        if isinstance(d, dict) and "__dict__" in d:
+            return {k: join(v, f"{name}.{k}") for k, v in d["__dict__"].items()}
+        if isinstance(d, dict):
+            raise ValueError(f"{where}: {name} is an unknown description {d!r}")
+        return tuple(d) if isinstance(d, list) else d
+
+    return record_type(**{k: join(v, k) for k, v in desc.items()})
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).replace("mlx.core.", "")
+
+
+def _leaves(record: tuple) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+
+    def walk(name: str, v: Any) -> None:
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(f"{name}.{k}", x)
+        else:
+            out[name] = v
+
+    for k, v in record._asdict().items():
+        walk(k, v)
+    return out
+
+
+def _compare(where: str, stored: tuple, fresh: tuple, *, static_values: bool = True) -> None:
+    """Same fields, same static values (or types only), arrays of the same dtype and rank
+    whose shapes match on every axis a fresh (empty) record already fixes."""
+    a, b = _leaves(stored), _leaves(fresh)
+    if set(a) != set(b):
+        raise ValueError(f"{where}: fields {sorted(set(a) ^ set(b))} do not match the method's record")
+    for name, f in b.items():
+        s = a[name]
+        if isinstance(f, mx.array) or isinstance(s, mx.array):
+            if not (isinstance(f, mx.array) and isinstance(s, mx.array)):
+                raise ValueError(f"{where}: {name} must be an array")
+            want = "(" + ", ".join(str(n) if n else "*" for n in f.shape) + ")"
+            if s.dtype != f.dtype:
+                raise ValueError(f"{where}: array {name} is {_dtype_name(s.dtype)}, the method "
+                                 f"holds {_dtype_name(f.dtype)}")
+            if s.ndim != f.ndim or any(n and n != m for n, m in zip(f.shape, s.shape)):
+                raise ValueError(f"{where}: array {name} has shape {tuple(s.shape)}, expected {want}")
+        elif type(s) is not type(f) or (static_values and s != f):
+            raise ValueError(f"{where}: {name}={s!r} in the state, but its parameters give {f!r}")
+
+
+def _check_state(where: str, m: Method, st: tuple, params: dict[str, Any], offset: int) -> None:
+    """Parameters, dims, arrays and offset of a loaded state, against each other."""
+    try:
+        b, h, d, dtype = m.dims(st) if m.dims is not None else (*st.keys.shape[:2], st.keys.shape[3],
+                                                               st.keys.dtype)
+    except Exception as e:
+        raise ValueError(f"{where}: cannot read the state's dims ({type(e).__name__}: {e})") from None
+    if m.layer_update is not None:  # the cross-layer record may reset a layer's parameters
+        params = {**params, **{k: getattr(st, k) for k in m.spec.params if k in st._fields}}
+    try:
+        full = validate_params(m.spec, params, dims=dict(batch=b, kv_heads=h, head_dim=d))
+        fresh = m.init(b, h, d, dtype=dtype, backend=st.backend, **params)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    _compare(where, st, fresh)
+    if "next_pos" in st._fields and not bool(mx.all(st.next_pos == offset)):
+        raise ValueError(f"{where}: offset={offset} but the state has seen "
+                         f"{sorted(set(np.array(st.next_pos).ravel().tolist()))} tokens")
+    try:
+        pos = m.positions(st)
+        keys, values = m.get_kv(st)
+        one = mx.zeros((b, h, 1, d), dtype)
+        later = m.update(st, one, one)  # lazy: shapes only, nothing is computed
+        m.get_kv(later), m.positions(later)
+    except Exception as e:
+        raise ValueError(f"{where}: the state's arrays disagree with each other "
+                         f"({type(e).__name__}: {e})") from None
+    n = pos.shape[-1] if pos.ndim == 3 else -1
+    if tuple(pos.shape) != (b, h, n) or not {tuple(keys.shape), tuple(values.shape)} == {(b, h, n, d)}:
+        raise ValueError(f"{where}: the state's arrays disagree with each other: positions "
+                         f"{tuple(pos.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}")
+    p = np.array(pos)
+    if p.size and (p.min() < 0 or p.max() >= offset or (np.diff(p, axis=-1) <= 0).any()):
+        raise ValueError(f"{where}: stored positions must increase within [0, offset={offset})")
+    cap = m.spec.capacity(full)
+    phase = m.spec.contract.get("bound_phase", "all")
+    low, high = (offset, offset) if cap is None else (
+        (min(cap, offset), offset) if phase == "prefill" else (min(cap, offset),) * 2)
+    if not low <= n <= high:
+        want = f"{low}" if low == high else f"{low} to {high}"
+        raise ValueError(f"{where}: the state holds {n} tokens; after {offset} its parameters keep {want}")
+
+
+def _check_layer_params(where: str, shared: _Model, caches: list) -> None:
+    lp = shared.layer_params
+    mine = [c for c in caches if c._model is shared]
+    if not isinstance(lp, list) or len(lp) != len(mine) or len(mine) != len(caches):
+        raise ValueError(f"{where}: the cross-layer parameters do not cover the {len(caches)} layers")
+    for c in mine:
+        if lp[c.layer] != c.params:
+            raise ValueError(f"{where}: layer {c.layer}'s parameters {c.params} differ from the "
+                             f"cross-layer record's {lp[c.layer]}")
+
+
+def _route(where: str, caches: list, model) -> None:
+    """Give loaded caches make_cache's code path: the query wrapper and the fused step."""
+    if any(c._real_queries or c.method.attend is not None for c in caches):
+        install_query_capture()
+    if model is None:
+        for c in caches:
+            c._routed = None  # resolved at the first step
+        return
+    base = make_prompt_cache(model)
+    slots = [c for c in base if type(c) is KVCache]
+    if len(slots) != len(base) or len(base) != len(caches):
+        raise ValueError(f"{where} holds {len(caches)} velox layers; {type(model).__name__} has "
+                         f"{len(slots)} plain KV layers of {len(base)}")
+    routed = _routes_attention(model)
+    for c in caches:
+        if c.method.attend is not None and not routed:
+            raise ValueError(f"{c.method.key} needs a model whose attention calls mlx-lm's "
+                             f"scaled_dot_product_attention; {type(model).__name__} does not")
+        c._routed = routed
 
 
 # --- KVzip's context reconstruction pass ----------------------------------------------

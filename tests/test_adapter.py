@@ -126,7 +126,9 @@ def test_real_queries_reach_the_update(model, monkeypatch):
 def test_protocol_facts(model):
     caches = make_cache(model, "tova", budget=24)
     c = caches[0]
-    assert not hasattr(c, "bits") and not hasattr(c, "to_quantized")
+    assert not hasattr(c, "bits")
+    with pytest.raises(ValueError, match="kv_bits does not apply to a velox cache"):
+        c.to_quantized  # mlx-lm's maybe_quantize_kv_cache asks hasattr(c, "to_quantized")
     assert c.make_mask(1) is None and c.make_mask(5) == "causal"
     h = mx.zeros((1, 5, 128))
     assert create_attention_mask(h, c) == "causal"
@@ -139,6 +141,39 @@ def test_protocol_facts(model):
         c.make_mask(3, window_size=4)
     with pytest.raises(AttributeError):
         c.offset = 3
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(kv_bits=4), "kv_bits does not apply to a velox cache"),
+    (dict(kv_bits=4, quantized_kv_start=0), "kv_bits does not apply to a velox cache"),
+    (dict(max_kv_size=16), "max_kv_size=16 has no effect on a velox prompt cache"),
+])
+def test_mlx_lm_options_a_velox_cache_cannot_honour_are_refused(model, kw, match):
+    caches = make_cache(model, "tova", budget=24)
+    with pytest.raises(ValueError, match=match):
+        list(generate_step(PROMPT, model, prompt_cache=caches, max_tokens=3, **kw))
+    assert all(c.empty() for c in caches)  # refused before any token was absorbed
+    greedy(model, caches, n=2)  # the cache is still usable without them
+    c = caches[0]
+    with pytest.raises(ValueError, match=match):  # also on a cache that holds tokens
+        list(generate_step(mx.array([3, 1]), model, prompt_cache=caches, max_tokens=1, **kw))
+    assert c.offset == len(PROMPT) + 2
+    # mlx-lm's own caches keep mlx-lm's behaviour
+    own = {k: v for k, v in kw.items() if k != "quantized_kv_start"}  # (head_dim 32 < groups of 64)
+    assert len(list(generate_step(PROMPT, model, max_tokens=2, **own))) == 2
+
+
+def test_mlx_lm_load_prompt_cache_names_load_cache(model, tmp_path):
+    from mlx_lm.models.cache import load_prompt_cache
+
+    caches = make_cache(model, "kivi", residual_length=8)
+    greedy(model, caches, n=2)
+    save_cache(tmp_path / "c.safetensors", caches)
+    with pytest.raises(ValueError, match=r"load it with velox\.adapters\.mlxlm\.load_cache"):
+        load_prompt_cache(str(tmp_path / "c.safetensors"))
+    save_cache(tmp_path / "empty.safetensors", make_cache(model, "tova", budget=24))
+    with pytest.raises(ValueError, match=r"velox\.adapters\.mlxlm\.load_cache"):
+        load_prompt_cache(str(tmp_path / "empty.safetensors"))
 
 
 def test_deferred_eviction_returns_stored_plus_new():
