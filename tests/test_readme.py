@@ -1,23 +1,71 @@
-"""The README stays true: its method table is generated from specs/, its example runs."""
+"""The README stays true: its method table is generated from specs/, and every python block in
+it runs as printed (each on its own) and prints what it claims."""
 
 import pathlib
 import re
 
+import pytest
+
 from velox.spec import method_table
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+TEXT = README.read_text()
+BLOCKS = re.findall(r"^```python\n(.*?)^```", TEXT, re.S | re.M)
+
+
+def _heading(block: str) -> str:
+    before = TEXT[:TEXT.index(block)]
+    return re.findall(r"^## (.+)$", before, re.M)[-1]
+
+
+def _needs_model(block: str) -> bool:
+    return "load_default_model" in block or "mlx_lm" in block
 
 
 def test_method_table_is_current():
-    text = README.read_text()
-    table = re.search(r"<!-- methods:begin -->\n(.*?)<!-- methods:end -->", text, re.S).group(1)
+    table = re.search(r"<!-- methods:begin -->\n(.*?)<!-- methods:end -->", TEXT, re.S).group(1)
     assert table == method_table(), "run: python scripts/update_readme_table.py"
 
 
-def test_decoding_loop_example_runs(capsys):
-    text = README.read_text()
-    block = re.search(r"## A decoding loop with TOVA\n\n```python\n(.*?)```", text, re.S).group(1)
-    exec(compile(block, "README.md", "exec"), {})
-    out = capsys.readouterr().out.splitlines()
+def test_every_python_block_is_checked():
+    assert sorted(map(_heading, BLOCKS)) == sorted(CHECKS)
+
+
+def _check_decoding_loop(out):
     assert out[0] == "(1, 8, 256, 64)"
-    assert "bytes held" in out[2]
+    positions = [int(p) for p in re.findall(r"\d+", out[1].split("dtype")[0])]
+    assert positions[:4] == [0, 1, 2, 3] and len(positions) == 6  # the sinks, then survivors
+    assert out[2].endswith(" bytes held") and int(out[2].split()[0]) > 0
+
+
+def _check_mlx_lm(out):
+    text, stats = "\n".join(out[:-1]), out[-1]
+    assert len(text) > 100 and text.endswith("...")
+    found = re.fullmatch(r"(\d+) of (\d+) tokens kept: (\d+) bytes held, (\d+) for a full "
+                         r"float32 cache", stats)
+    assert found, stats
+    stored, seen, held, full = map(int, found.groups())
+    assert stored == 128 < seen  # the cache evicted while the answer was written
+    assert held < full
+
+
+def _check_composing(out):
+    assert out[0] == "(1, 8, 256, 128)"
+    codes, rows = map(int, re.fullmatch(r"(\d+) bytes as 2-bit codes, (\d+) as float32 rows",
+                                        out[1]).groups())
+    assert codes * 4 < rows
+
+
+CHECKS = {
+    "A decoding loop with TOVA": _check_decoding_loop,
+    "With mlx-lm": _check_mlx_lm,
+    "Composing policies": _check_composing,
+}
+
+
+@pytest.mark.parametrize("block", [
+    pytest.param(b, id=_heading(b), marks=[pytest.mark.model] if _needs_model(b) else [])
+    for b in BLOCKS])
+def test_python_block_runs_as_printed(block, capsys):
+    exec(compile(block, f"README.md ({_heading(block)})", "exec"), {"__name__": "__readme__"})
+    CHECKS[_heading(block)](capsys.readouterr().out.strip().splitlines())
