@@ -56,3 +56,12 @@ def test_every_method_runs_on_smollm2(smollm2, key):
     cap = spec.capacity(get_method(key).spec.defaults | params)
     if cap is not None and cap < len(tokens):
         assert cache_nbytes(caches) < cache_fp16_bytes(caches)
+
+
+@pytest.mark.parametrize("kw", [dict(kv_bits=4), dict(max_kv_size=64)])
+def test_generate_refuses_what_a_velox_cache_cannot_honour(smollm2, kw):
+    model, tok = smollm2
+    cache = make_cache(model, "tova", budget=64)
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        generate(model, tok, "Tell me a story.", max_tokens=4, prompt_cache=cache, **kw)
+    assert all(c.empty() for c in cache)
