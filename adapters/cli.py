@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from velox._blas import OPENBLAS  # noqa: F401  (its path; velox._blas.loaded: whether in use)
+
 CORE_METHODS = ("streaming_llm", "h2o", "tova", "snapkv", "kivi")
 DEFAULT_BUDGETS = (64, 256)
 FULL = "full"
