@@ -84,11 +84,15 @@ def curdkv_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = m
 
 
 def _fit_basis(x: mx.array, r: int) -> mx.array:
-    """Top-``r`` right singular vectors ``[b, h, d, r]`` of ``x [b, h, n, d]`` (float32)."""
+    """Top-``r`` right singular vectors ``[b, h, d, r]`` of ``x [b, h, n, d]`` (float32).
+
+    Rows of non-finite energy (NaN, inf, or squares that overflow) are left out of the fit:
+    their own scores are non-finite and rank lowest (``evict.ranked``)."""
     x = x.astype(mx.float32)
     d = x.shape[3]
     if r >= d:
         return mx.broadcast_to(mx.eye(d, dtype=mx.float32), x.shape[:2] + (d, d))
+    x = mx.where(mx.isfinite(evict.row_sq_norms(x))[..., None], x, 0.0)
     # float64 and eigh run on the CPU (GPUs have neither); the basis is tiny (d x r).
     gram = mx.astype(x.swapaxes(-1, -2) @ x, mx.float64, stream=mx.cpu)
     _, vecs = mx.linalg.eigh(gram, stream=mx.cpu)  # ascending eigenvalues
@@ -163,6 +167,8 @@ def _fit_reference(x: np.ndarray, r: int) -> np.ndarray:
     d = x.shape[1]
     if r >= d:
         return np.eye(d)
+    with np.errstate(over="ignore", invalid="ignore"):  # rows of non-finite energy: left out
+        x = np.where(np.isfinite((x.astype(np.float32) ** 2).sum(axis=1))[:, None], x, 0.0)
     _, _, vt = np.linalg.svd(x, full_matrices=False)  # rows of vt: right singular vectors
     basis = vt[:r].T
     if basis.shape[1] < r:  # fewer rows than r: zero columns stand for the null space

@@ -109,10 +109,13 @@ def _anomaly(u: mx.array, mu: mx.array) -> mx.array:
 
 def nestedkv_score(keys: Float[Array, "b h n d"], *, window: int = 64, beta: float = 3.0,
                    tau: float = 0.6, kappa: float = 10.0) -> Float[Array, "b h n"]:
-    """NestedKV score of every row (higher = keep), float32."""
+    """NestedKV score of every row (higher = keep), float32. Rows of non-finite energy (NaN,
+    inf, overflowing squares) are left out of the anchors and score ``-inf``."""
     k = keys.astype(mx.float32)
     b, h, n, d = k.shape
-    u = k / mx.maximum(mx.sqrt((k * k).sum(axis=-1, keepdims=True)), _EPS)
+    sq = (k * k).sum(axis=-1, keepdims=True)
+    bad = ~mx.isfinite(sq)
+    u = mx.where(bad, 0.0, k / mx.maximum(mx.sqrt(sq), _EPS))
     stable = u.mean(axis=2, keepdims=True)
     size = block_size(n)
     nb = -(-n // size)
@@ -134,7 +137,7 @@ def nestedkv_score(keys: Float[Array, "b h n d"], *, window: int = 64, beta: flo
     surprise = _minmax(mx.sqrt(((a - a.mean(axis=2, keepdims=True)) ** 2).mean(axis=2)))
     surprise = surprise - surprise.mean(axis=-1, keepdims=True)
     gate = mx.sigmoid(kappa * (surprise - tau))
-    return (1.0 - gate) * blend + gate * a.max(axis=2)
+    return mx.where(bad[..., 0], -mx.inf, (1.0 - gate) * blend + gate * a.max(axis=2))
 
 
 def _update_mlx(state: NestedKVState, keys, values, queries) -> NestedKVState:
@@ -158,7 +161,9 @@ def _minmax_reference(x: np.ndarray) -> np.ndarray:
 def _score_reference(keys: np.ndarray, state: NestedKVState) -> np.ndarray:
     """One head: ``[N, d]`` keys -> ``[N]`` scores, anchor by anchor (float64)."""
     n = len(keys)
-    u = keys / np.maximum(np.linalg.norm(keys, axis=1, keepdims=True), _EPS)
+    with np.errstate(over="ignore", invalid="ignore"):  # rows of non-finite energy: left out
+        bad = ~np.isfinite((keys.astype(np.float32) ** 2).sum(axis=1))
+        u = np.where(bad[:, None], 0.0, keys / np.maximum(np.linalg.norm(keys, axis=1, keepdims=True), _EPS))
     size = block_size(n)
 
     def cos(x, mu):
@@ -180,7 +185,7 @@ def _score_reference(keys: np.ndarray, state: NestedKVState) -> np.ndarray:
     surprise = _minmax_reference(a.std(axis=0))
     surprise -= surprise.mean()
     gate = 1 / (1 + np.exp(-state.kappa * (surprise - state.tau)))
-    return (1 - gate) * blend + gate * a.max(axis=0)
+    return np.where(bad, -np.inf, (1 - gate) * blend + gate * a.max(axis=0))
 
 
 def _update_reference(state: NestedKVState, keys, values, queries) -> NestedKVState:

@@ -118,16 +118,18 @@ def rocketkv_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype =
 # --- stage 1 ----------------------------------------------------------------------------
 
 def _maxpool_mlx(x: mx.array, kernel: int) -> mx.array:
-    """Max over ``kernel`` neighbours along the last axis, stride 1, 'same' padding."""
+    """Max over ``kernel`` neighbours along the last axis, stride 1, 'same' padding; a
+    non-finite vote is left out of its neighbours' maxima and its own is ``-inf``."""
     if kernel == 1 or x.shape[-1] == 0:
         return x
     r = kernel // 2
     n = x.shape[-1]
-    xp = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(r, r)], constant_values=-mx.inf)
+    bad = ~mx.isfinite(x)
+    xp = mx.pad(mx.where(bad, -mx.inf, x), [(0, 0)] * (x.ndim - 1) + [(r, r)], constant_values=-mx.inf)
     out = xp[..., :n]
     for i in range(1, kernel):
         out = mx.maximum(out, xp[..., i:i + n])
-    return out
+    return mx.where(bad, -mx.inf, out)
 
 
 def _pages_mlx(keys: mx.array, page: int) -> tuple[mx.array, mx.array]:
@@ -170,7 +172,9 @@ def _update_mlx(state: RocketKVState, keys, values, queries) -> RocketKVState:
 
 def _maxpool_reference(x: np.ndarray, kernel: int) -> np.ndarray:
     r = kernel // 2
-    return np.array([max(x[max(0, t - r):t + r + 1]) for t in range(len(x))])
+    y = ref.ranked(x)  # a non-finite vote: out of its neighbours' maxima, its own -inf
+    return np.array([max(y[max(0, t - r):t + r + 1]) if y[t] > -np.inf else -np.inf
+                     for t in range(len(x))])
 
 
 def _pages_reference(keys: np.ndarray, page: int) -> tuple[np.ndarray, np.ndarray]:
@@ -267,7 +271,7 @@ def _page_scores(state: RocketKVState, q: mx.array) -> mx.array:
     mag = mx.abs(q).sum(axis=2)  # [b, h, d]
     k1 = state.head_topk1
     if k1 < d:  # the group's k1 largest channels
-        ch = mx.argpartition(-mag, kth=k1 - 1, axis=-1)[..., :k1]
+        ch = mx.argpartition(-evict.ranked(mag), kth=k1 - 1, axis=-1)[..., :k1]
     else:
         ch = mx.broadcast_to(mx.arange(d), (b, h, d))
     q_hat = _channels(q, ch)  # [b, h, g, k1]

@@ -61,11 +61,21 @@ def snapkv_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = m
 
 
 def _pool_mlx(x: mx.array, kernel: int, pooling: str) -> mx.array:
-    """1-D pooling along the last axis, stride 1, 'same' padding (avg counts the padding)."""
+    """1-D pooling along the last axis, stride 1, 'same' padding (avg counts the padding).
+
+    A non-finite vote pools as the padding does (so its neighbours keep theirs) and its own
+    pooled score is ``-inf``, the lowest rank (the non-finite rule of ``velox.evict``).
+    """
     if kernel == 1:
         return x
-    r = kernel // 2
     pad_value = 0.0 if pooling == "avgpool" else -mx.inf
+    bad = ~mx.isfinite(x)
+    out = _pool_finite(mx.where(bad, pad_value, x), kernel, pooling, pad_value)
+    return mx.where(bad, -mx.inf, out)
+
+
+def _pool_finite(x: mx.array, kernel: int, pooling: str, pad_value: float) -> mx.array:
+    r = kernel // 2
     xp = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(r, r)], constant_values=pad_value)
     n = x.shape[-1]
     windows = [xp[..., i:i + n] for i in range(kernel)]
@@ -96,11 +106,12 @@ def _update_mlx(state: SnapKVState, keys, values, queries) -> SnapKVState:
 
 def _pool_reference(x: np.ndarray, kernel: int, pooling: str) -> np.ndarray:
     r = kernel // 2
+    pad = 0.0 if pooling == "avgpool" else -np.inf
     out = np.empty_like(x)
-    for t in range(len(x)):
-        window = [x[u] if 0 <= u < len(x) else (0.0 if pooling == "avgpool" else -np.inf)
+    for t in range(len(x)):  # a non-finite vote pools as padding; its own score is -inf
+        window = [x[u] if 0 <= u < len(x) and np.isfinite(x[u]) else pad
                   for u in range(t - r, t + r + 1)]
-        out[t] = sum(window) / kernel if pooling == "avgpool" else max(window)
+        out[t] = (sum(window) / kernel if pooling == "avgpool" else max(window)) if np.isfinite(x[t]) else -np.inf
     return out
 
 

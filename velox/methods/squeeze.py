@@ -31,6 +31,8 @@ Deviations from the paper:
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any, NamedTuple
@@ -114,8 +116,11 @@ def squeeze_budgets(concentrations: Sequence[float], budget: int | Sequence[int]
 
     ``share_l = avg * ((1 - strength) + strength * w_l)``, ``w_l = (1 - c_l) / mean(1 - c)``
     (uniform when every ``c_l = 1``); shares under ``floor`` are raised to it and the excess
-    over ``floor`` of the others scaled down to pay for it; largest-remainder rounding.
+    over ``floor`` of the others scaled down to pay for it; largest-remainder rounding. A
+    non-finite concentration counts as 1, the lowest importance (the non-finite rule of
+    ``velox.evict``).
     """
+    concentrations = [c if math.isfinite(c) else 1.0 for c in concentrations]
     L = len(concentrations)
     budgets = [budget] * L if isinstance(budget, int) else list(budget)
     if len(budgets) != L:
