@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import velox
 from velox import evict, quant
 from velox import reference as ref
 from velox.attention import causal_mask
@@ -35,7 +36,8 @@ def test_top_budget_ties_keep_newer_in_both_backends(scores, data):
     got = np.array(evict.top_budget(mx.array(x)[None, None], budget))[0, 0]
     want = ref.top_budget(x.astype(np.float64), budget)
     assert np.array_equal(got, want)
-    order = sorted(range(len(x)), key=lambda i: (x[i], i))
+    rank = np.where(np.isfinite(x), x, -np.inf)  # +inf is non-finite: it ranks lowest
+    order = sorted(range(len(x)), key=lambda i: (rank[i], i))
     assert sorted(order[-budget:]) == list(got)
 
 
@@ -171,3 +173,92 @@ def test_append_rows_equals_concatenation(n, s, width, dtype, data):
     got = evict.append_rows(mx.array(a), mx.array(x))
     np.testing.assert_array_equal(np.array(got), np.concatenate([a, x], axis=2))
     assert got.dtype == getattr(mx, dtype)
+
+
+# --- the non-finite rule -----------------------------------------------------------------
+
+_SPECIAL = [float("nan"), float("inf"), float("-inf")]
+
+
+@given(st.lists(st.one_of(st.floats(-10, 10), st.sampled_from(_SPECIAL)), min_size=3, max_size=30),
+       st.integers(1, 29), st.integers(0, 3))
+def test_top_budget_ranks_nonfinite_lowest(scores, budget, n_sink):
+    """Both backends: protected slots survive, then finite scores, then the non-finite ones
+    (ties: newer wins), and the mlx fast paths (argmin, partition) agree with the reference."""
+    n = len(scores)
+    budget = min(budget, n - 1)
+    n_sink = min(n_sink, budget - 1) if budget > 1 else 0
+    x = np.array(scores, np.float32)
+    protect = np.arange(n) < n_sink
+    want = ref.top_budget(x.astype(np.float64), budget, protect)
+    got = np.array(evict.top_budget(mx.array(x)[None, None], budget, evict.protected(n, n_sink)))[0, 0]
+    assert np.array_equal(got, want)
+    assert np.isin(np.arange(n_sink), got).all()
+    lost = np.setdiff1d(np.arange(n), got)
+    finite = np.isfinite(x)
+    for i in got[~protect[got]]:  # every kept unprotected candidate outranks every loser
+        for j in lost:
+            if finite[i] and finite[j]:
+                assert (x[i], i) > (x[j], j)
+            else:
+                assert finite[i] or (not finite[j] and i > j)
+
+
+def test_nonfinite_key_keeps_the_sinks():
+    """A NaN in one new key (tova's newest query scores NaN) evicts no sink."""
+    for backend in ("mlx", "reference"):
+        st_ = velox.init("tova", 1, 1, 8, budget=16, n_sink=2, backend=backend)
+        rng = np.random.default_rng(0)
+        x = mx.array(rng.standard_normal((1, 1, 20, 8)).astype(np.float32))
+        st_ = velox.update(st_, x, x)
+        k = rng.standard_normal((1, 1, 3, 8)).astype(np.float32)
+        k[0, 0, 1, 3] = np.nan
+        st_ = velox.update(st_, mx.array(k), mx.array(k))
+        pos = np.array(velox.positions(st_))[0, 0]
+        assert {0, 1} <= set(pos.tolist()), backend
+        assert (np.diff(pos) > 0).all() and len(pos) == 16
+
+
+@pytest.mark.parametrize("pooling", ["avgpool", "maxpool"])
+def test_pooling_leaves_a_nonfinite_vote_out(pooling):
+    """SnapKV's pooling: a NaN vote ranks lowest and leaves its neighbours' pooled votes as
+    if it were padding, on both backends."""
+    from velox.methods.snapkv import _pool_mlx, _pool_reference
+    x = np.array([0.1, 0.4, np.nan, 0.3, 0.2, np.inf, 0.5], np.float32)
+    got = np.array(_pool_mlx(mx.array(x)[None, None], 3, pooling))[0, 0]
+    want = _pool_reference(x.astype(np.float64), 3, pooling)
+    assert np.allclose(got, want, atol=1e-6) and np.isneginf(got[[2, 5]]).all()
+    pad = 0.0 if pooling == "avgpool" else -np.inf
+    y = np.where(np.isfinite(x), x, pad)
+    assert np.isclose(got[1], (y[0] + y[1] + y[2]) / 3 if pooling == "avgpool" else max(y[:3]))
+
+
+def test_squeeze_nonfinite_concentration_is_least_important():
+    from velox.methods.squeeze import squeeze_budgets
+    got = squeeze_budgets([float("nan"), 0.2, 0.5], 100, 1.0, floor=5)
+    assert sum(got) == 300 and got[0] == min(got)
+    assert got == squeeze_budgets([1.0, 0.2, 0.5], 100, 1.0, floor=5)
+
+
+@pytest.mark.parametrize("merge", ["sim_weighted", "mean", "window"])
+def test_cam_never_merges_a_nonfinite_loser(merge):
+    """CaM: a NaN token is dropped, not merged; every kept row of a finite token stays finite."""
+    for backend in ("mlx", "reference"):
+        st_ = velox.init("cam", 1, 2, 8, budget=8, n_sink=2, grace=1, merge=merge,
+                         merge_gate=False, backend=backend)
+        rng = np.random.default_rng(1)
+        bad = set()
+        for t in range(24):
+            k = rng.standard_normal((1, 2, 1, 8)).astype(np.float32)
+            v = rng.standard_normal((1, 2, 1, 8)).astype(np.float32)
+            if t % 5 == 3:
+                k[0, 0, 0, 2] = np.nan
+                v[0, 1, 0, 4] = np.inf
+                bad.add(t)
+            st_ = velox.update(st_, mx.array(k), mx.array(v))
+            mx.eval(st_)
+            pos = np.array(velox.positions(st_))
+            keys, values = (np.array(a) for a in velox.get_kv(st_))
+            finite = ~np.isin(pos, list(bad))
+            assert np.isfinite(keys[finite]).all() and np.isfinite(values[finite]).all(), (backend, t)
+            assert (pos[..., :2] == np.arange(min(t + 1, 2))).all()
