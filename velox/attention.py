@@ -8,7 +8,6 @@ keys stand in for the queries of their own tokens (one "query head" per kv head)
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
@@ -78,15 +77,15 @@ def chunk_mask(n: int, s: int, m: int) -> Bool[Array, "m n_plus_s"]:
     position arithmetic; it equals :func:`causal_mask` on absolute positions.
     """
     if m * (n + s) <= 1 << 16:  # decode-sized: a cached constant, no primitives per call
-        return _small_chunk_mask(n, s, m)
+        from .evict import cached_const  # the byte-bounded cache of shared constants
+        return cached_const(("chunk_mask", n, s, m), lambda: _chunk_mask_np(n, s, m))
     q = mx.arange(s - m, s)[:, None]
     j = mx.arange(n + s)[None, :] - n
     return j <= q
 
 
-@lru_cache(maxsize=256)
-def _small_chunk_mask(n: int, s: int, m: int) -> mx.array:
-    return mx.array(np.arange(n + s)[None, :] - n <= np.arange(s - m, s)[:, None])
+def _chunk_mask_np(n: int, s: int, m: int) -> np.ndarray:
+    return np.arange(n + s)[None, :] - n <= np.arange(s - m, s)[:, None]
 
 
 def candidate_logits(queries: Float[Array, "b h g m d"], stored: Float[Array, "b h n d"],
