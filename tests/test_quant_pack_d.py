@@ -51,7 +51,7 @@ def per_channel(x: np.ndarray, bits: int, g: int):
     the dequantized values and the per-element step, for the complete groups."""
     n = (x.shape[2] // g) * g
     q, s, z = quant.quantize(arr(x[:, :, :n]).swapaxes(2, 3), bits, g)
-    deq = quant.dequantize(q, s, z, bits, g).swapaxes(2, 3)
+    deq = quant.dequantize(q, s, z, bits, g, mx.float32).swapaxes(2, 3)
     step = mx.repeat(s, g, axis=-1).swapaxes(2, 3)
     return np.array(deq), np.array(step)
 
@@ -90,9 +90,9 @@ def test_age_tiered_by_hand(backend):
     k2 = np.array(velox.age_tiered_get_kv(st)[0]).ravel()[:6]
     assert k2.tolist() == [0, 255, 0, 0, 170, 0]
     assert st.old_keys_scales.item() == 85.0
-    assert velox.age_tiered_bytes(st) == (32 * 2 // 8 + 4 + 4) * 2 + 2 * 4 * 2 + 4
-    # codes 2 bits x 32 tokens = 8 bytes, scale 4, zero 4, for keys and values; 2 exact
-    # tail tokens per kind (float32); next_pos.
+    assert velox.age_tiered_bytes(st) == (32 * 2 // 8 + 2 + 2) * 2 + 2 * 4 * 2 + 4
+    # codes 2 bits x 32 tokens = 8 bytes, scale 2, zero 2 (float16), for keys and values;
+    # 2 exact tail tokens per kind (float32, the model's dtype); next_pos.
 
 
 def test_age_tiered_tier_boundaries():
@@ -170,9 +170,10 @@ def test_adakv_by_hand(backend):
     assert st.mid_scales.item() == 1.0 and st.lo_scales.item() == 0.0
     got_k, got_v = velox.adakv_get_kv(st)
     assert np.array_equal(np.array(got_k), k) and np.array_equal(np.array(got_v), -k)
-    # Bytes: 3-bit codes 32 x 3 / 8 = 12 and 2-bit 8; two scales and zeros (float32, 16);
-    # one slot byte per head (2); stats 2 heads x 2 x 4 = 16; values 2 x 32 x 4 = 256; next_pos 8.
-    assert velox.adakv_bytes(st) == 12 + 8 + 16 + 2 + 16 + 256 + 8
+    # Bytes: 3-bit codes 32 x 3 / 8 = 12 and 2-bit 8; two scales and zeros (float16, 8);
+    # one slot byte per head (2); stats 2 heads x 2 x 4 = 16; values 2 x 32 x 2 = 128 (float16
+    # residual_dtype); next_pos 8.
+    assert velox.adakv_bytes(st) == 12 + 8 + 8 + 2 + 16 + 128 + 8
 
 
 @pytest.mark.parametrize("heads,target,want", [
@@ -215,7 +216,8 @@ def test_adakv_path_independence(importance):
 @pytest.mark.parametrize("bits", BITS)
 def test_adakv_uniform_widths_equal_group_quantization(bits):
     x = gaussian((1, 3, 70, 8), 10 + bits)
-    st = velox.adakv_init(1, 3, 8, target_avg_bits=float(bits), lo_bit=bits, mid_bit=bits, hi_bit=bits)
+    st = velox.adakv_init(1, 3, 8, target_avg_bits=float(bits), lo_bit=bits, mid_bit=bits, hi_bit=bits,
+                          residual_dtype="model")
     st = velox.adakv_update(st, arr(x), arr(-x))
     got_k, got_v = (np.array(a) for a in velox.adakv_get_kv(st))
     want, step = per_channel(x, bits, 32)
@@ -294,6 +296,36 @@ def test_cachegen_decodes_exactly_and_codes_below_packed_on_smooth_data(bits):
     assert cachegen_mod.coded_nbytes(iid) <= cachegen_mod.packed_nbytes(iid)
 
 
+def test_cachegen_reads_fixed_width_segments_without_host_decoding(monkeypatch):
+    # i.i.d. data: every segment falls back to fixed width. get_kv then slices the stream on
+    # the device: no model fitting, no range decoding (it used to fit a model per group and
+    # unpack on the host every step: 0.7 tokens/s on SmolLM2 at 2k tokens).
+    st = velox.cachegen_update(velox.cachegen_init(1, 2, 16, bits=4),
+                               arr(gaussian((1, 2, 192, 16), 7)), arr(gaussian((1, 2, 192, 16), 8)))
+    assert np.array(st.keys_packed).all() and np.array(st.values_packed).all()
+    want = [np.array(x) for x in velox.cachegen_get_kv(st)]
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host decoding of a fixed-width segment")
+
+    monkeypatch.setattr(cachegen_mod, "_fit", forbidden)
+    monkeypatch.setattr(entropy, "decode", forbidden)
+    got = [np.array(x) for x in velox.cachegen_get_kv(st)]
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def test_cachegen_mixed_segments_decode_exactly():
+    # A walk that turns into noise halfway: coded segments, then fixed-width ones, then coded.
+    x = np.cumsum(gaussian((1, 2, 256, 16), 3, std=0.05), axis=2)
+    x[:, :, 96:160] = gaussian((1, 2, 64, 16), 4)
+    st = velox.cachegen_update(velox.cachegen_init(1, 2, 16, bits=4), arr(x), arr(x))
+    flags = np.array(st.keys_packed).tolist()
+    assert True in flags and False in flags
+    q, _, _ = quant.quantize(arr(x).swapaxes(2, 3), 4, 32)
+    assert np.array_equal(cachegen_mod.decode_codes(st, "keys"), np.array(quant.unpack(q, 4)))
+    assert mx.array_equal(cachegen_mod.packed_codes(st, "keys"), q).item()
+
+
 @pytest.mark.parametrize("use_delta,per_channel",
                          [(True, True), (True, False), (False, True), (False, False)])
 def test_cachegen_path_independence(use_delta, per_channel):
@@ -326,7 +358,8 @@ def test_gear_by_hand(backend):
     # One 32 x 32 block: x[t, c] = (t + c) mod 2, plus outliers x[5, 7] = 100, x[9, 3] = -50.
     # sparse_fraction 0.002: round(0.002 * 1024 / 2) = 1 largest and 1 smallest entry kept
     # exact: exactly the two outliers. Every inlier group (a channel's 32 tokens for keys, a
-    # token's 32 channels for values) then spans [0, 1]: 2-bit step 1/3, codes 0 and 3, exact.
+    # token's 32 channels for values) then spans [0, 1]: 2-bit step 1/3, codes 0 and 3, exact
+    # but for the float16 step (3 x fp16(1/3) = 0.99951).
     # Quantization alone (sparse_fraction 0): channel 7 spans [0, 100], step 100/3, so its 16
     # ones read 0; channel 3 spans [-50, 1], step 17, so its 15 zeros read 1: error^2 = 31.
     x = ((np.arange(32)[:, None] + np.arange(32)[None, :]) % 2).astype(np.float32)
@@ -335,13 +368,13 @@ def test_gear_by_hand(backend):
     st = velox.gear_init(1, 1, 32, rank=0, sparse_fraction=0.002, backend=backend)
     st = velox.gear_update(st, k, k)
     got_k, got_v = (np.array(a)[0, 0] for a in velox.gear_get_kv(st))
-    assert np.array_equal(got_k, x) and np.array_equal(got_v, x)
+    assert np.allclose(got_k, x, rtol=0, atol=2 ** -11) and np.allclose(got_v, x, rtol=0, atol=2 ** -11)
     assert sorted(np.array(st.keys_outliers).ravel().tolist()) == [-50.0, 100.0]
     assert sorted(np.array(st.keys_outlier_index).ravel().tolist()) == [5 * 32 + 7, 9 * 32 + 3]
     base = velox.gear_init(1, 1, 32, rank=0, sparse_fraction=0.0, backend=backend)
     base = velox.gear_update(base, k, k)
     err_k, err_v = (((np.array(a)[0, 0] - x) ** 2).sum() for a in velox.gear_get_kv(base))
-    assert err_k == pytest.approx(31.0, abs=1e-3) and err_v == pytest.approx(31.0, abs=1e-3)
+    assert err_k == pytest.approx(31.0, abs=2e-3) and err_v == pytest.approx(31.0, abs=2e-3)
 
 
 def test_gear_reduces_to_group_quantization():
@@ -351,7 +384,7 @@ def test_gear_reduces_to_group_quantization():
     got_k, got_v = (np.array(a) for a in velox.gear_get_kv(st))
     want_k, _ = per_channel(x, 2, 32)
     q, s, z = quant.quantize(arr(-x[:, :, :64]), 2, 32)
-    want_v = np.array(quant.dequantize(q, s, z, 2, 32))
+    want_v = np.array(quant.dequantize(q, s, z, 2, 32, mx.float32))
     assert np.array_equal(got_k[:, :, :64], want_k) and np.array_equal(got_v[:, :, :64], want_v)
     assert np.array_equal(got_k[:, :, 64:], x[:, :, 64:])
 
@@ -419,7 +452,7 @@ def test_amc_by_hand(backend):
     # (lower channel first: 0, 1, 2, ...); values 0, 255, 0, 255, ... put the odd channels
     # first (1, 3, 5, ...). Mid keeps key channels 0-4 and value channels 1, 3, 5, 7, 9 (all
     # 255, one group of 5 with group_size 8: step 0, exact); Low keeps key channel 0 and
-    # value channel 1. Constant groups have step 0: every kept value is exact.
+    # value channel 1. Constant groups have step 0: every kept value is its float16 zero.
     a = np.array([0.1, 0.5, 0.3, 0.2], np.float32)
     k = np.repeat(a[:, None], 16, 1)[None, None]
     v = np.tile(np.array([0, 255] * 8, np.float32), (4, 1))[None, None]
@@ -433,11 +466,11 @@ def test_amc_by_hand(backend):
     want_k[0, 1:] = 0               # Low: key channels 1.. dropped
     want_v[[2, 3], 11:] = 0         # Mid: value channels 11, 13, 15 dropped (evens are 0)
     want_v[0, 2:] = 0               # Low: only value channel 1 kept
-    assert np.allclose(got_k, want_k, atol=1e-7) and np.array_equal(got_v, want_v)
-    # Bytes: High 1 token x 16 x 4 x 2 + position 4; Mid 2 tokens x (2 words + 1 scale +
-    # 1 zero) x 4 bytes x 2 kinds + 2 positions x 4; Low 1 x (1 word + scale + zero) x 4 x 2
+    assert np.allclose(got_k, want_k, rtol=2 ** -11, atol=0) and np.array_equal(got_v, want_v)
+    # Bytes: High 1 token x 16 x 4 x 2 + position 4; Mid 2 tokens x (2 words x 4 + float16
+    # scale and zero, 2 + 2) x 2 kinds + 2 positions x 4; Low 1 x (1 word x 4 + 2 + 2) x 2
     # + 4; channel orders 2 x 16 (uint8); tau_high, tau_low, next_pos 4 each.
-    assert velox.amc_bytes(st) == (128 + 4) + (2 * 4 * 4 * 2 + 8) + (3 * 4 * 2 + 4) + 32 + 12
+    assert velox.amc_bytes(st) == (128 + 4) + (2 * 12 * 2 + 8) + (8 * 2 + 4) + 32 + 12
 
 
 def test_amc_tier_sizes_and_reductions():

@@ -47,7 +47,8 @@ from ..registry import dims_of, dispatch, prepare_init, register
 from ..spec import load_spec, validate_params
 
 __all__ = ["CacheGenState", "cachegen_init", "cachegen_update", "cachegen_get_kv",
-           "cachegen_bytes", "layer_bits", "decode_codes", "coded_nbytes", "packed_nbytes"]
+           "cachegen_bytes", "layer_bits", "decode_codes", "packed_codes", "coded_nbytes",
+           "packed_nbytes"]
 
 KEY = "cachegen"
 KINDS = ("keys", "values")
@@ -198,22 +199,50 @@ def _append(state: CacheGenState, kind: str, codes: np.ndarray, scales: mx.array
             f"{kind}_zeros": mx.concatenate([getattr(state, f"{kind}_zeros"), zeros], -1)}
 
 
-def decode_codes(state: CacheGenState, kind: str) -> np.ndarray:
-    """Every quantized code of ``kind`` (``"keys"`` or ``"values"``), ``[b, h, d, Q]``, decoded."""
+def packed_codes(state: CacheGenState, kind: str) -> UInt[Array, "b h d w"]:
+    """Every quantized code of ``kind``, packed at fixed width along the tokens
+    (``[b, h, d, Q*bits/32]``, ``velox.quant``'s layout).
+
+    Runs of fixed-width segments are sliced from the stream as they are (no decoding); only
+    range-coded segments are decoded on the host, each with the model fitted to the group
+    before it.
+    """
     b, h, d, n = getattr(state, f"{kind}_scales").shape
-    g = state.group_size
+    g, bits = state.group_size, state.bits
+    w = g * bits // 32
     c = d if state.per_channel else 1
-    model = np.broadcast_to(np.array(_prior(state.bits, state.use_delta), np.uint8), (b, h, c, 2))
-    stream = np.array(getattr(state, f"{kind}_stream"))
+    model = np.broadcast_to(np.array(_prior(bits, state.use_delta), np.uint8), (b, h, c, 2))
+    stream = getattr(state, f"{kind}_stream")
     lengths = np.array(getattr(state, f"{kind}_lengths")).astype(np.int64)
     packed = np.array(getattr(state, f"{kind}_packed"))
-    starts = np.concatenate([[0], np.cumsum(lengths)])
-    out = np.zeros((b, h, d, n * g), np.int64)
-    for j in range(n):
-        words = stream[starts[j]:starts[j + 1]]
-        out[..., j * g:(j + 1) * g], model = _decode_group(state, words, bool(packed[j]), model,
-                                                           (b, h, d, g))
-    return out.astype(np.uint32)
+    starts = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    host = None  # the stream on the host, read only when a segment is range coded
+    parts, j = [], 0
+    while j < n:
+        if not packed[j]:
+            host = np.array(stream) if host is None else host
+            codes, model = _decode_group(state, host[starts[j]:starts[j + 1]], False, model,
+                                         (b, h, d, g))
+            parts.append(quant.pack(mx.array(codes.astype(np.uint32)), bits))
+            j += 1
+            continue
+        e = j
+        while e < n and packed[e]:
+            e += 1
+        run = stream[starts[j]:starts[e]].reshape(e - j, b, h, d, w)
+        parts.append(run.transpose(1, 2, 3, 0, 4).reshape(b, h, d, (e - j) * w))
+        if e < n:  # the coded segment after the run needs the model of the run's last group
+            last = np.array(quant.unpack(run[-1], bits))
+            model = _fit(state, _symbols(state, last)[1])
+        j = e
+    if not parts:
+        return mx.zeros((b, h, d, 0), mx.uint32)
+    return mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+
+
+def decode_codes(state: CacheGenState, kind: str) -> np.ndarray:
+    """Every quantized code of ``kind`` (``"keys"`` or ``"values"``), ``[b, h, d, Q]``, decoded."""
+    return np.array(quant.unpack(packed_codes(state, kind), state.bits))
 
 
 # --- backends: the quantization differs (device vs NumPy), the coder is shared ------------------
@@ -272,8 +301,7 @@ def cachegen_get_kv(state: CacheGenState) -> tuple[Float[Array, "b h n d"], Floa
     """Decoded, dequantized groups followed by the exact newest tokens."""
     out = []
     for kind in KINDS:
-        codes = quant.pack(mx.array(decode_codes(state, kind)), state.bits)
-        x = quant.dequantize(codes, getattr(state, f"{kind}_scales"), getattr(state, f"{kind}_zeros"),
+        x = quant.dequantize(packed_codes(state, kind), getattr(state, f"{kind}_scales"), getattr(state, f"{kind}_zeros"),
                              state.bits, state.group_size, state.residual_keys.dtype).swapaxes(2, 3)
         out.append(mx.concatenate([x, getattr(state, f"residual_{kind}")], axis=2))
     return out[0], out[1]
