@@ -1,4 +1,4 @@
-"""Quality suite: long-context retrieval and language modelling of compressed caches, with intervals.
+"""Quality suite: long-context retrieval and language modelling of compressed caches.
 
     python -m velox.adapters.suite --quick --methods tova,kivi --out /tmp/suite
     python -m velox.adapters.suite --methods all --ratios 0.5,0.75 --out runs/a
@@ -34,7 +34,8 @@ Protocols:
   whose argmax equals the full cache's, against the full cache on the same tokens.
 * **Intervals.** Binary scores: Wilson score interval. Fractional scores: percentile bootstrap
   over prompts. Token-level figures: block bootstrap over blocks of ``block`` consecutive
-  positions (perplexity's interval is the exponential of the NLL's).
+  positions (fewer where a span has under 20 blocks; perplexity's interval is the exponential
+  of the NLL's).
 * **Budgets.** ``--ratios r``: the kept-token budget is ``round((1 - r) * context)``, the context
   being the prompt length (retrieval), the streamed tokens (stream, decode) or the prefix
   (continuation); ``--budgets b``: a fixed token count. It maps onto each method's capacity
@@ -71,6 +72,7 @@ MODE_NAMES = {"in": "question compressed with the context",
               "out": "question kept out of compression"}
 FULL = "full"
 NEEDLE_TASKS = ("passkey", "multikey", "multivalue")
+_ANSWER_LIMITS = {"passkey": 8, "multikey": 14, "multivalue": 48, "vartrack": 40, "cwe": 48}
 
 
 # --- protocol ------------------------------------------------------------------------
@@ -151,8 +153,8 @@ def wilson(successes: int, n: int, confidence: float = 0.95) -> tuple[float, flo
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def bootstrap_mean(values: Sequence[float] | np.ndarray, *, reps: int = 1000, confidence: float = 0.95,
-                   seed: int = 0) -> tuple[float, float]:
+def bootstrap_mean(values: Sequence[float] | np.ndarray, *, reps: int = 1000,
+                   confidence: float = 0.95, seed: int = 0) -> tuple[float, float]:
     """Percentile bootstrap interval of the mean of independent ``values``."""
     return block_bootstrap(values, block=1, reps=reps, confidence=confidence, seed=seed)
 
@@ -244,12 +246,13 @@ def _insert(fill: list[int], pieces: list[tuple[float, list[int]]]) -> tuple[lis
 
 def _spec(task: str, rng: np.random.Generator, words: list[str], depth: float | None):
     """Task text: intro, needles ``[(depth, text)]``, question, answer prefix, expected, limit."""
+    limit = _ANSWER_LIMITS.get(task, 0)
     if task == "passkey":
         key = _rand_digits(rng, 5)
         intro = ("There is an important piece of information hidden inside a lot of irrelevant "
                  "text. Find it and memorize it. I will quiz you about it.\n\n")
         needles = [(depth, f"\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n")]
-        return intro, needles, "What is the pass key?", "The pass key is", (key,), 8
+        return intro, needles, "What is the pass key?", "The pass key is", (key,), limit
     if task in ("multikey", "multivalue"):
         intro = ("Some special magic numbers are hidden inside the following text. Make sure to "
                  "memorize them. I will quiz you about the numbers afterwards.\n\n")
@@ -260,13 +263,14 @@ def _spec(task: str, rng: np.random.Generator, words: list[str], depth: float | 
             needles = [(d, f" One of the special magic numbers for {k} is: {v}. ")
                        for d, k, v in zip([depth, *others], keys, vals)]
             q = f"What is the special magic number for {keys[0]} mentioned in the provided text?"
-            return intro, needles, q, f"The special magic number for {keys[0]} is", (vals[0],), 14
+            prefix = f"The special magic number for {keys[0]} is"
+            return intro, needles, q, prefix, (vals[0],), limit
         others = [float(d) for d in rng.uniform(0, 1, size=3)]
         needles = [(d, f" One of the special magic numbers for {keys[0]} is: {v}. ")
                    for d, v in zip([depth, *others], vals)]
         q = (f"What are all the special magic numbers for {keys[0]} mentioned in the provided "
              "text?")
-        return intro, needles, q, f"The special magic numbers for {keys[0]} are", tuple(vals), 48
+        return intro, needles, q, f"The special magic numbers for {keys[0]} are", tuple(vals), limit
     if task == "vartrack":
         value = _rand_digits(rng, 5)
         names = ["".join(rng.choice(list("ABCDEFGHIJKLMNOPQRSTUVWXYZ"), size=5)) for _ in range(5)]
@@ -278,10 +282,10 @@ def _spec(task: str, rng: np.random.Generator, words: list[str], depth: float | 
         q = f"Find all variables that are assigned the value {value} in the text above."
         prefix = (f"According to the chain of variable assignments in the text above, 5 variables "
                   f"are assigned the value {value}, they are:")
-        return intro, list(zip(at.tolist(), chain)), q, prefix, tuple(names), 40
+        return intro, list(zip(at.tolist(), chain)), q, prefix, tuple(names), limit
     if task == "cwe":
         chosen = [str(w) for w in rng.choice(words, size=10 + 1000, replace=False)]
-        return chosen, None, None, None, tuple(chosen[:10]), 48
+        return chosen, None, None, None, tuple(chosen[:10]), limit
     raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
 
 
@@ -489,11 +493,9 @@ def _retrieval(model, tokenizer, factory: Factory, protocol: Protocol, items: li
         mem = memory(caches)
         row = {"task": s.task, "length": s.length, "depth": s.depth, "expected": list(s.expected),
                "kv_bytes": mem.kv_bytes, "fp16_bytes": mem.fp16_bytes}
+        frozen = copy.deepcopy(caches) if len(protocol.modes) > 1 else caches
         for mode in protocol.modes:
-            if mode == "out":
-                use = _appended(copy.deepcopy(caches) if "in" in protocol.modes else caches)
-            else:
-                use = caches
+            use = _appended(frozen) if mode == "out" else caches
             answer, steps = _answer(model, tokenizer, use, s.question, s.expected,
                                     s.max_new_tokens)
             row[mode] = {"answer": answer, "score": score(answer, s.expected), "steps": steps}
@@ -544,11 +546,12 @@ def _scores(model, tokens: Sequence[int], caches: list, *, prefix: int, chunk: i
 
 
 def _lm_figures(per: dict[str, np.ndarray], protocol: Protocol, seed: int) -> dict[str, Any]:
-    kw = dict(block=protocol.block, reps=protocol.bootstrap, confidence=protocol.confidence,
-              seed=seed)
     nll = per["nll"]
+    block = min(protocol.block, max(1, nll.size // 20))  # at least 20 blocks
+    kw = dict(block=block, reps=protocol.bootstrap, confidence=protocol.confidence, seed=seed)
     lo, hi = block_bootstrap(nll, **kw)
-    out = {"tokens": int(nll.size), "nll": float(nll.mean()), "nll_lo": lo, "nll_hi": hi,
+    out = {"tokens": int(nll.size), "block": block, "nll": float(nll.mean()), "nll_lo": lo,
+           "nll_hi": hi,
            "ppl": math.exp(nll.mean()), "ppl_lo": math.exp(lo), "ppl_hi": math.exp(hi)}
     for k in ("kl", "top1"):
         lo, hi = block_bootstrap(per[k], **kw)
@@ -756,11 +759,14 @@ def _factory(model, cfg: dict | None) -> Factory:
 
 
 def _work(protocol: Protocol) -> tuple[int, int]:
-    """Tokens prefilled and the answer/decode step bound of one configuration."""
-    n = len(protocol.lengths) * len(protocol.depths) * protocol.prompts * len(protocol.tasks)
-    prefill = n * int(np.mean(protocol.lengths)) + protocol.stream_tokens + protocol.decode_tokens \
+    """Tokens prefilled and the most decode steps of one configuration."""
+    per_length = len(protocol.depths) * protocol.prompts
+    n = per_length * len(protocol.lengths) * len(protocol.tasks)
+    prefill = per_length * len(protocol.tasks) * sum(protocol.lengths) + protocol.stream_tokens \
+        + protocol.decode_tokens \
         + protocol.cont_samples * (protocol.cont_prefix + protocol.cont_tokens)
-    steps = n * len(protocol.modes) * 20 + protocol.decode_span
+    steps = per_length * len(protocol.lengths) * len(protocol.modes) * sum(
+        _ANSWER_LIMITS[t] for t in protocol.tasks) + protocol.decode_span
     return prefill, steps
 
 
@@ -843,7 +849,8 @@ def merge(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if r["protocol"] != first["protocol"]:
             raise ValueError("merge: the runs used different protocols")
         if r.get("model") != first.get("model"):
-            raise ValueError(f"merge: different models ({r.get('model')!r}, {first.get('model')!r})")
+            raise ValueError(f"merge: different models ({r.get('model')!r}, "
+                             f"{first.get('model')!r})")
         for row in r["rows"]:
             key = (row["method"], json.dumps(row["level"], sort_keys=True))
             if key in seen:
@@ -865,7 +872,7 @@ def _ci(entry: dict | None, key: str = "mean", digits: int = 2) -> str:
     return f"{entry[key]:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
 
 
-def _mib(n: float | None) -> str:
+def _mib(n: int | float | None) -> str:
     return "-" if n is None else f"{n / 2**20:.2f}"
 
 
@@ -923,8 +930,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     p = result["protocol"]
     rows = [r for r in result["rows"] if r.get("lm")]
-    panels = [(f"retrieval mean, mode {m}", lambda r, m=m: r["retrieval"] and r["retrieval"][m]["mean"],
-               "retrieval") for m in p["modes"]]
+    panels = [(f"retrieval mean, mode {m}",
+               lambda r, m=m: r["retrieval"] and r["retrieval"][m]["mean"], "retrieval")
+              for m in p["modes"]]
     panels += [("stream perplexity", lambda r: _as_mean(r["lm"]["stream"], "ppl"), "stream"),
                ("continuation KL(full || compressed)",
                 lambda r: _as_mean(r["lm"]["continuation"], "kl"), "continuation")]
@@ -940,7 +948,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
                 e = get(r)
                 if not e:
                     continue
-                b = r["retrieval"]["kv_bytes"] if where == "retrieval" else r["lm"][where]["kv_bytes"]
+                b = (r["retrieval"] if where == "retrieval" else r["lm"][where])["kv_bytes"]
                 pts.append((b / 2**20, e["mean"], e["mean"] - e["lo"], e["hi"] - e["mean"]))
             if not pts:
                 continue
@@ -994,14 +1002,16 @@ def _floats(text: str) -> list[float]:
     try:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") \
+            from None
 
 
 def _ints(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") \
+            from None
 
 
 def _names(text: str) -> list[str]:
