@@ -33,7 +33,7 @@ BAD = {"nan": math.nan, "inf": math.inf, "big": 1e6}
 G = "group"
 EXPECT = {
     "kivi": {"k": (G, 32), "v": (G, 32)},
-    "age_tiered": {"k": (G, 32), "v": (G, 32)},        # keys and values per channel
+    "age_tiered": {"k": (G, 32), "v": (G, 32)},
     "cachegen": {"k": (G, 32), "v": (G, 32)},          # keys and values per channel
     "kitty": {"k": (G, 32), "v": (G, 64)},             # a value row is one group
     "adakv": {"k": (G, 32), "v": (G, 1), ("k", "nan"): ("row", 32)},  # NaN importance reranks
@@ -47,7 +47,7 @@ EXPECT = {
 # Keys quantized per token (groups of channels), like values.
 KEYS_PER_TOKEN = {"skvq"}
 # Values quantized per channel along tokens, like keys.
-VALUES_PER_CHANNEL = {"age_tiered", "cachegen"}
+VALUES_PER_CHANNEL = {"cachegen"}
 # 1e6 is finite: methods that keep the element exact (an outlier or an exact row) hold it.
 FINITE_BIG = {"gear", "kvquant", "amc"}
 

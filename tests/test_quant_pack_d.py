@@ -65,7 +65,9 @@ def rms_ratio(x, xhat, step):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_age_tiered_by_hand(backend):
-    # d = 1, one group of 32 tokens: 0, 255, 8, 9, 128, 42, then zeros. min 0, max 255:
+    # d = 32, one unit of 32 tokens. Keys: every channel of token t holds x[t] = 0, 255, 8, 9,
+    # 128, 42, then zeros; per channel along the tokens: min 0, max 255. Values: every token
+    # holds 255 - x[c] at channel c; per token along the channels: the same range.
     # 8-bit step (255 - 0) / 255 = 1, so the recent codes are the values themselves.
     # Aged to 4 bits: k = 255 / 15 = 17, code round(q / 17), step 17:
     #   0 -> 0, 255 -> 15*17, 8 -> round(.47) = 0, 9 -> round(.53) = 1 -> 17,
@@ -75,24 +77,27 @@ def test_age_tiered_by_hand(backend):
     # Values 255 - x: the mirror image (k is odd, so rounding is symmetric).
     x = np.zeros(32, np.float32)
     x[:6] = [0, 255, 8, 9, 128, 42]
-    k, v = arr(x[None, None, :, None]), arr(255 - x[None, None, :, None])
-    st = velox.age_tiered_init(1, 1, 1, recent_boundary=1, mid_boundary=2, backend=backend)
+    k = arr(np.broadcast_to(x[:, None], (32, 32))[None, None])
+    v = arr(np.broadcast_to(255 - x[None, :], (32, 32))[None, None])
+    st = velox.age_tiered_init(1, 1, 32, recent_boundary=1, mid_boundary=2, backend=backend)
     st = velox.age_tiered_update(st, k, v)  # T = 32: the group's newest token has age 0: recent
-    got = np.array(velox.age_tiered_get_kv(st)[0]).ravel()
-    assert got.tolist() == x.tolist()
-    one = arr(np.zeros((1, 1, 1, 1)))
+    got_k, got_v = (np.array(a)[0, 0] for a in velox.age_tiered_get_kv(st))
+    assert got_k[:, 7].tolist() == x.tolist() and got_v[9].tolist() == (255 - x).tolist()
+    one = arr(np.zeros((1, 1, 1, 32)))
     st = velox.age_tiered_update(st, one, one)  # T = 33: age 1 >= recent_boundary: mid
-    k4, v4 = (np.array(a).ravel()[:6] for a in velox.age_tiered_get_kv(st))
-    assert k4.tolist() == [0, 255, 0, 17, 136, 34]
-    assert v4.tolist() == [255, 0, 255, 238, 119, 221]  # 255 - (the same rounding)
-    assert st.mid_keys_scales.item() == 17.0 and st.recent_keys_scales.shape[-1] == 0
+    k4, v4 = (np.array(a)[0, 0] for a in velox.age_tiered_get_kv(st))
+    assert (k4[:6] == np.array([0, 255, 0, 17, 136, 34])[:, None]).all()
+    assert (v4[:32, :6] == [255, 0, 255, 238, 119, 221]).all()  # 255 - (the same rounding)
+    assert (np.array(st.mid_keys_scales) == 17.0).all() and (np.array(st.mid_values_scales) == 17.0).all()
+    assert st.recent_keys_scales.shape[-1] == 0 and st.recent_values_scales.shape[2] == 0
     st = velox.age_tiered_update(st, one, one)  # T = 34: age 2 >= mid_boundary: old
-    k2 = np.array(velox.age_tiered_get_kv(st)[0]).ravel()[:6]
-    assert k2.tolist() == [0, 255, 0, 0, 170, 0]
-    assert st.old_keys_scales.item() == 85.0
-    assert velox.age_tiered_bytes(st) == (32 * 2 // 8 + 2 + 2) * 2 + 2 * 4 * 2 + 4
-    # codes 2 bits x 32 tokens = 8 bytes, scale 2, zero 2 (float16), for keys and values;
-    # 2 exact tail tokens per kind (float32, the model's dtype); next_pos.
+    k2 = np.array(velox.age_tiered_get_kv(st)[0])[0, 0]
+    assert (k2[:6] == np.array([0, 255, 0, 0, 170, 0])[:, None]).all()
+    assert (np.array(st.old_keys_scales) == 85.0).all()
+    # Keys: codes 32 channels x 32 tokens x 2 bits = 256 B, float16 scale and zero per channel
+    # 32 x 2 x 2 = 128; values: codes 32 tokens x 32 channels x 2 bits = 256, scale and zero
+    # per token 128; 2 exact tail tokens per kind 2 x 2 x 32 x 4 B (float32) = 512; next_pos 4.
+    assert velox.age_tiered_bytes(st) == 256 + 128 + 256 + 128 + 512 + 4
 
 
 def test_age_tiered_tier_boundaries():
@@ -114,11 +119,11 @@ def test_age_tiered_tier_boundaries():
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_age_tiered_requantization_is_path_independent_and_bounded(dtype):
     # Ages 8 -> 4 -> 2 bits; a 200-token prompt in one chunk or token by token: same state.
-    x = gaussian((1, 2, 200, 16), 0)
+    x = gaussian((1, 2, 200, 32), 0)
     k, v = arr(x, dtype), arr(-x, dtype)
     kw = dict(recent_boundary=40, mid_boundary=100)
-    one = feed(velox.age_tiered_init(1, 2, 16, dtype=dtype, **kw), velox.age_tiered_update, k, v)
-    steps = feed(velox.age_tiered_init(1, 2, 16, dtype=dtype, **kw), velox.age_tiered_update, k, v,
+    one = feed(velox.age_tiered_init(1, 2, 32, dtype=dtype, **kw), velox.age_tiered_update, k, v)
+    steps = feed(velox.age_tiered_init(1, 2, 32, dtype=dtype, **kw), velox.age_tiered_update, k, v,
                  [70] + [1] * 50 + [80])
     states_equal(one, steps)
     # Nested grids: the old tier's error is within half a 2-bit step (the bound), and its
@@ -137,14 +142,16 @@ def test_age_tiered_requantization_is_path_independent_and_bounded(dtype):
 
 @pytest.mark.parametrize("bits", BITS)
 def test_age_tiered_uniform_bits_equal_group_quantization(bits):
-    # All tiers at the same width: every complete group is plain per-channel quantization.
-    x = gaussian((2, 2, 150, 8), bits)
+    # All tiers at the same width: every complete unit is plain quantization, keys per
+    # channel (KIVI's keys), values per token (KIVI's values).
+    x = gaussian((2, 2, 150, 32), bits)
     k, v = arr(x), arr(x * 2)
-    st = feed(velox.age_tiered_init(2, 2, 8, recent_boundary=40, mid_boundary=80, bits_recent=bits,
+    st = feed(velox.age_tiered_init(2, 2, 32, recent_boundary=40, mid_boundary=80, bits_recent=bits,
                                     bits_mid=bits, bits_old=bits), velox.age_tiered_update, k, v)
     got_k, got_v = (np.array(a) for a in velox.age_tiered_get_kv(st))
     want_k, step = per_channel(x, bits, 32)
-    want_v, _ = per_channel(x * 2, bits, 32)
+    want_v = np.array(quant.dequantize(*quant.quantize(arr(x[:, :, :128] * 2), bits, 32), bits, 32,
+                                       mx.float32))
     assert np.array_equal(got_k[:, :, :128], want_k) and np.array_equal(got_v[:, :, :128], want_v)
     assert np.array_equal(got_k[:, :, 128:], x[:, :, 128:])  # the incomplete group: exact
     assert (np.abs(got_k[:, :, :128] - x[:, :, :128]) <= step / 2 * (1 + 1e-5) + 1e-6).all()
@@ -529,7 +536,8 @@ def test_bytes_per_token_at_defaults():
     x = gaussian((1, 1, 1280, d), 20)
     # age_tiered, 1280 tokens: 40 groups; old: (1280 - 1024) // 32 = 8, old or mid:
     # (1280 - 128) // 32 = 36, so 28 mid and 4 recent. Per group and kind: codes
-    # 128 x 32 x bits / 8, scales and zeros 128 x 2 x 2 = 512:
+    # 128 x 32 x bits / 8, scales and zeros 128 x 2 x 2 = 512 (keys: per channel; values: 32
+    # tokens x 4 channel groups x 2 x 2, the same):
     # old 8 x (1024 + 512), mid 28 x (2048 + 512), recent 4 x (4096 + 512), keys and values,
     # plus next_pos (4): 2 x 102400 + 4 = 204804 bytes: 160.0 per token (fp16: 512).
     st = velox.age_tiered_update(velox.age_tiered_init(1, 1, d, dtype=f16), arr(x, f16), arr(x, f16))

@@ -1,7 +1,9 @@
 """AgeTiered: token age sets the bit-width; groups are re-quantized coarser as they age.
 
-Groups of ``group_size`` (``G``) positions are quantized per channel along the tokens (keys
-and values alike). After ``T`` tokens, group ``j`` (newest token aged ``T - (j+1)G``) is at
+Tokens move between tiers in units of ``group_size`` (``G``) positions. Keys are quantized
+per channel along the unit's tokens, values per token in groups of ``G`` channels (KIVI's
+layout: per-channel values lose far more at 2 bits, +47% perplexity against +13% for KIVI
+on SmolLM2). After ``T`` tokens, group ``j`` (newest token aged ``T - (j+1)G``) is at
 ``bits_recent`` while that age is below ``recent_boundary``, at ``bits_mid`` below
 ``mid_boundary`` and at ``bits_old`` after: never coarser than its newest token's age
 entitles. The ``T mod G`` newest tokens wait exact. An aging group is re-quantized from its
@@ -15,8 +17,9 @@ chunk or token-by-token decoding give bit-identical states.
 Scales and zeros are float16 (``velox.quant.side_dtype``); the ``< G`` exact tokens keep the
 model's dtype.
 
-Shapes: ``<tier>_<keys|values>_codes [b, h, d, n_tier*bits/32]`` (tokens last, MLX's
-packing), ``_scales``/``_zeros [b, h, d, n_tier/G]``, ``residual_* [b, h, r, d]`` (r < G).
+Shapes: ``<tier>_keys_codes [b, h, d, n_tier*bits/32]`` (tokens last, MLX's packing),
+``_scales``/``_zeros [b, h, d, n_tier/G]``; ``<tier>_values_codes [b, h, n_tier, d*bits/32]``,
+``_scales``/``_zeros [b, h, n_tier, d/G]``; ``residual_* [b, h, r, d]`` (r < G).
 
 References:
     No paper: the seed library's own design (VeloxQuant-MLX's AgeTieredKV).
@@ -57,21 +60,21 @@ class AgeTieredState(NamedTuple):
     old_keys_codes: UInt[Array, "b h d wo"]
     old_keys_scales: Float[Array, "b h d go"]
     old_keys_zeros: Float[Array, "b h d go"]
-    old_values_codes: UInt[Array, "b h d wo"]
-    old_values_scales: Float[Array, "b h d go"]
-    old_values_zeros: Float[Array, "b h d go"]
+    old_values_codes: UInt[Array, "b h no vo"]
+    old_values_scales: Float[Array, "b h no gv"]
+    old_values_zeros: Float[Array, "b h no gv"]
     mid_keys_codes: UInt[Array, "b h d wm"]
     mid_keys_scales: Float[Array, "b h d gm"]
     mid_keys_zeros: Float[Array, "b h d gm"]
-    mid_values_codes: UInt[Array, "b h d wm"]
-    mid_values_scales: Float[Array, "b h d gm"]
-    mid_values_zeros: Float[Array, "b h d gm"]
+    mid_values_codes: UInt[Array, "b h nm vm"]
+    mid_values_scales: Float[Array, "b h nm gv"]
+    mid_values_zeros: Float[Array, "b h nm gv"]
     recent_keys_codes: UInt[Array, "b h d wr"]
     recent_keys_scales: Float[Array, "b h d gr"]
     recent_keys_zeros: Float[Array, "b h d gr"]
-    recent_values_codes: UInt[Array, "b h d wr"]
-    recent_values_scales: Float[Array, "b h d gr"]
-    recent_values_zeros: Float[Array, "b h d gr"]
+    recent_values_codes: UInt[Array, "b h nr vr"]
+    recent_values_scales: Float[Array, "b h nr gv"]
+    recent_values_zeros: Float[Array, "b h nr gv"]
     residual_keys: Float[Array, "b h r d"]
     residual_values: Float[Array, "b h r d"]
     next_pos: Int[Array, "b h"]
@@ -94,12 +97,16 @@ def age_tiered_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype
                                    bits_recent=bits_recent, bits_mid=bits_mid, bits_old=bits_old,
                                    group_size=group_size))
     b, h, d = batch, kv_heads, head_dim
+    sd, bits = quant.side_dtype(dtype), {"old": p["bits_old"], "mid": p["bits_mid"],
+                                         "recent": p["bits_recent"]}
     empty = {}
     for tier in TIERS:
-        for kind in ("keys", "values"):
-            empty[f"{tier}_{kind}_codes"] = mx.zeros((b, h, d, 0), mx.uint32)
-            empty[f"{tier}_{kind}_scales"] = mx.zeros((b, h, d, 0), quant.side_dtype(dtype))
-            empty[f"{tier}_{kind}_zeros"] = mx.zeros((b, h, d, 0), quant.side_dtype(dtype))
+        empty[f"{tier}_keys_codes"] = mx.zeros((b, h, d, 0), mx.uint32)
+        empty[f"{tier}_keys_scales"] = mx.zeros((b, h, d, 0), sd)
+        empty[f"{tier}_keys_zeros"] = mx.zeros((b, h, d, 0), sd)
+        empty[f"{tier}_values_codes"] = mx.zeros((b, h, 0, d * bits[tier] // 32), mx.uint32)
+        empty[f"{tier}_values_scales"] = mx.zeros((b, h, 0, d // p["group_size"]), sd)
+        empty[f"{tier}_values_zeros"] = mx.zeros((b, h, 0, d // p["group_size"]), sd)
     return AgeTieredState(**empty, residual_keys=mx.zeros((b, h, 0, d), dtype),
                           residual_values=mx.zeros((b, h, 0, d), dtype),
                           next_pos=mx.zeros((b, h), mx.int32), **p, backend=backend)
@@ -144,15 +151,49 @@ def _requantize(codes: UInt[Array, "*batch m"], scales, bits_from: int, bits_to:
     return coarse.astype(mx.uint32), (scales.astype(mx.float32) * k).astype(scales.dtype)
 
 
-def _take(run: tuple, start: int, stop: int | None, g: int) -> tuple:
-    """Groups ``[start, stop)`` of unpacked ``(codes, scales, zeros)`` (codes ``g`` per group)."""
+def _unit(kind: str, g: int) -> int:
+    """Scale (and zero) entries per unit of ``g`` tokens along a run's last axis."""
+    return 1 if kind == "keys" else g
+
+
+def _take(run: tuple, start: int, stop: int | None, g: int, unit: int) -> tuple:
+    """Units ``[start, stop)`` of a run: unpacked ``(codes, scales, zeros)``, tokens last
+    (codes ``g`` per unit, scales ``unit`` per unit)."""
     codes, scales, zeros = run
-    return (codes[..., start * g:None if stop is None else stop * g], scales[..., start:stop],
-            zeros[..., start:stop])
+    end = None if stop is None else stop * unit
+    return (codes[..., start * g:None if stop is None else stop * g],
+            scales[..., start * unit:end], zeros[..., start * unit:end])
 
 
-def _cat(a: tuple, b: tuple) -> tuple:
-    return tuple(mx.concatenate([x, y], axis=-1) for x, y in zip(a, b))
+def _cat(a: tuple, b: tuple, axis: int = -1) -> tuple:
+    return tuple(mx.concatenate([x, y], axis=axis) for x, y in zip(a, b))
+
+
+def _to_run(kind: str, codes, scales, zeros, bits: int) -> tuple:
+    """Stored (packed) codes to a run: keys ``[b, h, d, n]``; values transposed to tokens
+    last, codes ``[b, h, d, n]``, scales ``[b, h, d/G, n]``."""
+    if kind == "keys":
+        return quant.unpack(codes, bits), scales, zeros
+    return quant.unpack(codes, bits).swapaxes(2, 3), scales.swapaxes(2, 3), zeros.swapaxes(2, 3)
+
+
+def _from_run(kind: str, run: tuple, bits: int) -> tuple:
+    """Inverse of :func:`_to_run`: the stored layout, codes packed."""
+    codes, scales, zeros = run
+    if kind == "keys":
+        return quant.pack(codes, bits), scales, zeros
+    return quant.pack(codes.swapaxes(2, 3), bits), scales.swapaxes(2, 3), zeros.swapaxes(2, 3)
+
+
+def _stored_slice(kind: str, stored: tuple, start: int, stop: int | None, g: int, bits: int) -> tuple:
+    """Units ``[start, stop)`` of a tier's stored (packed) arrays, without unpacking."""
+    codes, scales, zeros = stored
+    if kind == "keys":
+        w = g * bits // 32
+        return (codes[..., start * w:None if stop is None else stop * w], scales[..., start:stop],
+                zeros[..., start:stop])
+    end = None if stop is None else stop * g
+    return codes[:, :, start * g:end], scales[:, :, start * g:end], zeros[:, :, start * g:end]
 
 
 def _update_mlx(state: AgeTieredState, keys, values, queries) -> AgeTieredState:
@@ -165,28 +206,31 @@ def _update_mlx(state: AgeTieredState, keys, values, queries) -> AgeTieredState:
     for kind, x in (("keys", keys), ("values", values)):
         rows = mx.concatenate([getattr(state, f"residual_{kind}"), x], axis=2)
         fields[f"residual_{kind}"] = rows[:, :, new_groups * g:]
-        # Groups entering a tier (unpacked codes, newer than the tier's stored groups): the
-        # new complete groups enter "recent"; the oldest groups of a tier move to the next.
+        u, axis = _unit(kind, g), (-1 if kind == "keys" else 2)
+        # Units entering a tier (runs: unpacked, tokens last, newer than the tier's stored
+        # units): new complete units enter "recent"; a tier's oldest units move to the next.
         entering = None
         if new_groups:
-            q, sc, z = quant.quantize(rows[:, :, :new_groups * g].swapaxes(2, 3), bits["recent"], g)
-            entering = (quant.unpack(q, bits["recent"]), sc, z)
+            block = rows[:, :, :new_groups * g]
+            if kind == "keys":  # per channel along the tokens
+                q, sc, z = quant.quantize(block.swapaxes(2, 3), bits["recent"], g)
+            else:               # per token along the channels
+                q, sc, z = quant.quantize(block, bits["recent"], g)
+            entering = _to_run(kind, q, sc, z, bits["recent"])
         for tier, coarser in (("recent", "mid"), ("mid", "old"), ("old", None)):
-            codes, scales, zeros = (getattr(state, f"{tier}_{kind}_{p}") for p in _PARTS)
-            n_in = 0 if entering is None else entering[1].shape[-1]
+            stored = tuple(getattr(state, f"{tier}_{kind}_{p}") for p in _PARTS)
+            n_in = 0 if entering is None else entering[1].shape[-1] // u
             leave = before[tier] + n_in - after[tier]
-            old = min(leave, before[tier])  # leaving from the stored groups, then from entering
-            w = g * bits[tier] // 32
-            kept = (codes[..., old * w:], scales[..., old:], zeros[..., old:])
+            old = min(leave, before[tier])  # leaving from the stored units, then from entering
+            kept = _stored_slice(kind, stored, old, None, g, bits[tier])
             leaving = None
             if old:
-                leaving = (quant.unpack(codes[..., :old * w], bits[tier]), scales[..., :old],
-                           zeros[..., :old])
+                leaving = _to_run(kind, *_stored_slice(kind, stored, 0, old, g, bits[tier]), bits[tier])
             if n_in > leave - old:
-                stay = _take(entering, leave - old, None, g)
-                kept = _cat(kept, (quant.pack(stay[0], bits[tier]), stay[1], stay[2]))
+                stay = _from_run(kind, _take(entering, leave - old, None, g, u), bits[tier])
+                kept = _cat(kept, stay, axis)
             if leave > old:
-                through = _take(entering, 0, leave - old, g)
+                through = _take(entering, 0, leave - old, g, u)
                 leaving = through if leaving is None else _cat(leaving, through)
             for p, arr in zip(_PARTS, kept):
                 fields[f"{tier}_{kind}_{p}"] = arr
@@ -208,9 +252,9 @@ def _np_quantize_rows(x: np.ndarray, bits: int, dtype: mx.Dtype):
 
 class _Group(NamedTuple):
     tier: str
-    codes: np.ndarray   # [d, G] uint32
-    scale: np.ndarray   # [d] float32 (the stored value)
-    zero: np.ndarray    # [d] float32
+    codes: np.ndarray   # keys [d, G], values [G, d]; uint32
+    scale: np.ndarray   # keys [d], values [G, d/G]; float32 (the stored value)
+    zero: np.ndarray
 
 
 def _np_target_tier(state: AgeTieredState, j: int, total: int) -> str:
@@ -220,19 +264,35 @@ def _np_target_tier(state: AgeTieredState, j: int, total: int) -> str:
     return "mid" if age < state.mid_boundary else "old"
 
 
+def _np_stored(state: AgeTieredState, kind: str, tier: str, i: int, h: int) -> list:
+    """The stored units of one head's tier, oldest first."""
+    g, bits = state.group_size, tier_bits(state)[tier]
+    if getattr(state, f"{tier}_{kind}_scales").size == 0:
+        return []
+    codes = ref.unpack_codes(ref.to_np(getattr(state, f"{tier}_{kind}_codes")[i, h], np.uint32), bits)
+    scales = ref.to_np(getattr(state, f"{tier}_{kind}_scales")[i, h], np.float32)
+    zeros = ref.to_np(getattr(state, f"{tier}_{kind}_zeros")[i, h], np.float32)
+    if kind == "keys":   # codes [d, n], scales [d, n/G]
+        return [_Group(tier, codes[:, k * g:(k + 1) * g], scales[:, k], zeros[:, k])
+                for k in range(scales.shape[1])]
+    return [_Group(tier, codes[k * g:(k + 1) * g], scales[k * g:(k + 1) * g], zeros[k * g:(k + 1) * g])
+            for k in range(scales.shape[0] // g)]          # codes [n, d], scales [n, d/G]
+
+
 def _np_head(state: AgeTieredState, kind: str, i: int, h: int, rows: np.ndarray, total: int):
-    """One head's groups after the update: ``{tier: (codes [d, n], scales [d, g], zeros)}``."""
+    """One head's groups after the update: ``{tier: (packed codes, scales, zeros)}`` in the
+    stored layout."""
     dtype, g, bits = quant.side_dtype(state.residual_keys.dtype), state.group_size, tier_bits(state)
     groups: list[_Group] = []
     for tier in TIERS:  # stored groups, oldest first
-        words = ref.to_np(getattr(state, f"{tier}_{kind}_codes")[i, h], np.uint32)
-        codes = ref.unpack_codes(words, bits[tier])
-        scales = ref.to_np(getattr(state, f"{tier}_{kind}_scales")[i, h], np.float32)
-        zeros = ref.to_np(getattr(state, f"{tier}_{kind}_zeros")[i, h], np.float32)
-        for k in range(scales.shape[1]):
-            groups.append(_Group(tier, codes[:, k * g:(k + 1) * g], scales[:, k], zeros[:, k]))
+        groups += _np_stored(state, kind, tier, i, h)
     for k in range(rows.shape[0] // g):  # new complete groups start in the recent tier
-        codes, scale, zero = _np_quantize_rows(rows[k * g:(k + 1) * g].T, bits["recent"], dtype)
+        block = rows[k * g:(k + 1) * g]
+        if kind == "keys":
+            codes, scale, zero = _np_quantize_rows(block.T, bits["recent"], dtype)
+        else:
+            words, scale, zero = ref.quantize(block, bits["recent"], g, dtype)
+            codes = ref.unpack_codes(words, bits["recent"])
         groups.append(_Group("recent", codes, scale, zero))
     order = ["recent", "mid", "old"]
     for j, grp in enumerate(groups):
@@ -248,10 +308,16 @@ def _np_head(state: AgeTieredState, kind: str, i: int, h: int, rows: np.ndarray,
     d = rows.shape[1]
     for tier in TIERS:
         mine = [grp for grp in groups if grp.tier == tier]
-        codes = np.concatenate([grp.codes for grp in mine], 1) if mine else np.zeros((d, 0), np.uint32)
-        out[tier] = (ref.pack_codes(codes, bits[tier]),
-                     np.stack([grp.scale for grp in mine], 1) if mine else np.zeros((d, 0), np.float32),
-                     np.stack([grp.zero for grp in mine], 1) if mine else np.zeros((d, 0), np.float32))
+        if kind == "keys":
+            codes = np.concatenate([grp.codes for grp in mine], 1) if mine else np.zeros((d, 0), np.uint32)
+            side = lambda xs: np.stack(xs, 1) if xs else np.zeros((d, 0), np.float32)  # noqa: E731
+            packed = ref.pack_codes(codes, bits[tier])
+        else:
+            side = (lambda xs: np.concatenate(xs, 0) if xs  # noqa: E731
+                    else np.zeros((0, d // g), np.float32))
+            packed = (ref.pack_codes(np.concatenate([grp.codes for grp in mine], 0), bits[tier]) if mine
+                      else np.zeros((0, d * bits[tier] // 32), np.uint32))
+        out[tier] = (packed, side([grp.scale for grp in mine]), side([grp.zero for grp in mine]))
     return out
 
 
@@ -294,8 +360,10 @@ def age_tiered_get_kv(state: AgeTieredState) -> tuple[Float[Array, "b h n d"], F
     out = []
     for kind in ("keys", "values"):
         parts = [quant.dequantize(*(getattr(state, f"{tier}_{kind}_{p}") for p in _PARTS),
-                                  bits[tier], state.group_size,
-                                  state.residual_keys.dtype).swapaxes(2, 3) for tier in TIERS]
+                                  bits[tier], state.group_size, state.residual_keys.dtype)
+                 for tier in TIERS]
+        if kind == "keys":
+            parts = [x.swapaxes(2, 3) for x in parts]
         out.append(mx.concatenate(parts + [getattr(state, f"residual_{kind}")], axis=2))
     return out[0], out[1]
 
@@ -324,9 +392,8 @@ def age_tiered_error_bound(
     """Per-element bound on ``|get_kv - input|``: half the tier's step plus rounding terms.
 
     The nested-grid re-quantization keeps the error within half the coarse step; each
-    re-quantization adds rounding terms (the scale is rounded to the cache dtype at every
-    step, and the finer codes were computed against a rounded scale): ``2 (L + 1) u scale``
-    per step, ``L = 2**bits - 1``, ``u`` the dtype's unit roundoff (twice what they need).
+    re-quantization adds rounding terms (the scale is rounded to float16 at every step, and the finer codes were computed against a rounded scale): ``2 (L + 1) u scale``
+    per step, ``L = 2**bits - 1``, ``u`` the side dtype's unit roundoff (twice what they need).
     """
     bits = tier_bits(state)
     u = quant.unit_roundoff(quant.side_dtype(state.residual_keys.dtype))
@@ -339,7 +406,7 @@ def age_tiered_error_bound(
                                       state.group_size)
             extra = _requant_stages(state, tier) * 2 * (1 << bits[tier]) * u
             bound = bound + extra * mx.repeat(scales.astype(mx.float32), state.group_size, axis=-1)
-            parts.append(bound.swapaxes(2, 3))
+            parts.append(bound.swapaxes(2, 3) if kind == "keys" else bound)
         parts.append(mx.zeros(getattr(state, f"residual_{kind}").shape, mx.float32))
         out.append(mx.concatenate(parts, axis=2))
     return out[0], out[1]
