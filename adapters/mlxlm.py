@@ -24,6 +24,12 @@ Protocol facts this class honours:
   update then runs at the next call with the key-as-query proxy.
 * Every array of the state is scheduled for evaluation after each update, so lazy graphs
   never accumulate over a long decode.
+* Decode modes (``decode=``): ``"evict"`` runs the method's update at every call, decode
+  steps included. ``"append"`` compresses multi-token calls (prefill chunks) as ``"evict"``
+  does, but appends single-token steps uncompressed to a tail of at most ``decode_cap``
+  tokens, which attention reads after the stored tokens; the step that fills the tail hands
+  it to the method as one chunk (with the tail's real queries), after its attention. A
+  multi-token call takes the tail with it the same way: one update of tail + chunk.
 * ``save_cache`` / ``load_cache``: one checksummed ``.safetensors`` file; a loaded cache is
   checked against its method and decodes as the saved one would have.
 """
@@ -69,12 +75,27 @@ class _Model:
 
 # --- the cache ------------------------------------------------------------------------
 
+DECODE_MODES = ("evict", "append")
+DECODE_CAP = 64  # append mode: decoded tokens held uncompressed before the method absorbs them
+
+
+def _check_decode(decode: Any, decode_cap: Any) -> None:
+    if decode not in DECODE_MODES:
+        raise ValueError(f"decode={decode!r} must be one of {', '.join(map(repr, DECODE_MODES))}")
+    if isinstance(decode_cap, bool) or not isinstance(decode_cap, int) or decode_cap < 1:
+        raise ValueError(f"decode_cap={decode_cap!r} must be an integer >= 1")
+
+
 class VeloxCache(_BaseCache):
     """mlx-lm cache protocol around one layer's velox state (any registered method)."""
 
     def __init__(self, method: str, params: dict[str, Any] | None = None, *,
                  backend: str = "auto", layer: int = 0, model: _Model | None = None,
-                 compile: bool = True, real_queries: bool = True):
+                 compile: bool = True, real_queries: bool = True, decode: str = "evict",
+                 decode_cap: int = DECODE_CAP):
+        _check_decode(decode, decode_cap)
+        self.decode = decode
+        self.decode_cap = decode_cap
         self.method = get_method(method)
         self.params = dict(params or {})
         self._full_params = validate_params(self.method.spec, self.params)
@@ -90,6 +111,14 @@ class VeloxCache(_BaseCache):
         self._state: tuple | None = None
         self._pending: tuple[mx.array, mx.array] | None = None
         self._offset = 0
+        # Append mode: decoded tokens not yet handed to the method, their queries (None once
+        # a step's query is missing), whether a step awaits the wrapper, and the queries of a
+        # tail merged into the pending update (``_prefix`` tokens of it).
+        self._tail: tuple[mx.array, mx.array] | None = None
+        self._tail_q: mx.array | None = None
+        self._tail_waiting = False
+        self._prefix_q: mx.array | None = None
+        self._prefix = 0
 
     # -- protocol ------------------------------------------------------------------
     @property
@@ -102,12 +131,30 @@ class VeloxCache(_BaseCache):
         raise AttributeError("the offset of a velox cache follows the tokens it absorbed")
 
     def size(self) -> int:
-        """Stored tokens (after the last eviction)."""
+        """Stored tokens (after the last eviction), the append-mode tail included."""
         self._flush()
-        return 0 if self._state is None else int(self.method.positions(self._state).shape[2])
+        return self._stored_count() + self._tail_len()
 
     def empty(self) -> bool:
-        return self._state is None and self._pending is None
+        return self._state is None and self._pending is None and self._tail is None
+
+    @property
+    def tail(self) -> tuple[mx.array, mx.array] | None:
+        """Append mode: the decoded ``(keys, values)`` ``[b, h, t, d]`` not yet compressed."""
+        return self._tail
+
+    def positions(self) -> mx.array:
+        """Absolute positions ``[b, h, n]`` of what attention reads: stored, then the tail."""
+        self._flush()
+        if self._state is None:
+            return mx.zeros((1, 1, 0), mx.int32)
+        pos = self.method.positions(self._state)
+        t = self._tail_len()
+        if not t:
+            return pos
+        b, h = pos.shape[:2]
+        new = mx.arange(self._offset - t, self._offset, dtype=pos.dtype)
+        return mx.concatenate([pos, mx.broadcast_to(new, (b, h, t))], axis=2)
 
     def is_trimmable(self) -> bool:
         return False
@@ -122,7 +169,7 @@ class VeloxCache(_BaseCache):
         if N == 1:
             return None
         if return_array:
-            return _mlx_base.create_causal_mask(N, offset=self._stored_count())
+            return _mlx_base.create_causal_mask(N, offset=self._stored_count() + self._tail_len())
         return "causal"
 
     @property
@@ -132,19 +179,20 @@ class VeloxCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes the velox state really holds (plus new tokens not yet absorbed)."""
+        """Bytes the velox state really holds, plus new tokens not yet absorbed and the
+        append-mode tail (its keys, values and kept queries)."""
         total = 0 if self._state is None else self.method.nbytes(self._state)
         if self._pending is not None:
             total += sum(x.nbytes for x in self._pending)
-        return total
+        return total + sum(x.nbytes for x in self._tail_arrays())
 
     @property
     def state(self) -> list[mx.array]:
-        """Every array of the velox state (mlx-lm evaluates these)."""
+        """Every array of the velox state and of the tail (mlx-lm evaluates these)."""
         self._flush()
         if self._state is None:
             return []
-        return [x for _, x in tree_flatten(self._state) if isinstance(x, mx.array)]
+        return [x for _, x in tree_flatten(self._state) if isinstance(x, mx.array)] + self._tail_arrays()
 
     @state.setter
     def state(self, v) -> None:
@@ -152,7 +200,7 @@ class VeloxCache(_BaseCache):
 
     @property
     def velox_state(self) -> tuple | None:
-        """The method's state record (after absorbing any pending tokens)."""
+        """The method's state record (after absorbing any pending tokens; without the tail)."""
         self._flush()
         return self._state
 
@@ -162,13 +210,14 @@ class VeloxCache(_BaseCache):
 
         When the attention wrapper will run for this cache and does the work itself (the
         method's ``attend`` hook, or the fused compiled decode step), only the new tokens are
-        returned: the wrapper ignores what it is handed.
+        returned: the wrapper ignores what it is handed. In append mode a single-token step
+        below the cap joins the tail and the method's update does not run.
         """
         if self.layer == 0:
             _refuse_ignored_generate_args(sys._getframe(1))
         wants_queries = self._real_queries or self.method.attend is not None
         if self._routed is None:  # loaded without its model: find out from this forward
-            if self._pending is None:
+            if not self._waiting():
                 if wants_queries:
                     install_query_capture()  # the model's module is imported by now
             else:  # the last forward did not call the wrapper
@@ -176,18 +225,30 @@ class VeloxCache(_BaseCache):
                 if self.method.attend is not None:
                     raise ValueError(f"{self.method.key} needs a model whose attention calls "
                                      "mlx-lm's scaled_dot_product_attention")
-        if self._pending is not None and self._wrapped_only():
+        if self._waiting() and self._wrapped_only():
             raise RuntimeError(
                 f"{self.method.key} attends through mlx-lm's scaled_dot_product_attention, "
                 "but the last forward did not call it for this layer")
-        self._accept(keys, values)
+        self._tail_waiting = False
         deferred = _capture_installed() and wants_queries
-        self._fused = deferred and self._routed is not False and self._steady(keys)
+        if (self.decode == "append" and keys.shape[2] == 1
+                and self._tail_len() + 1 < self.decode_cap):
+            self._append(keys, values)
+            self._fused = False
+            self._tail_waiting = deferred
+            if deferred and self.method.attend is not None and self._routed:
+                return keys, values
+            k, v = self.method.get_kv(self._state)
+            tk, tv = self._tail
+            return evict.append_rows(k, tk), evict.append_rows(v, tv)
+        self._accept(keys, values)
+        new_k, new_v = self._pending
+        self._fused = deferred and self._routed is not False and self._steady(new_k)
         if deferred and (self.method.attend is not None or self._fused) and self._routed:
             return keys, values
         # Stored + new (lazy: never computed if the wrapper attends itself).
         k, v = self.method.get_kv(self._state)
-        out = evict.append_rows(k, keys), evict.append_rows(v, values)
+        out = evict.append_rows(k, new_k), evict.append_rows(v, new_v)
         if not deferred:
             self._absorb(None)
         return out
@@ -197,6 +258,17 @@ class VeloxCache(_BaseCache):
         """This step's attention (plain, fused, or the method's ``attend``), then the update."""
         if self._routed is None:
             self._routed = True
+        if self._tail_waiting:  # append mode: a decode step that joined the tail
+            self._tail_waiting = False
+            if self.method.attend is not None:
+                if sinks is not None:
+                    raise ValueError(f"{self.method.key} does not support attention sinks")
+                out = self._attend(queries, *self._tail, mask, scale=scale)
+            else:
+                out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
+                                                           mask=mask, sinks=sinks)
+            self._keep_query(queries)
+            return out
         if self._pending is None:  # proxy mode: the update already ran in update_and_fetch
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                         mask=mask, sinks=sinks)
@@ -209,7 +281,7 @@ class VeloxCache(_BaseCache):
         if self.method.attend is not None:
             if sinks is not None:
                 raise ValueError(f"{self.method.key} does not support attention sinks")
-            out = self.method.attend(self._state, queries, new_k, new_v, scale=scale, mask=mask)
+            out = self._attend(queries, new_k, new_v, mask, scale=scale)
         else:
             if self._fused:  # handed the new tokens only; rebuild what attention reads
                 k, v = self.method.get_kv(self._state)
@@ -229,18 +301,74 @@ class VeloxCache(_BaseCache):
         self._absorb(queries)
 
     def _accept(self, keys: mx.array, values: mx.array) -> None:
-        """Absorb what is pending, create the state on the first tokens, hold these as pending."""
+        """Absorb what is pending, create the state on the first tokens, hold these as pending
+        (after the tail, which they take with them)."""
         self._flush()
+        self._init_state(keys)
+        self._offset += keys.shape[2]
+        if self._tail is not None:
+            tk, tv = self._tail
+            self._prefix, self._prefix_q = tk.shape[2], self._full_tail_queries()
+            keys, values = mx.concatenate([tk, keys], axis=2), mx.concatenate([tv, values], axis=2)
+            self._tail = self._tail_q = None
+        self._pending = (keys, values)
+
+    def _append(self, keys: mx.array, values: mx.array) -> None:
+        """Append mode: one decoded token joins the tail (the method's state is untouched)."""
+        self._flush()
+        self._init_state(keys)
+        self._offset += 1
+        if self._tail is None:
+            self._tail = (keys, values)
+        else:
+            tk, tv = self._tail
+            self._tail = (mx.concatenate([tk, keys], axis=2), mx.concatenate([tv, values], axis=2))
+        mx.async_eval(list(self._tail))
+
+    def _init_state(self, keys: mx.array) -> None:
         if self._state is None:
             b, h, _, d = keys.shape
             self._state = self.method.init(b, h, d, dtype=keys.dtype, backend=self.backend,
                                            **self.params)
-        self._pending = (keys, values)
-        self._offset += keys.shape[2]
+
+    def _keep_query(self, queries: mx.array) -> None:
+        """Record the query of the token that just joined the tail (real-query mode)."""
+        t = self._tail_len()
+        if not self._real_queries:
+            return
+        if t == 1:
+            self._tail_q = queries
+        elif self._tail_q is not None and self._tail_q.shape[2] == t - 1:
+            self._tail_q = mx.concatenate([self._tail_q, queries], axis=2)
+        else:  # a step's query is missing: the tail is absorbed with the proxy
+            self._tail_q = None
+        if self._tail_q is not None:
+            mx.async_eval(self._tail_q)
+
+    def _full_tail_queries(self) -> mx.array | None:
+        q = self._tail_q
+        return q if q is not None and q.shape[2] == self._tail_len() else None
+
+    def _attend(self, queries: mx.array, keys: mx.array, values: mx.array, mask, *,
+                scale: float) -> mx.array:
+        """The method's ``attend`` over stored + ``keys`` when ``keys`` may be longer than the
+        queries (a tail before them): the queries are padded in front and the mask is causal,
+        so each real query sees every stored token, the tail and the new tokens up to itself."""
+        s, t = queries.shape[2], keys.shape[2]
+        if t == s:
+            return self.method.attend(self._state, queries, keys, values, scale=scale, mask=mask)
+        b, q, _, d = queries.shape
+        padded = mx.concatenate([mx.zeros((b, q, t - s, d), queries.dtype), queries], axis=2)
+        out = self.method.attend(self._state, padded, keys, values, scale=scale, mask="causal")
+        return out[:, :, t - s:]
 
     def _absorb(self, queries: mx.array | None) -> None:
         keys, values = self._pending
         self._pending = None
+        if self._prefix:  # a tail went with these tokens: its queries first, or none at all
+            queries = (None if queries is None or self._prefix_q is None
+                       else mx.concatenate([self._prefix_q, queries], axis=2))
+            self._prefix, self._prefix_q = 0, None
         m = self.method
         if m.layer_update is not None and self._model is not None:
             model = self._model
@@ -258,6 +386,18 @@ class VeloxCache(_BaseCache):
         """Absorb tokens whose attention did not go through the wrapper (proxy queries)."""
         if self._pending is not None:
             self._absorb(None)
+
+    def _waiting(self) -> bool:
+        """Whether the last update_and_fetch left work for the attention wrapper."""
+        return self._pending is not None or self._tail_waiting
+
+    def _tail_len(self) -> int:
+        return 0 if self._tail is None else int(self._tail[0].shape[2])
+
+    def _tail_arrays(self) -> list[mx.array]:
+        if self._tail is None:
+            return []
+        return [*self._tail] + ([] if self._tail_q is None else [self._tail_q])
 
     def _wrapped_only(self) -> bool:
         """Whether the last update_and_fetch returned only the new tokens."""
@@ -414,7 +554,8 @@ def _expand(params: dict[str, Any], n_layers: int) -> list[dict[str, Any]] | Non
 
 
 def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool = True,
-               compile: bool = True, **params: Any) -> list:
+               compile: bool = True, decode: str = "evict", decode_cap: int = DECODE_CAP,
+               **params: Any) -> list:
     """One cache per layer of ``model``: velox caches where the model keeps a plain KV cache.
 
     Args:
@@ -424,12 +565,19 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
         real_queries: capture the model's real queries (wraps mlx-lm's attention for velox
             caches); ``False`` uses the key-as-query proxy.
         compile: compile single-token updates once the cache is full.
+        decode: ``"evict"``: every call runs the method's update, decode steps included.
+            ``"append"``: multi-token calls are compressed as in ``"evict"``; single-token
+            steps join an uncompressed tail that attention reads, and the step that fills it
+            to ``decode_cap`` tokens hands it to the method as one chunk (with its queries).
+        decode_cap: append mode's tail length at which the method absorbs it (1 updates at
+            every step, as ``"evict"`` does).
         **params: the method's parameters; a list gives one value per attention layer.
             Methods with a schedule (``layer_params``) derive per-layer values themselves.
     Returns:
         A list for ``prompt_cache=`` (layers whose default cache is not a plain ``KVCache``,
         e.g. recurrent or sliding-window layers, keep their default cache).
     """
+    _check_decode(decode, decode_cap)
     m = get_method(method)
     base = make_prompt_cache(model)
     slots = [i for i, c in enumerate(base) if type(c) is KVCache]
@@ -449,7 +597,8 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
     caches = list(base)
     for layer, slot in enumerate(slots):
         caches[slot] = VeloxCache(method, per_layer[layer], backend=backend, layer=layer,
-                                  model=shared, compile=compile, real_queries=real_queries)
+                                  model=shared, compile=compile, real_queries=real_queries,
+                                  decode=decode, decode_cap=decode_cap)
         caches[slot]._routed = routed
     return caches
 
@@ -523,12 +672,20 @@ def _checksum(arrays: dict[str, mx.array]) -> str:
     return h.hexdigest()
 
 
+def _save_tail(c: VeloxCache, i: int, arrays: dict[str, mx.array]) -> dict[str, Any] | None:
+    if c.tail is None:
+        return None
+    q = c._full_tail_queries()
+    parts = {"keys": c.tail[0], "values": c.tail[1], "queries": q}
+    return {k: None if x is None else _split(x, f"tail.{i}.{k}", arrays) for k, x in parts.items()}
+
+
 def save_cache(path: str | Path, caches: list, metadata: dict[str, str] | None = None) -> None:
     """Save velox caches (every array and static field) to one ``.safetensors`` file.
 
     The file carries a SHA-256 of its array data, checked by :func:`load_cache`, and is laid
     out so that mlx-lm's ``load_prompt_cache`` refuses it with a message naming
-    :func:`load_cache`.
+    :func:`load_cache`. Append mode's tail (keys, values, queries) is saved with its layer.
     """
     arrays: dict[str, mx.array] = {}
     layers = []
@@ -540,7 +697,8 @@ def save_cache(path: str | Path, caches: list, metadata: dict[str, str] | None =
         entry = {"method": c.method.key, "params": c.params, "backend": c.backend,
                  "layer": c.layer, "offset": c.offset, "compile": c._compile,
                  "real_queries": c._real_queries,
-                 "state": None if st is None else _save_record(st, str(i), arrays)}
+                 "state": None if st is None else _save_record(st, str(i), arrays),
+                 "decode": c.decode, "decode_cap": c.decode_cap, "tail": _save_tail(c, i, arrays)}
         layers.append(entry)
         if c._model is not None and shared is None:
             shared = c._model
@@ -657,14 +815,20 @@ def _read_meta(where: str, raw: dict[str, str], arrays: dict[str, mx.array]) -> 
 
 _ENTRY = {"method": str, "params": dict, "backend": str, "layer": int, "offset": int,
           "compile": bool, "real_queries": bool, "state": (dict, type(None))}
+# Written since decode modes exist; files without all three load as decode="evict".
+_DECODE_ENTRY = {"decode": str, "decode_cap": int, "tail": (dict, type(None))}
 
 
 def _load_layer(where: str, i: int, entry: Any, arrays: dict[str, mx.array], used: set[str],
                 backend: str | None) -> VeloxCache:
-    if not isinstance(entry, dict) or set(entry) != set(_ENTRY):
+    fields = dict(_ENTRY)
+    if isinstance(entry, dict) and set(_DECODE_ENTRY) & set(entry):
+        fields.update(_DECODE_ENTRY)
+    if not isinstance(entry, dict) or set(entry) != set(fields):
         got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
-        raise ValueError(f"{where}: the entry must have the fields {', '.join(_ENTRY)}; got {got}")
-    for name, kind in _ENTRY.items():
+        raise ValueError(f"{where}: the entry must have the fields {', '.join(_ENTRY)} (and "
+                         f"{', '.join(_DECODE_ENTRY)} together); got {got}")
+    for name, kind in fields.items():
         value = entry[name]
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise ValueError(f"{where}: {name}={value!r} is not a {getattr(kind, '__name__', kind)}")
@@ -673,16 +837,22 @@ def _load_layer(where: str, i: int, entry: Any, arrays: dict[str, mx.array], use
     offset = entry["offset"]
     if offset < 0:
         raise ValueError(f"{where}: offset={offset} is negative")
+    decode = dict(decode=entry.get("decode", "evict"), decode_cap=entry.get("decode_cap", DECODE_CAP))
     try:
         m = get_method(entry["method"])
         c = VeloxCache(entry["method"], entry["params"], backend=backend or entry["backend"],
-                       layer=i, compile=entry["compile"], real_queries=entry["real_queries"])
+                       layer=i, compile=entry["compile"], real_queries=entry["real_queries"],
+                       **decode)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
-    desc = entry["state"]
+    desc, tail = entry["state"], entry.get("tail")
+    if tail is not None and c.decode != "append":
+        raise ValueError(f"{where}: decode={c.decode!r} but the entry holds an append-mode tail")
     if desc is None:
         if offset != 0:
             raise ValueError(f"{where}: offset={offset} but the cache holds no state")
+        if tail is not None:
+            raise ValueError(f"{where}: a tail but no state")
         if c.backend != "auto":
             _resolve(where, c.backend, m, saved=backend is None)
         return c
@@ -692,9 +862,52 @@ def _load_layer(where: str, i: int, entry: Any, arrays: dict[str, mx.array], use
     run_on = _resolve(where, backend or saved, m, saved=backend is None)
     desc = _with_backend(desc, run_on)
     st = _build(where, m.state_type, desc, arrays, used)
-    _check_state(where, m, st, entry["params"], offset)
+    tk = tv = tq = None
+    if tail is not None:
+        tk, tv, tq = _load_tail(where, tail, arrays, used, st, m, c.decode_cap, offset)
+    t = 0 if tk is None else tk.shape[2]
+    _check_state(where, m, st, entry["params"], offset, t)
     c._state, c._offset = st, offset
+    if tk is not None:
+        c._tail, c._tail_q = (tk, tv), tq
     return c
+
+
+def _load_tail(where: str, tail: dict, arrays: dict[str, mx.array], used: set[str], st: tuple,
+               m: Method, cap: int, offset: int) -> tuple[mx.array, mx.array, mx.array | None]:
+    """The tail's arrays, checked against the state's dims, the cap and the offset."""
+    if set(tail) != {"keys", "values", "queries"}:
+        raise ValueError(f"{where}: the tail must have the fields keys, values, queries; "
+                         f"got {sorted(tail)}")
+    got = {}
+    for name, d in tail.items():
+        if d is None and name == "queries":
+            got[name] = None
+            continue
+        if not (isinstance(d, dict) and set(d) == {"__array__"} and d["__array__"] in arrays):
+            raise ValueError(f"{where}: tail {name} {d!r} names no array of the file")
+        used.add(d["__array__"])
+        got[name] = arrays[d["__array__"]]
+    try:
+        b, h, d, dtype = m.dims(st) if m.dims is not None else (*st.keys.shape[:2], st.keys.shape[3],
+                                                               st.keys.dtype)
+    except Exception as e:
+        raise ValueError(f"{where}: cannot read the state's dims ({type(e).__name__}: {e})") from None
+    k, v, q = got["keys"], got["values"], got["queries"]
+    t = k.shape[2] if k.ndim == 4 else -1
+    for name, x in (("keys", k), ("values", v)):
+        if tuple(x.shape) != (b, h, t, d) or x.dtype != dtype:
+            raise ValueError(f"{where}: tail {name} is {_dtype_name(x.dtype)} {tuple(x.shape)}; "
+                             f"the state holds {_dtype_name(dtype)} ({b}, {h}, t, {d})")
+    if not 1 <= t < cap:
+        raise ValueError(f"{where}: the tail holds {t} tokens; decode_cap={cap} keeps 1 to {cap - 1}")
+    if t > offset:
+        raise ValueError(f"{where}: the tail holds {t} tokens, more than offset={offset}")
+    if q is not None and (q.ndim != 4 or q.shape[0] != b or q.shape[1] % h or q.shape[2:] != (t, d)
+                          or q.dtype != dtype):
+        raise ValueError(f"{where}: tail queries are {_dtype_name(q.dtype)} {tuple(q.shape)}; "
+                         f"expected {_dtype_name(dtype)} ({b}, a multiple of {h}, {t}, {d})")
+    return k, v, q
 
 
 def _resolve(where: str, name: str, m: Method, *, saved: bool) -> str:
@@ -779,8 +992,12 @@ def _compare(where: str, stored: tuple, fresh: tuple, *, static_values: bool = T
             raise ValueError(f"{where}: {name}={s!r} in the state, but its parameters give {f!r}")
 
 
-def _check_state(where: str, m: Method, st: tuple, params: dict[str, Any], offset: int) -> None:
-    """Parameters, dims, arrays and offset of a loaded state, against each other."""
+def _check_state(where: str, m: Method, st: tuple, params: dict[str, Any], offset: int,
+                 tail: int = 0) -> None:
+    """Parameters, dims, arrays and offset of a loaded state, against each other (the state
+    has seen ``offset - tail`` tokens: the append-mode tail holds the rest)."""
+    said = f"offset={offset}" + (f" less the tail's {tail}" if tail else "")
+    offset -= tail
     try:
         b, h, d, dtype = m.dims(st) if m.dims is not None else (*st.keys.shape[:2], st.keys.shape[3],
                                                                st.keys.dtype)
@@ -795,7 +1012,7 @@ def _check_state(where: str, m: Method, st: tuple, params: dict[str, Any], offse
         raise ValueError(f"{where}: {e}") from None
     _compare(where, st, fresh)
     if "next_pos" in st._fields and not bool(mx.all(st.next_pos == offset)):
-        raise ValueError(f"{where}: offset={offset} but the state has seen "
+        raise ValueError(f"{where}: {said} but the state has seen "
                          f"{sorted(set(np.array(st.next_pos).ravel().tolist()))} tokens")
     try:
         pos = m.positions(st)
@@ -812,14 +1029,16 @@ def _check_state(where: str, m: Method, st: tuple, params: dict[str, Any], offse
                          f"{tuple(pos.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}")
     p = np.array(pos)
     if p.size and (p.min() < 0 or p.max() >= offset or (np.diff(p, axis=-1) <= 0).any()):
-        raise ValueError(f"{where}: stored positions must increase within [0, offset={offset})")
+        bound = f"{offset}) ({said})" if tail else f"offset={offset})"
+        raise ValueError(f"{where}: stored positions must increase within [0, {bound}")
     cap = m.spec.capacity(full)
     phase = m.spec.contract.get("bound_phase", "all")
     low, high = (offset, offset) if cap is None else (
         (min(cap, offset), offset) if phase == "prefill" else (min(cap, offset),) * 2)
     if not low <= n <= high:
         want = f"{low}" if low == high else f"{low} to {high}"
-        raise ValueError(f"{where}: the state holds {n} tokens; after {offset} its parameters keep {want}")
+        raise ValueError(f"{where}: the state holds {n} tokens; after {offset} its parameters keep "
+                         f"{want}" + (f" ({said})" if tail else ""))
 
 
 def _check_layer_params(where: str, shared: _Model, caches: list) -> None:
