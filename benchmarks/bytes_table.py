@@ -2,8 +2,10 @@
 
 Each method absorbs ``--tokens`` tokens (a prefill chunk, then single-token decode steps) of
 keys/values at ``head_dim`` 128 in float16, at its default parameters and at each preset of
-its spec. Bytes per token and head = ``<key>_bytes(state) / (tokens * heads)``, beside the
-512 bytes fp16 needs (keys + values, 128 channels, 2 bytes). Writes a markdown table and JSON.
+its spec, then the same in a float32 cache (bytes only: side data and exact rows are float16
+by default whatever the cache dtype). Bytes per token and head = ``<key>_bytes(state) /
+(tokens * heads)``, beside the 512 bytes fp16 needs (keys + values, 128 channels, 2 bytes).
+Writes a markdown table and JSON.
 
     python benchmarks/bytes_table.py [--tokens 4096] [--data gaussian|smollm2] [--out docs/results/bytes]
 """
@@ -82,10 +84,13 @@ def main(argv=None) -> int:
         spec = get_method(key).spec
         for name, params in [("default", {})] + sorted(spec.presets.items()):
             r = measure(key, dict(params), k, v, args.decode)
+            r32 = measure(key, dict(params), k.astype(mx.float32), v.astype(mx.float32), args.decode)
             r["setting"] = name
+            r["fp32_cache_bytes_per_token_head"] = r32["bytes_per_token_head"]
             rows.append(r)
             print(f"{key:>14} {name:>10} {r['bytes_per_token_head']:8.1f} B/token/head "
-                  f"x{r['ratio_vs_fp16']:5.2f} vs fp16  key err {r['key_rel_err']:.4f} "
+                  f"x{r['ratio_vs_fp16']:5.2f} vs fp16 ({r32['bytes_per_token_head']:.1f} in a "
+                  f"float32 cache)  key err {r['key_rel_err']:.4f} "
                   f"value err {r['value_rel_err']:.4f}  ({r['seconds']:.1f} s)", flush=True)
     if args.out:
         out = Path(args.out)
@@ -94,14 +99,18 @@ def main(argv=None) -> int:
                 f"tokens ({args.tokens - args.decode} as a prefill chunk, {args.decode} decode "
                 f"steps), head_dim {args.dim}, float16 cache, {args.data} keys/values (one "
                 "outlier channel x12). fp16 needs "
-                f"{4 * args.dim} bytes. Relative error = ||x - x_hat|| / ||x||.\n\n"
+                f"{4 * args.dim} bytes. Relative error = ||x - x_hat|| / ||x||. The float32 "
+                "column: the same tokens in a float32 cache (scales, zeros and exact rows stay "
+                "float16 by default).\n\n"
                 f"Command: `python benchmarks/bytes_table.py --tokens {args.tokens} --out {args.out}`\n\n")
-        lines = ["| method | setting | parameters | bytes/token/head | vs fp16 | key rel. error | value rel. error |",
-                 "|---|---|---|---|---|---|---|"]
+        lines = ["| method | setting | parameters | bytes/token/head | vs fp16 | float32 cache "
+                 "bytes/token/head | key rel. error | value rel. error |",
+                 "|---|---|---|---|---|---|---|---|"]
         for r in rows:
             params = ", ".join(f"{k}={v}" for k, v in r["params"].items()) or "defaults"
             lines.append(f"| `{r['method']}` | {r['setting']} | {params} | {r['bytes_per_token_head']:.1f} "
-                         f"| {r['ratio_vs_fp16']:.2f}x | {r['key_rel_err']:.4f} | {r['value_rel_err']:.4f} |")
+                         f"| {r['ratio_vs_fp16']:.2f}x | {r['fp32_cache_bytes_per_token_head']:.1f} "
+                         f"| {r['key_rel_err']:.4f} | {r['value_rel_err']:.4f} |")
         out.with_suffix(".md").write_text(head + "\n".join(lines) + "\n")
         out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     return 0

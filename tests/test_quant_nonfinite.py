@@ -34,7 +34,7 @@ G = "group"
 EXPECT = {
     "kivi": {"k": (G, 32), "v": (G, 32)},
     "age_tiered": {"k": (G, 32), "v": (G, 32)},
-    "cachegen": {"k": (G, 32), "v": (G, 32)},          # keys and values per channel
+    "cachegen": {"k": (G, 32), "v": (G, 32)},
     "kitty": {"k": (G, 32), "v": (G, 64)},             # a value row is one group
     "adakv": {"k": (G, 32), "v": (G, 1), ("k", "nan"): ("row", 32)},  # NaN importance reranks
     "gear": {"k": ("block", 1), "v": ("block", 1)},    # outlier kept exact; SVD of the block
@@ -46,8 +46,9 @@ EXPECT = {
 }
 # Keys quantized per token (groups of channels), like values.
 KEYS_PER_TOKEN = {"skvq"}
-# Values quantized per channel along tokens, like keys.
-VALUES_PER_CHANNEL = {"cachegen"}
+# Values quantized per channel along tokens, like keys (none now: every quantizer's values
+# are per token).
+VALUES_PER_CHANNEL: set = set()
 # 1e6 is finite: methods that keep the element exact (an outlier or an exact row) hold it.
 FINITE_BIG = {"gear", "kvquant", "amc"}
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import velox
-from velox import entropy, quant
+from velox import entropy, nuq, quant
 from velox.methods import adakv as adakv_mod
 from velox.methods import amc as amc_mod
 from velox.methods import cachegen as cachegen_mod
@@ -286,9 +286,11 @@ def test_cachegen_decodes_exactly_and_codes_below_packed_on_smooth_data(bits):
     walk = np.cumsum(gaussian((2, 2, 192, 16), bits, std=0.1), axis=2)
     st = velox.cachegen_init(2, 2, 16, bits=bits)
     st = velox.cachegen_update(st, arr(walk), arr(-walk))
-    for kind, x in (("keys", walk), ("values", -walk)):
-        q, s, z = quant.quantize(arr(x).swapaxes(2, 3), bits, 32)
-        assert np.array_equal(cachegen_mod.decode_codes(st, kind), np.array(quant.unpack(q, bits)))
+    q, s, z = quant.quantize(arr(walk).swapaxes(2, 3), bits, 32)     # keys: per channel
+    assert np.array_equal(cachegen_mod.decode_codes(st, "keys"), np.array(quant.unpack(q, bits)))
+    q, s, z = nuq.affine(arr(-walk), bits, mx.float32)               # values: per token (16 < 32
+    assert np.array_equal(cachegen_mod.decode_codes(st, "values"),    # channels: one group a row)
+                          np.array(q).swapaxes(2, 3))
     got, step = np.array(velox.cachegen_get_kv(st)[0]), per_channel(walk, bits, 32)
     assert np.array_equal(got, step[0])  # lossless coding: plain group quantization
     if bits >= 3:

@@ -158,7 +158,7 @@ def affine(x: Float[Array, "*batch m"], bits: int, dtype: mx.Dtype, alpha: mx.ar
     z32 = zeros.astype(mx.float32)[..., None]
     safe = mx.where(s32 > 0, s32, 1.0)
     q = mx.clip(mx.round((g - z32) / safe), 0, levels)
-    return mx.where(s32 > 0, q, 0).astype(mx.uint32), scales, zeros
+    return mx.where((s32 > 0) & ~mx.isnan(q), q, 0).astype(mx.uint32), scales, zeros
 
 
 def np_round(x: np.ndarray | np.generic, dtype: mx.Dtype) -> np.ndarray:
@@ -180,8 +180,9 @@ def np_affine(x: np.ndarray, bits: int, dtype: mx.Dtype, alpha: np.ndarray | np.
     zeros = np_round(lo, dtype)
     s32, z32 = scales[..., None], zeros[..., None]
     safe = np.where(s32 > 0, s32, np.float32(1.0))
-    q = np.clip(np.round((g - z32) / safe), 0, levels)
-    return np.where(s32 > 0, q, 0).astype(np.uint32), scales, zeros
+    with np.errstate(invalid="ignore"):
+        q = np.clip(np.round((g - z32) / safe), 0, levels)
+    return np.where((s32 > 0) & ~np.isnan(q), q, 0).astype(np.uint32), scales, zeros
 
 
 def np_pack(codes: np.ndarray, bits: int) -> np.ndarray:

@@ -147,7 +147,8 @@ def quantize(x: Float[Array, "*batch m"], bits: int, group_size: int,
     z32 = zeros.astype(mx.float32)[..., None]
     safe = mx.where(s32 > 0, s32, 1.0)
     q = mx.clip(mx.round((g - z32) / safe), 0, levels)
-    q = mx.where(s32 > 0, q, 0).astype(mx.uint32).reshape(*lead, m)
+    # scale 0: codes 0; a NaN (a non-finite group) also codes 0, never a stray bit pattern
+    q = mx.where((s32 > 0) & ~mx.isnan(q), q, 0).astype(mx.uint32).reshape(*lead, m)
     return pack(q, bits), scales, zeros
 
 

@@ -1,20 +1,23 @@
 """CacheGen-adapted: group quantization, token-delta codes, range-coded with adaptive models.
 
-Keys and values are quantized per channel in groups of ``group_size`` (``G``) tokens; the
-``T mod G`` newest wait exact. Each completed group is range coded, losslessly: per channel
+Keys are quantized per channel in groups of ``group_size`` (``G``) tokens, values per token
+in groups of ``G`` channels (the seed's KIVI-style quantizer; a head_dim that ``G`` does not
+divide is one group per token); the ``T mod G`` newest wait exact. Each completed group of ``G`` tokens is range coded, losslessly: per channel
 the first code is an anchor (uniform, ``bits`` bits) and the rest are token deltas
 ``q[t] - q[t-1]`` (or the codes, ``use_delta=False``) under a quantized Laplace model per
 channel (per head with ``per_channel=False``). Models adapt backwards: a group is coded with
 the model fitted to the previous group's symbols (a fixed prior first), so a decoder rebuilds
 them and nothing is stored per group. One segment per group spans every row and head; a
 segment no shorter than fixed-width packing is stored packed. The reconstruction is plain
-group quantization (error bound ``scale/2`` plus rounding); ``get_kv`` decodes on the host.
+group quantization (error bound ``scale/2`` plus rounding); ``get_kv`` reads fixed-width
+segments as they are and decodes range-coded ones on the host.
 Scales and zeros are float16 (``velox.quant.side_dtype``); the ``< G`` exact tokens keep the
 model's dtype.
 The ``layer_params`` hook gives ``layer_groups`` contiguous layer groups ``bits``,
 ``bits - 1``, ... (at least ``min(2, bits)``): shallow layers get more.
 
-Shapes: ``<keys|values>_scales``/``_zeros [b, h, d, Q/G]``, ``_stream [w]`` (flat uint32
+Shapes: ``keys_scales``/``_zeros [b, h, d, Q/G]``, ``values_scales``/``_zeros [b, h, Q, d/G]``,
+``_stream [w]`` (flat uint32
 words of every segment), ``_lengths [Q/G]`` (words per segment), ``_packed [Q/G]``,
 ``_model [b, h, c, 2]`` (uint8 mean and scale byte for the next group; ``c = d`` or 1),
 ``residual_* [b, h, r, d]``.
@@ -39,7 +42,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from .. import entropy, quant
+from .. import entropy, nuq, quant
 from .. import reference as ref
 from .._typing import Array, Bool, Float, Int, UInt
 from ..accounting import state_nbytes
@@ -67,8 +70,8 @@ class CacheGenState(NamedTuple):
     values_lengths: UInt[Array, "g"]
     values_packed: Bool[Array, "g"]
     values_model: UInt[Array, "b h c 2"]
-    values_scales: Float[Array, "b h d g"]
-    values_zeros: Float[Array, "b h d g"]
+    values_scales: Float[Array, "b h q gv"]
+    values_zeros: Float[Array, "b h q gv"]
     residual_keys: Float[Array, "b h r d"]
     residual_values: Float[Array, "b h r d"]
     next_pos: Int[Array, "b h"]
@@ -96,6 +99,7 @@ def cachegen_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype =
                                    per_channel=per_channel, layer_groups=layer_groups))
     b, h, d = batch, kv_heads, head_dim
     c = d if p["per_channel"] else 1
+    side_shape = {"keys": (b, h, d, 0), "values": (b, h, 0, d // value_group(d, p["group_size"]))}
     model = mx.broadcast_to(mx.array(_prior(p["bits"], p["use_delta"]), mx.uint8), (b, h, c, 2))
     fields = {}
     for kind in KINDS:
@@ -103,11 +107,16 @@ def cachegen_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype =
                        f"{kind}_lengths": mx.zeros((0,), mx.uint32),
                        f"{kind}_packed": mx.zeros((0,), mx.bool_),
                        f"{kind}_model": mx.array(model),
-                       f"{kind}_scales": mx.zeros((b, h, d, 0), quant.side_dtype(dtype)),
-                       f"{kind}_zeros": mx.zeros((b, h, d, 0), quant.side_dtype(dtype))})
+                       f"{kind}_scales": mx.zeros(side_shape[kind], quant.side_dtype(dtype)),
+                       f"{kind}_zeros": mx.zeros(side_shape[kind], quant.side_dtype(dtype))})
     return CacheGenState(**fields, residual_keys=mx.zeros((b, h, 0, d), dtype),
                          residual_values=mx.zeros((b, h, 0, d), dtype),
                          next_pos=mx.zeros((b, h), mx.int32), **p, backend=backend)
+
+
+def value_group(head_dim: int, group_size: int) -> int:
+    """Channels per value group: ``group_size``, or the whole row when it does not divide."""
+    return group_size if head_dim % group_size == 0 else head_dim
 
 
 def quantized_groups(state: CacheGenState) -> int:
@@ -179,8 +188,9 @@ def _decode_group(state: CacheGenState, words: np.ndarray, is_packed: bool, mode
 
 def _append(state: CacheGenState, kind: str, codes: np.ndarray, scales: mx.array,
             zeros: mx.array) -> dict:
-    """Fields after coding ``m`` new groups of ``kind`` (codes ``[b, h, d, m*G]``)."""
-    g = state.group_size
+    """Fields after coding ``m`` new groups of ``kind`` (codes ``[b, h, d, m*G]``; scales and
+    zeros in the stored layout of ``kind``)."""
+    g, axis = state.group_size, (-1 if kind == "keys" else 2)
     model = np.array(getattr(state, f"{kind}_model"))
     words, lengths, packed = [], [], []
     for j in range(codes.shape[-1] // g):  # models chain group to group
@@ -195,8 +205,8 @@ def _append(state: CacheGenState, kind: str, codes: np.ndarray, scales: mx.array
             f"{kind}_packed": mx.concatenate([getattr(state, f"{kind}_packed"),
                                               mx.array(np.array(packed, np.bool_))]),
             f"{kind}_model": mx.array(model),
-            f"{kind}_scales": mx.concatenate([getattr(state, f"{kind}_scales"), scales], -1),
-            f"{kind}_zeros": mx.concatenate([getattr(state, f"{kind}_zeros"), zeros], -1)}
+            f"{kind}_scales": mx.concatenate([getattr(state, f"{kind}_scales"), scales], axis),
+            f"{kind}_zeros": mx.concatenate([getattr(state, f"{kind}_zeros"), zeros], axis)}
 
 
 def packed_codes(state: CacheGenState, kind: str) -> UInt[Array, "b h d w"]:
@@ -207,7 +217,7 @@ def packed_codes(state: CacheGenState, kind: str) -> UInt[Array, "b h d w"]:
     range-coded segments are decoded on the host, each with the model fitted to the group
     before it.
     """
-    b, h, d, n = getattr(state, f"{kind}_scales").shape
+    b, h, d, n = state.keys_scales.shape
     g, bits = state.group_size, state.bits
     w = g * bits // 32
     c = d if state.per_channel else 1
@@ -255,8 +265,16 @@ def _update_mlx(state: CacheGenState, keys, values, queries) -> CacheGenState:
         m = rows.shape[2] // g
         fields[f"residual_{kind}"] = rows[:, :, m * g:]
         if m:
-            q, sc, z = quant.quantize(rows[:, :, :m * g].swapaxes(2, 3), state.bits, g)
-            fields.update(_append(state, kind, np.array(quant.unpack(q, state.bits)), sc, z))
+            if kind == "keys":  # per channel along the tokens
+                q, sc, z = quant.quantize(rows[:, :, :m * g].swapaxes(2, 3), state.bits, g)
+                codes = quant.unpack(q, state.bits)
+            else:               # per token along the channels; coded per channel
+                b, h, _, d = rows.shape
+                gv = value_group(d, g)
+                codes, sc, z = nuq.affine(rows[:, :, :m * g].reshape(b, h, m * g, d // gv, gv),
+                                          state.bits, rows.dtype)
+                codes = codes.reshape(b, h, m * g, d).swapaxes(2, 3)
+            fields.update(_append(state, kind, np.array(codes), sc, z))
     return state._replace(**fields)
 
 
@@ -274,9 +292,16 @@ def _update_reference(state: CacheGenState, keys, values, queries) -> CacheGenSt
             continue
         codes, scales, zeros = [], [], []
         for i in range(b):
-            for j in range(h):  # each channel of each group: min/max affine codes
-                words, sc, z = ref.quantize(rows[i, j, :m * g].T, state.bits, g, sd)
-                codes.append(ref.unpack_codes(words, state.bits))
+            for j in range(h):  # min/max affine codes: keys per channel, values per token
+                if kind == "keys":
+                    words, sc, z = ref.quantize(rows[i, j, :m * g].T, state.bits, g, sd)
+                    codes.append(ref.unpack_codes(words, state.bits))
+                else:
+                    d = rows.shape[3]
+                    gv = value_group(d, g)
+                    q, sc, z = nuq.np_affine(rows[i, j, :m * g].reshape(m * g, d // gv, gv),
+                                             state.bits, dtype)
+                    codes.append(q.reshape(m * g, d).T)
                 scales.append(sc)
                 zeros.append(z)
         shape = lambda xs: np.stack(xs).reshape(b, h, *xs[0].shape)  # noqa: E731
@@ -301,9 +326,19 @@ def cachegen_get_kv(state: CacheGenState) -> tuple[Float[Array, "b h n d"], Floa
     """Decoded, dequantized groups followed by the exact newest tokens."""
     out = []
     for kind in KINDS:
-        x = quant.dequantize(packed_codes(state, kind), getattr(state, f"{kind}_scales"), getattr(state, f"{kind}_zeros"),
-                             state.bits, state.group_size, state.residual_keys.dtype).swapaxes(2, 3)
-        out.append(mx.concatenate([x, getattr(state, f"residual_{kind}")], axis=2))
+        codes, dtype = packed_codes(state, kind), state.residual_keys.dtype
+        if kind == "keys":
+            x = quant.dequantize(codes, state.keys_scales, state.keys_zeros, state.bits,
+                                 state.group_size, dtype)
+        else:  # coded per channel along the tokens; groups per token
+            b, h, n, n_g = state.values_scales.shape
+            d = state.residual_values.shape[3]
+            q = quant.unpack(codes, state.bits).swapaxes(2, 3).astype(mx.float32)
+            q = q.reshape(b, h, n, n_g, d // n_g)
+            x = (q * state.values_scales.astype(mx.float32)[..., None]
+                 + state.values_zeros.astype(mx.float32)[..., None]).reshape(b, h, n, d).astype(dtype)
+        out.append(mx.concatenate([x.swapaxes(2, 3) if kind == "keys" else x,
+                                   getattr(state, f"residual_{kind}")], axis=2))
     return out[0], out[1]
 
 
@@ -335,10 +370,12 @@ def cachegen_error_bound(
     """``scale/2`` plus rounding per element (lossless coding adds nothing); zero in the tail."""
     out = []
     for kind in KINDS:
-        bound = quant.error_bound(getattr(state, f"{kind}_scales"), getattr(state, f"{kind}_zeros"),
-                                  state.bits, state.group_size).swapaxes(2, 3)
+        scales = getattr(state, f"{kind}_scales")
+        width = state.group_size if kind == "keys" else value_group(state.residual_keys.shape[3],
+                                                                       state.group_size)
+        bound = quant.error_bound(scales, getattr(state, f"{kind}_zeros"), state.bits, width)
         tail = mx.zeros(getattr(state, f"residual_{kind}").shape, mx.float32)
-        out.append(mx.concatenate([bound, tail], axis=2))
+        out.append(mx.concatenate([bound.swapaxes(2, 3) if kind == "keys" else bound, tail], axis=2))
     return out[0], out[1]
 
 
