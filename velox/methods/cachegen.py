@@ -2,10 +2,11 @@
 
 Keys are quantized per channel in groups of ``group_size`` (``G``) tokens, values per token
 in groups of ``G`` channels (the seed's KIVI-style quantizer; a head_dim that ``G`` does not
-divide is one group per token); the ``T mod G`` newest wait exact. Each completed group of ``G`` tokens is range coded, losslessly: per channel
-the first code is an anchor (uniform, ``bits`` bits) and the rest are token deltas
-``q[t] - q[t-1]`` (or the codes, ``use_delta=False``) under a quantized Laplace model per
-channel (per head with ``per_channel=False``). Models adapt backwards: a group is coded with
+divide is one group per token); the ``T mod G`` newest wait exact. Each completed group of
+``G`` tokens is range coded, losslessly: per channel the first code is an anchor (uniform,
+``bits`` bits) and the rest are token deltas ``q[t] - q[t-1]`` (or the codes,
+``use_delta=False``) under a quantized Laplace model per channel (per head with
+``per_channel=False``). Models adapt backwards: a group is coded with
 the model fitted to the previous group's symbols (a fixed prior first), so a decoder rebuilds
 them and nothing is stored per group. One segment per group spans every row and head; a
 segment no shorter than fixed-width packing is stored packed. The reconstruction is plain
