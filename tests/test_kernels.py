@@ -286,3 +286,46 @@ def test_kernel_wrappers_refuse_bad_arguments():
         kernels.compact(k, k, mx.zeros((1, 2, 4), mx.int32), k[:, :, :1], k[:, :, :1],
                         mx.zeros((1, 2), mx.int32), drop=0, carry=mx.zeros((1, 2, 5)),
                         profiles=(mx.zeros((1, 2, 4, 3)), mx.zeros((1, 2, 5))))
+
+
+@needs_cuda
+@pytest.mark.parametrize("key,variant", [("streaming_llm", ""), ("tova", ""), ("h2o", ""),
+                                          ("squeeze", ""), ("knorm", ""), ("qfilters", ""),
+                                          ("keyformer", ""), ("kvzip", ""), ("morphkv", ""),
+                                          ("curdkv", ""), ("chunkkv", ""), ("cam", ""),
+                                          ("cam", "window")])
+@pytest.mark.parametrize("spoil", ["nan", "inf", "-inf", "overflow"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_kernel_decode_steps_follow_the_nonfinite_rule(key, variant, spoil, dtype):
+    """Spoiled tokens (a NaN, +-inf element or keys of |k| ~ 1e30) in the prefill and in every
+    third decode step: the kernels keep the sinks and choose what the mlx ops choose."""
+    b, h, g, d = 2, 4, 2, 64
+    budget, steps, n_sink = 40, 24, 3
+    dt = getattr(mx, dtype)
+    rng = np.random.default_rng(zlib.crc32(repr((key, variant, spoil, dtype)).encode()))
+
+    def arr(*s, spoilt=False):
+        x = rng.standard_normal(s).astype(np.float32)
+        if spoilt:
+            t = rng.integers(0, s[2])
+            if spoil == "overflow":
+                x[:, :, t] *= 1e30
+            else:
+                x[:, :, t, rng.integers(0, d)] = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}[spoil]
+        return mx.array(x).astype(dt)
+
+    m = get_method(key)
+    params = _params(key, budget, variant)
+    states = {be: m.init(b, h, d, dtype=dt, backend=be, **params) for be in ("mlx", "cuda")}
+    n = budget + 7
+    prefill = (arr(b, h, n, d, spoilt=True), arr(b, h, n, d), arr(b, h * g, n, d, spoilt=True))
+    for step in range(steps + 1):
+        bad = step % 3 == 0
+        k, v, q = prefill if step == 0 else (arr(b, h, 1, d, spoilt=bad), arr(b, h, 1, d, spoilt=bad),
+                                             arr(b, h * g, 1, d, spoilt=bad))
+        states = {be: m.update(st, k, v, queries=q) for be, st in states.items()}
+        mx.eval(states)
+        pos = np.array(states["cuda"].positions)
+        np.testing.assert_array_equal(pos, np.array(states["mlx"].positions), err_msg=f"{key} step {step}")
+        assert (pos[:, :, :n_sink] == np.arange(n_sink)).all(), f"{key} lost a sink at step {step}"
+        assert (np.diff(pos, axis=-1) > 0).all()
