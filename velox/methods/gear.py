@@ -199,6 +199,7 @@ def _compress(state: GearState, kind: str, blocks: Float[Array, "b h m G d"]) ->
         codes, scales, zeros = quant.quantize(xq, state.bits, g)
         deq = _dequant32(codes, scales, zeros, state.bits, g).reshape(b, h, m, g, d)
     resid = mx.where(mask, 0.0, x - deq)
+    resid = mx.where(mx.isfinite(resid), resid, 0.0)  # a non-finite group gets no correction
     left, right = _lowrank(resid, state.rank, state.energy_threshold, quant.side_dtype(dtype))
     vals = mx.take_along_axis(flat, idx, axis=-1).astype(dtype)
     new = {"codes": codes, "scales": scales, "zeros": zeros,
@@ -273,7 +274,9 @@ def _np_block(state: GearState, kind: str, x: np.ndarray, dtype: mx.Dtype) -> di
         codes[line], deq[line] = q, q.astype(np.float32) * scale + zero
         scales.append(scale)
         zeros.append(zero)
-    resid = np.where(mask, np.float32(0), x - deq)
+    with np.errstate(invalid="ignore"):
+        resid = np.where(mask, np.float32(0), x - deq)
+        resid = np.where(np.isfinite(resid), resid, np.float32(0))  # a non-finite group: none
     if r:  # the SVD routine of the mlx path, so the factors agree bit for bit
         u, s, vt = (np.array(a) for a in mx.linalg.svd(mx.array(resid), stream=mx.cpu))
         s = s[:r]

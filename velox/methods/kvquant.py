@@ -139,7 +139,8 @@ def _vectors(x, k, dtype, iters, n_levels):
     scales, zeros = (hi - lo).astype(dtype), lo.astype(dtype)
     s32, z32 = scales.astype(mx.float32)[..., None], zeros.astype(mx.float32)[..., None]
     u = mx.where(s32 > 0, (x32 - z32) / mx.where(s32 > 0, s32, 1.0), 0.0).reshape(b, h, n_g, m * n)
-    levels = nuq.lloyd(u, ~out.reshape(b, h, n_g, m * n), n_levels, iters, dtype)
+    # a non-finite point (a vector whose range is not finite) never moves the group's levels
+    levels = nuq.lloyd(u, ~out.reshape(b, h, n_g, m * n) & mx.isfinite(u), n_levels, iters, dtype)
     codes = nuq.nearest(u, levels).reshape(b, h, n_g, m, n)
     idx = nuq.top_k_indices(mag, k, mask=out)[0]
     return codes, scales, zeros, levels.astype(dtype), mx.take_along_axis(x, idx, axis=-1), idx
@@ -192,8 +193,10 @@ def _np_group(rows: np.ndarray, k: int, dtype, iters: int, n_levels: int):
         scales[r] = nuq.np_round(inl.max() - inl.min(), dtype)
         zeros[r] = nuq.np_round(inl.min(), dtype)
         if scales[r] > 0:
-            u[r] = (x - zeros[r]) / scales[r]
-    levels = nuq.np_lloyd(u.reshape(-1), ~out.reshape(-1), n_levels, iters, dtype)
+            with np.errstate(invalid="ignore"):
+                u[r] = (x - zeros[r]) / scales[r]
+    levels = nuq.np_lloyd(u.reshape(-1), ~out.reshape(-1) & np.isfinite(u.reshape(-1)), n_levels,
+                          iters, dtype)
     codes = nuq.np_nearest(u.reshape(-1), levels).reshape(m, n)
     return codes, scales, zeros, levels, np.take_along_axis(rows, idx, axis=1), idx
 

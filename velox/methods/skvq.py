@@ -140,6 +140,7 @@ def _calibrate(x, bits, group_size, dtype, state: SKVQState):
         e = q.astype(mx.float32) * sc.astype(mx.float32)[..., None] + zr.astype(mx.float32)[..., None] - grp
         errs.append(nuq.tree_sum((e * e).transpose(0, 1, 3, 2, 4).reshape(b, h, n_g, c * group_size)))
     err = mx.stack(errs, axis=-1)                                           # [b, h, G, A]
+    err = mx.where(mx.isnan(err), mx.inf, err)  # a non-finite window: alpha = 1 where all are
     first = mx.where(err == err.min(axis=-1, keepdims=True), mx.arange(len(CLIP_GRID)), len(CLIP_GRID))
     return perm, mx.array(CLIP_GRID, mx.float32)[first.min(axis=-1)]
 
@@ -193,6 +194,7 @@ def _np_calibrate(x: np.ndarray, bits: int, group_size: int, dtype, state: SKVQS
             q, sc, zr = nuq.np_affine(grp, bits, dtype, alpha=np.float32(a))
             e = q.astype(np.float32) * sc[:, None] + zr[:, None] - grp
             errs.append(nuq.np_tree_sum((e * e).reshape(-1)))
+        errs = np.where(np.isnan(errs), np.inf, errs)
         clip[t] = np.float32(CLIP_GRID[int(np.argmin(errs))])                 # first minimum
     return perm, clip
 
