@@ -392,7 +392,8 @@ def age_tiered_error_bound(
     """Per-element bound on ``|get_kv - input|``: half the tier's step plus rounding terms.
 
     The nested-grid re-quantization keeps the error within half the coarse step; each
-    re-quantization adds rounding terms (the scale is rounded to float16 at every step, and the finer codes were computed against a rounded scale): ``2 (L + 1) u scale``
+    re-quantization adds rounding terms (the scale is rounded to float16 at every step, and
+    the finer codes were computed against a rounded scale): ``2 (L + 1) u scale``
     per step, ``L = 2**bits - 1``, ``u`` the side dtype's unit roundoff (twice what they need).
     """
     bits = tier_bits(state)

@@ -6,10 +6,10 @@ Tokens are compressed in blocks of ``group_size`` (``G``); the ``T mod G`` newes
 smallest entries are kept exact (value and index); the others are quantized, outliers left
 out of the ranges (keys per channel along the tokens, values per token in groups of ``G``
 channels): ``D``; the residual ``R = X - D`` (zero at the outliers) gets a truncated SVD of
-width ``rank``, ``R ~ L Rt`` (``L = U s``, float16 like the scales and zeros), whose components after those holding
-``energy_threshold`` of ``|R|^2`` are zeroed. ``get_kv`` is ``D + L Rt`` with the outliers
-restored. Blocks depend on their own tokens only: one chunk or token-by-token decoding give
-bit-identical states. Error bound: the quantization bound plus ``|L Rt|``.
+width ``rank``, ``R ~ L Rt`` (``L = U s``, float16 like the scales and zeros), whose
+components after those holding ``energy_threshold`` of ``|R|^2`` are zeroed. ``get_kv`` is
+``D + L Rt`` with the outliers restored. Blocks depend on their own tokens only: one chunk
+or token-by-token decoding give bit-identical states. Error bound: the quantization bound plus ``|L Rt|``.
 
 Shapes: ``keys_codes [b, h, d, Q*bits/32]``, ``keys_scales``/``_zeros [b, h, d, Q/G]``,
 ``values_codes [b, h, Q, d*bits/32]``, ``values_scales``/``_zeros [b, h, Q, d/G]``,

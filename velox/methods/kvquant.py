@@ -100,7 +100,8 @@ def kvquant_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = 
         key_zeros=z(0, d, t=sd), key_levels=z(0, n_levels, t=sd), key_outliers=z(0, d, kk),
         key_outlier_index=z(0, d, kk, t=nuq.index_dtype(p["group_size"])),
         value_codes=z(d, 0, t=mx.uint32), value_scales=z(0, t=sd), value_zeros=z(0, t=sd),
-        value_levels=z(0, n_levels, t=sd), value_outliers=z(0, kv), value_outlier_index=z(0, kv, t=nuq.index_dtype(d)),
+        value_levels=z(0, n_levels, t=sd), value_outliers=z(0, kv),
+        value_outlier_index=z(0, kv, t=nuq.index_dtype(d)),
         buffer_keys=z(0, d), buffer_values=z(0, d), next_pos=mx.zeros((b, h), mx.int32),
         **p, backend=backend)
 

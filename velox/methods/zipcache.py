@@ -191,6 +191,7 @@ def _pack_rows(codes, bits):
 
 def _update_reference(state: ZipCacheState, keys, values, queries) -> ZipCacheState:
     dtype = keys.dtype
+    sd = quant.side_dtype(dtype)
     b, h, s, d = keys.shape
     g, k = state.group_size, state.salient.shape[3]
     r = state.buffer_keys.shape[2]
@@ -231,7 +232,7 @@ def _update_reference(state: ZipCacheState, keys, values, queries) -> ZipCacheSt
                 rows = slice(t * g, (t + 1) * g)
                 sal[i, j, t], order = nuq.np_top_k_indices(score[i, j, rows], k)
                 kk, vv = bk[i, j, rows][order], bv[i, j, rows][order]     # salient tokens first
-                chan[i, j, t] = nuq.np_round(np.sqrt(np.abs(vv).max(axis=0)), quant.side_dtype(dtype))
+                chan[i, j, t] = nuq.np_round(np.sqrt(np.abs(vv).max(axis=0)), sd)
                 y = vv / np.where(chan[i, j, t] > 0, chan[i, j, t], np.float32(1.0))
                 for nm, lo, hi in (("hi", 0, k), ("lo", k, g)):
                     bits = sizes[nm][1]
@@ -250,18 +251,18 @@ def _update_reference(state: ZipCacheState, keys, values, queries) -> ZipCacheSt
         fields.update({
             f"key_{nm}_codes": _cat(getattr(state, f"key_{nm}_codes"),
                                     mx.array(nuq.np_pack(kc[nm].reshape(b, h, n_g * m, d), bits))),
-            f"key_{nm}_scales": _cat(getattr(state, f"key_{nm}_scales"), ref.to_mx(ks[nm], quant.side_dtype(dtype))),
-            f"key_{nm}_zeros": _cat(getattr(state, f"key_{nm}_zeros"), ref.to_mx(kz[nm], quant.side_dtype(dtype)))})
+            f"key_{nm}_scales": _cat(getattr(state, f"key_{nm}_scales"), ref.to_mx(ks[nm], sd)),
+            f"key_{nm}_zeros": _cat(getattr(state, f"key_{nm}_zeros"), ref.to_mx(kz[nm], sd))})
         if state.quantize_values:
             fields.update({
                 f"value_{nm}_codes": _cat(getattr(state, f"value_{nm}_codes"),
                                           mx.array(nuq.np_pack(vc[nm].reshape(b, h, n_g * m, d), bits))),
                 f"value_{nm}_scales": _cat(getattr(state, f"value_{nm}_scales"),
-                                           ref.to_mx(vs[nm].reshape(b, h, -1), quant.side_dtype(dtype))),
+                                           ref.to_mx(vs[nm].reshape(b, h, -1), sd)),
                 f"value_{nm}_zeros": _cat(getattr(state, f"value_{nm}_zeros"),
-                                          ref.to_mx(vz[nm].reshape(b, h, -1), quant.side_dtype(dtype)))})
+                                          ref.to_mx(vz[nm].reshape(b, h, -1), sd))})
     if state.quantize_values:
-        fields["value_channels"] = _cat(state.value_channels, ref.to_mx(chan, quant.side_dtype(dtype)))
+        fields["value_channels"] = _cat(state.value_channels, ref.to_mx(chan, sd))
     else:
         fields["values"] = _cat(state.values, ref.to_mx(bv[:, :, :f], dtype))
     return state._replace(**fields)
