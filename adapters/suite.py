@@ -629,6 +629,11 @@ def _summarise(trials: list[dict], protocol: Protocol) -> dict[str, Any]:
                                                        if t["depth"] == d], **kw)
                                      for d in protocol.depths}
             per_task[task] = entry
+        if len(per_task) == 1:  # one task: its own interval
+            per_task["mean"] = {k: v for k, v in next(iter(per_task.values())).items()
+                                if k not in ("by_length", "by_depth")}
+            out[mode] = per_task
+            continue
         means = [t[mode]["score"] for t in trials]
         per_task["mean"] = {"mean": float(np.mean([v["mean"] for k, v in per_task.items()])),
                             "n": len(means)}
@@ -882,16 +887,19 @@ def markdown(result: dict[str, Any]) -> str:
     rows = result["rows"]
     lines = []
     for mode in p["modes"]:
-        head = ["method", "level", f"KV MiB @{max(p['lengths'])}", *p["tasks"], "mean"]
+        several = len(p["tasks"]) > 1
+        head = ["method", "level", f"KV MiB @{max(p['lengths'])}", *p["tasks"]] + \
+            (["mean"] if several else [])
         lines += [f"### Retrieval, mode `{mode}` ({MODE_NAMES[mode]})", "",
                   "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in rows:
             ret = r.get("retrieval")
             if not ret:
                 lines.append(f"| `{r['method']}` | {r['label']} | - | "
-                             + " | ".join(["-"] * (len(p["tasks"]) + 1)) + " |")
+                             + " | ".join(["-"] * (len(head) - 3)) + " |")
                 continue
-            cells = [_ci(ret[mode].get(t)) for t in p["tasks"]] + [_ci(ret[mode]["mean"])]
+            cells = [_ci(ret[mode].get(t)) for t in p["tasks"]] + \
+                ([_ci(ret[mode]["mean"])] if several else [])
             lines.append(f"| `{r['method']}` | {r['label']} | {_mib(ret['kv_bytes'])} | "
                          + " | ".join(cells) + " |")
         lines.append("")
@@ -930,16 +938,20 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     p = result["protocol"]
     rows = [r for r in result["rows"] if r.get("lm")]
-    panels = [(f"retrieval mean, mode {m}",
-               lambda r, m=m: r["retrieval"] and r["retrieval"][m]["mean"], "retrieval")
+    one = p["tasks"][0] if len(p["tasks"]) == 1 else None
+    panels = [(f"{one or 'retrieval mean'}, mode {m} ({MODE_NAMES[m]})",
+               lambda r, m=m: r["retrieval"] and r["retrieval"][m][one or "mean"], "retrieval")
               for m in p["modes"]]
     panels += [("stream perplexity", lambda r: _as_mean(r["lm"]["stream"], "ppl"), "stream"),
                ("continuation KL(full || compressed)",
                 lambda r: _as_mean(r["lm"]["continuation"], "kl"), "continuation")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.6))
+    cols = 2 if len(panels) > 2 else len(panels)
+    nrows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(6.5 * cols + 2.2, 4.8 * nrows), squeeze=False)
+    axes = axes.ravel()
     methods = list(dict.fromkeys(r["method"] for r in rows))
     cmap = plt.cm.tab20
-    for ax, (title, get, where) in zip(np.atleast_1d(axes), panels):
+    for ax, (title, get, where) in zip(axes, panels):
         for i, m in enumerate(methods):
             pts = []
             for r in rows:
@@ -962,11 +974,14 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_xlabel("KV cache bytes held (MiB)")
         ax.set_title(title, fontsize=9)
         ax.grid(True, alpha=0.3)
-    np.atleast_1d(axes)[-1].legend(fontsize=6, ncol=2, loc="best")
+    handles, labels = axes[0].get_legend_handles_labels()
+    for ax in axes[len(panels):]:
+        ax.axis("off")
+    fig.legend(handles, labels, fontsize=7, loc="center right", ncol=1)
     fig.suptitle(f"{result.get('model', '')}: quality vs bytes ({int(p['confidence'] * 100)}% "
                  "intervals)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.tight_layout(rect=(0, 0, 1 - 2.0 / (6.5 * cols + 2.2), 1))
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
