@@ -88,22 +88,22 @@ print(_blas.loaded is not None, _blas.OPENBLAS in maps, best, _blas.reason)
 """
 
 
-def _matmul_run(first: str, **env) -> tuple[bool, bool, float, str]:
+def _matmul_run(first: str, cwd, **env) -> tuple[bool, bool, float, str]:
     clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "VELOX_NO_OPENBLAS")}
     r = subprocess.run([sys.executable, "-c", _MATMUL.format(first=first)], capture_output=True,
-                       text=True, env={**clean, **env}, timeout=300, check=True)
+                       text=True, env={**clean, **env}, timeout=300, check=True, cwd=cwd)
     loaded, mapped, best, reason = r.stdout.split(" ", 3)
     return loaded == "True", mapped == "True", float(best), reason.strip()
 
 
 @pytest.mark.skipif(not os.path.exists(_blas.OPENBLAS), reason="OpenBLAS is not installed "
                     "(apt-get install libopenblas0-pthread)")
-def test_import_velox_loads_openblas_in_process():
+def test_import_velox_loads_openblas_in_process(tmp_path):
     """Without LD_PRELOAD, ``import velox`` before mlx.core puts OpenBLAS under MLX's matmuls
     (several times faster); VELOX_NO_OPENBLAS=1 and a late import leave MLX's own BLAS."""
-    on = _matmul_run("import velox")
-    off = _matmul_run("import velox", VELOX_NO_OPENBLAS="1")
-    late = _matmul_run("import mlx.core; import velox")
+    on = _matmul_run("import velox", tmp_path)  # (not in the checkout: the installed velox)
+    off = _matmul_run("import velox", tmp_path, VELOX_NO_OPENBLAS="1")
+    late = _matmul_run("import mlx.core; import velox", tmp_path)
     assert on[:2] == (True, True) and on[3] == "loaded before mlx.core"
     assert off[:2] == (False, False) and "VELOX_NO_OPENBLAS" in off[3]
     assert late[:2] == (False, False) and "imported before velox" in late[3]
