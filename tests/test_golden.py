@@ -1,0 +1,122 @@
+"""Golden trajectories: every registered method computes what it computed when
+``tests/golden/`` was recorded.
+
+Each method, on the ``reference`` and ``mlx`` backends, with real queries and with the
+key-as-query proxy, replays a fixed seeded run from ``velox.init`` (a prefill chunk over its
+capacity, decode steps at a full cache, a chunk after decode, more decode steps; parameters
+and dims in ``tests/golden/trajectories.json``). After every update each state field,
+``get_kv``, ``positions`` and the byte count must match the recording: by sha256 of dtype,
+shape and bytes (``repr`` for Python scalars), except the fields listed under ``close``,
+compared with the arrays in ``tests/golden/arrays.npz`` within ``atol + rtol |expected|``:
+
+* merged rows: every floating field of a merging method (CaM) within its spec's
+  ``[tolerance]`` (``specs/cam.toml``), which allows a merged sum taken in another order;
+* BLAS rounding: fields that changed when the recording was repeated with no OpenBLAS, or
+  with OpenBLAS's Haswell and Zen kernels and NumPy without AVX-512 (another x86 CPU). At the
+  first recording: accumulated attention scores (``h2o``, ``squeeze``, ``chunkkv``,
+  ``keyformer``, ``kvzip``'s importance, ``morphkv``'s profiles, ``zipcache``'s buffer
+  scores; mlx backend), CurDKV's scores and bases and GEAR's low-rank factors (float16: a
+  flipped last bit) and ``get_kv``. Their tolerance is ten times the largest difference seen
+  there, relative to the field's magnitude (float32: at least 1e-6). Positions, codes, exact
+  rows and scalars never changed there (nor with 1 or 2 OpenBLAS threads, nor on a rerun):
+  they are compared by hash.
+
+A refactor must pass unchanged. Re-record (``python scripts/record_golden.py``, with OpenBLAS
+loaded as CI has it) only for a deliberate change of behaviour, and say so in the commit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import velox
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("record_golden", ROOT / "scripts" / "record_golden.py")
+rg = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(rg)
+
+GOLDEN = json.loads((ROOT / "tests" / "golden" / rg.JSON_NAME).read_text(encoding="utf-8"))
+CONFIG = GOLDEN["config"]
+
+
+@pytest.fixture(scope="module")
+def arrays():
+    return rg.load_arrays(ROOT / "tests" / "golden" / rg.NPZ_NAME)
+
+
+@pytest.fixture(autouse=True)
+def on_cpu():
+    """The recording is of CPU runs (a GPU's matmuls round differently)."""
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(device)
+
+
+def test_every_method_recorded():
+    assert GOLDEN["format"] == rg.FORMAT and GOLDEN["hex_digits"] == rg.HEX
+    assert sorted(GOLDEN["methods"]) == sorted(velox.method_keys()), (
+        "registered methods differ from the recording: re-record (python scripts/record_golden.py)")
+
+
+def test_inputs_unchanged():
+    assert rg.inputs_digest(CONFIG) == GOLDEN["inputs_sha256"], (
+        "the seeded inputs differ (NumPy's generator changed?): nothing else can be compared")
+
+
+def replay(key: str, entry: dict, arrays: dict) -> list[str]:
+    """Mismatches of ``key``'s trajectories: at the first call that differs, every field."""
+    fields, problems = entry["fields"], []
+    for backend, modes in entry["trajectories"].items():
+        for mode, rec in modes.items():
+            want = rg.decode_calls(rec["calls"])
+            got = list(rg.trajectory(key, backend, mode, entry["overrides"], CONFIG))
+            if len(got) != len(want):
+                problems.append(f"{key} {backend} {mode}: {len(got)} calls, recorded {len(want)}")
+                continue
+            for i, (obs, hashes) in enumerate(zip(got, want)):
+                if set(obs) != set(fields):
+                    problems.append(f"{key} {backend} {mode} call {i}: fields added "
+                                    f"{sorted(set(obs) - set(fields))}, missing "
+                                    f"{sorted(set(fields) - set(obs))}")
+                    break
+                bad = []
+                for f, h in zip(fields, hashes):
+                    tol = rec["close"].get(f)
+                    if tol is None:
+                        if rg.digest(obs[f]) != h:
+                            shown = "" if isinstance(obs[f], mx.array) else f" ({obs[f]!r})"
+                            bad.append(f"{f}{shown}")
+                        continue
+                    actual, expected = rg.to_numpy(obs[f]), arrays[h]
+                    if not rg.close_enough(actual, expected, tol["atol"], tol["rtol"]):
+                        moved = (f"by {rg.max_abs_diff(actual, expected):.3g}"
+                                 if actual.shape == expected.shape else
+                                 f"shape {actual.shape}, recorded {expected.shape}")
+                        bad.append(f"{f} ({moved}; atol {tol['atol']}, rtol {tol['rtol']})")
+                if bad:
+                    problems.append(f"{key} {backend} {mode} call {i} "
+                                    f"(chunk of {CONFIG['chunks'][i]}): {', '.join(bad)}")
+                    break
+    return problems
+
+
+@pytest.mark.parametrize("key", sorted(GOLDEN["methods"]))
+def test_golden_trajectory(key, arrays):
+    entry = GOLDEN["methods"][key]
+    spec = velox.get_method(key).spec
+    params = rg.validate_params(spec, entry["overrides"], dims=rg.dims(CONFIG))
+    changed = {k: (params.get(k), v) for k, v in entry["params"].items() if params.get(k) != v}
+    assert not changed and set(params) == set(entry["params"]), (
+        f"{key}: parameters differ from the recording (now, recorded): {changed}; "
+        f"added or removed: {sorted(set(params) ^ set(entry['params']))}")
+    problems = replay(key, entry, arrays)
+    if problems:
+        pytest.fail("behaviour changed (method backend mode call: fields):\n"
+                    + "\n".join(problems), pytrace=False)
