@@ -11,8 +11,10 @@ compared with the arrays in ``tests/golden/arrays.npz`` within ``atol + rtol |ex
 
 * merged rows: every floating field of a merging method (CaM) within its spec's
   ``[tolerance]`` (``specs/cam.toml``), which allows a merged sum taken in another order;
-* BLAS rounding: fields that changed when the recording was repeated with no OpenBLAS, or
-  with OpenBLAS's Haswell and Zen kernels and NumPy without AVX-512 (another x86 CPU). At the
+* BLAS rounding: fields computed through matmuls or an SVD, whose last bits depend on the
+  BLAS and the CPU, so that a hash would break on another machine: those that changed when the
+  recording was repeated with no OpenBLAS, or with OpenBLAS's Haswell and Zen kernels and
+  NumPy without AVX-512 (as on another x86 CPU; the script does this when it records). At the
   first recording: accumulated attention scores (``h2o``, ``squeeze``, ``chunkkv``,
   ``keyformer``, ``kvzip``'s importance, ``morphkv``'s profiles, ``zipcache``'s buffer
   scores; mlx backend), CurDKV's scores and bases and GEAR's low-rank factors (float16: a
