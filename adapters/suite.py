@@ -864,8 +864,10 @@ def merge(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 raise ValueError(f"merge: {row['method']} {row['label']} appears in two runs")
             seen.add(key)
             rows.append(row)
-    out = {**first, "rows": rows, "wall_seconds": sum(r.get("wall_seconds", 0) for r in results),
-           "merged_from": [r.get("run", {}) for r in results]}
+    out = {k: v for k, v in first.items() if k != "run"}
+    out.update(rows=rows, wall_seconds=sum(r.get("wall_seconds", 0) for r in results),
+               merged_from=[r.get("run") or {"merged_from": r.get("merged_from")}
+                            for r in results])
     return out
 
 
