@@ -130,6 +130,9 @@ def _parser() -> argparse.ArgumentParser:
     m = sub.add_parser("methods", help="the table of registered methods")
     m.add_argument("--markdown", action="store_true",
                    help="print the README's markdown table instead of the terminal one")
+
+    from velox.adapters import suite
+    suite.add_parser(sub)
     return p
 
 
@@ -820,7 +823,10 @@ def main(argv: list[str] | None = None) -> int:
         0 on success, 2 on bad arguments (one line on stderr).
     """
     args = _parser().parse_args(argv)
-    handler = {"generate": cmd_generate, "compare": cmd_compare, "methods": cmd_methods}
+    from velox.adapters import suite
+
+    handler = {"generate": cmd_generate, "compare": cmd_compare, "methods": cmd_methods,
+               "eval": suite.run}
     try:
         return handler[args.command](args)
     except (ValueError, FileNotFoundError) as exc:

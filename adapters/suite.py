@@ -1124,7 +1124,7 @@ def run(args) -> int:
 def _run_info(ratios, args, wall: float, cpu: float) -> dict[str, Any]:
     import mlx.core as mx
 
-    from velox.adapters.cli import OPENBLAS
+    from velox import _blas
 
     return {"command": "velox eval " + " ".join(sys.argv[1:]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -1132,7 +1132,7 @@ def _run_info(ratios, args, wall: float, cpu: float) -> dict[str, Any]:
             "wall_seconds": round(wall, 1), "cpu_seconds": round(cpu, 1),
             "machine": {"platform": platform.platform(), "processor": platform.machine(),
                         "cpus": os.cpu_count(), "device": str(mx.default_device()),
-                        "openblas_preloaded": OPENBLAS in os.environ.get("LD_PRELOAD", ""),
+                        "openblas": _blas.loaded is not None, "openblas_reason": _blas.reason,
                         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None},
             "versions": {"mlx": mx.__version__, "python": platform.python_version()}}
 

@@ -311,3 +311,10 @@ def test_generate_streams_and_reports(capsys):
     stored, seen, vs_full, vs_fp16 = found.groups()
     assert int(stored) == 32 < int(seen) and float(vs_full) == pytest.approx(2 * float(vs_fp16), abs=0.011)
     assert "decode" in stats and "tok/s" in stats
+
+
+def test_eval_is_a_subcommand(tmp_path, capsys):
+    """``velox eval`` reaches the quality suite: its merge path runs through ``cli.main``."""
+    assert cli._parser().parse_args(["eval", "--quick", "--methods", "tova"]).command == "eval"
+    assert cli.main(["eval", "--merge", str(tmp_path / "a.json")]) == 2
+    assert "--merge needs --out" in capsys.readouterr().err

@@ -42,7 +42,7 @@ def test_spec_declares_the_registered_backends(key):
 needs_cuda = pytest.mark.skipif(not device_supports("cuda"), reason="needs an NVIDIA GPU (MLX CUDA)")
 needs_nvrtc = pytest.mark.skipif(
     not __import__("velox.kernels.nvrtc", fromlist=["available"]).available(),
-    reason="needs NVIDIA's NVRTC wheel (nvidia-cuda-nvrtc-cu12, a test extra on Linux x86-64)")
+    reason="needs NVIDIA's NVRTC wheel: pip install \".[kernels-check]\" (Linux x86-64)")
 
 SHAPES = [(1, 8, 0, 128), (2, 4, 3, 64), (3, 2, 2, 96), (1, 1, 1, 32)]  # b, h, groups (0 = proxy), d
 
