@@ -43,6 +43,7 @@ FRESH = {
 
 CHILD = textwrap.dedent("""
     import json, sys
+    import velox  # first, as in the parent: the same BLAS (OpenBLAS loads before mlx.core)
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.models import llama
@@ -92,7 +93,8 @@ def test_a_loaded_cache_decodes_in_a_fresh_process_as_the_saved_one(tiny_llama, 
         save_cache(tmp_path / f"{key}.after.safetensors", caches)
     assert all(want[k][1] == [True] * 3 for k in ("tova", "h2o", "tova+affine"))  # fused steps ran
     run = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), json.dumps(list(FRESH)), str(n)],
-                         capture_output=True, text=True, env=dict(os.environ), timeout=600)
+                         capture_output=True, text=True, env=dict(os.environ), timeout=600,
+                         cwd=tmp_path)  # the installed velox, not the source tree
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     for key in FRESH:
