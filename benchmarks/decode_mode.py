@@ -153,6 +153,33 @@ def check(model, shared, tokenizer, length, cells) -> dict[str, bool]:
     return out
 
 
+def table(results: dict) -> str:
+    """Markdown table of a results.json: one row per configuration, evict beside append."""
+    rows: dict = {}
+    for c in results["cells"]:
+        rows.setdefault((c["fraction"], c["label"]), {})[c["decode"]] = c
+
+    def pk(c):
+        if c is None:
+            return "-"
+        lo, hi = c["passkey_wilson"]
+        return f"{c['passkey_correct']}/{c['passkey_n']} = {c['passkey_acc']:.2f} [{lo:.2f}, {hi:.2f}]"
+
+    def ppl(c):
+        return "-" if c is None or "ppl" not in c else f"{c['ppl']:.2f}"
+
+    def kib(c):
+        return "-" if c is None or "ppl_kv_bytes" not in c else f"{c['ppl_kv_bytes'] / 2**20:.1f}"
+
+    out = ["| removal | configuration | passkey, evict | passkey, append | ppl, evict | ppl, append "
+           "| MiB after ppl, evict | MiB, append |", "|---|---|---|---|---|---|---|---|"]
+    for (frac, label), m in rows.items():
+        removal = "none" if frac is None else f"{1 - frac:.0%}"
+        e, a = m.get("evict", m.get("-")), m.get("append")
+        out.append(f"| {removal} | {label} | {pk(e)} | {pk(a)} | {ppl(e)} | {ppl(a)} | {kib(e)} | {kib(a)} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--length", type=int, default=1024, help="passkey prompt tokens")
@@ -168,10 +195,15 @@ def main() -> None:
     ap.add_argument("--skip-ppl", action="store_true")
     ap.add_argument("--check", action="store_true",
                     help="first compare the shared prefill with real forwards")
+    ap.add_argument("--table", action="store_true",
+                    help="print the markdown table of --out/results.json and exit")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     out_json = args.out / "results.json"
+    if args.table:
+        print(table(json.loads(out_json.read_text())))
+        return
 
     model, tokenizer = load_default_model()
     shared = SharedPrefill(model)
