@@ -80,6 +80,7 @@ CAPS = {
     "mid_boundary": 24,
     "threshold_window": 16,
     "calib_tokens": 16,
+    "recent": 8,              # knorm, keyformer, qfilters: budget > n_sink + recent
 }
 
 # BLAS configurations whose differences decide which fields are compared within a tolerance.

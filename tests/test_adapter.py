@@ -47,6 +47,8 @@ def small_params(key: str, tokens: int) -> dict:
         p["obs_window"] = min(8, spec.defaults["obs_window"])
     if "residual_length" in spec.params:
         p["residual_length"] = 8
+    if "recent" in spec.params:  # a recent window that fits the small budget
+        p["recent"] = min(4, spec.defaults["recent"])
     return p
 
 

@@ -51,6 +51,8 @@ def small(key):
         p["obs_window"] = min(8, spec.defaults["obs_window"])
     if "residual_length" in spec.params:
         p["residual_length"] = 8
+    if "recent" in spec.params:  # a recent window that fits the small budget
+        p["recent"] = min(4, spec.defaults["recent"])
     return p
 
 
@@ -96,8 +98,8 @@ def test_append_keeps_every_decoded_token_below_the_cap(model, key):
 
 def test_evict_drops_what_append_keeps(model):
     """KNorm without a recent window evicts decoded tokens at once; append mode does not."""
-    ev = make_cache(model, "knorm", budget=24, n_sink=2)
-    ap = make_cache(model, "knorm", budget=24, n_sink=2, decode="append")
+    ev = make_cache(model, "knorm", budget=24, n_sink=2, recent=0)
+    ap = make_cache(model, "knorm", budget=24, n_sink=2, recent=0, decode="append")
     for caches in (ev, ap):
         prefill(model, caches, PROMPT[:-1])
         decode(model, caches, PROMPT[-1], 12)

@@ -51,9 +51,9 @@ def assert_same_rows(a, b):
 def test_knorm_by_hand(backend):
     # Norms: t0 5 (sink), t1 1, t2 2, t3 1.5, t4 2.83. Budget 3 = the sink + 2.
     k = rows([3, 4], [1, 0], [0, 2], [0, 1.5], [2, 2])
-    low = velox.knorm_init(1, 1, 2, budget=3, n_sink=1, backend=backend)
+    low = velox.knorm_init(1, 1, 2, budget=3, n_sink=1, recent=0, backend=backend)
     assert pos(velox.knorm_update(low, k, k)) == [0, 1, 3]          # the two lowest: t1, t3
-    high = velox.knorm_init(1, 1, 2, budget=3, n_sink=1, keep="high", backend=backend)
+    high = velox.knorm_init(1, 1, 2, budget=3, n_sink=1, recent=0, keep="high", backend=backend)
     assert pos(velox.knorm_update(high, k, k)) == [0, 2, 4]         # the two highest: t4, t2
     recent = velox.knorm_init(1, 1, 2, budget=3, n_sink=1, recent=1, backend=backend)
     assert pos(velox.knorm_update(recent, k, k)) == [0, 1, 4]       # t4 protected, then t1
@@ -67,8 +67,8 @@ def test_knorm_by_hand(backend):
 def test_knorm_one_chunk_equals_token_by_token():
     # Scores are fixed at insertion, so with recent=0 the kept set depends on the tokens only.
     k, v, _ = stream(3, chunks=(60,))[0]
-    whole = velox.knorm_update(velox.knorm_init(2, 2, 16, budget=20, n_sink=2), k, v)
-    step = velox.knorm_init(2, 2, 16, budget=20, n_sink=2)
+    whole = velox.knorm_update(velox.knorm_init(2, 2, 16, budget=20, n_sink=2, recent=0), k, v)
+    step = velox.knorm_init(2, 2, 16, budget=20, n_sink=2, recent=0)
     for t in range(60):
         step = velox.knorm_update(step, k[:, :, t:t + 1], v[:, :, t:t + 1])
     assert_same_rows(whole, step)
@@ -193,18 +193,18 @@ def test_keyformer_by_hand(backend):
     # Zero keys (d=1): every logit is 0, so query t adds softmax(tau * g) over t0..t. Query 0
     # sees t0 alone (weight 1); query 1 adds softmax(g(0, 1), g(1, 1)) at tau = 1.
     z = rows([0.0], [0.0])
-    st = velox.keyformer_init(1, 1, 1, budget=4, n_sink=0, seed=7, backend=backend)
+    st = velox.keyformer_init(1, 1, 1, budget=4, n_sink=0, recent=0, seed=7, backend=backend)
     st = velox.keyformer_update(st, z, z)
     e = np.exp(gumbel(7, [0, 1], [1, 1]))
     assert np.allclose(np.array(st.scores)[0, 0], [1 + e[0] / e.sum(), e[1] / e.sum()], atol=1e-6)
     # Annealing 0 -> 2 over 4 positions: tau(1) = 0.5.
-    st = velox.keyformer_init(1, 1, 1, budget=4, n_sink=0, seed=7, tau_init=0.0, tau_end=2.0,
+    st = velox.keyformer_init(1, 1, 1, budget=4, n_sink=0, recent=0, seed=7, tau_init=0.0, tau_end=2.0,
                               anneal_steps=4, backend=backend)
     st = velox.keyformer_update(st, z, z)
     e = np.exp(0.5 * gumbel(7, [0, 1], [1, 1]))
     assert np.allclose(np.array(st.scores)[0, 0], [1 + e[0] / e.sum(), e[1] / e.sum()], atol=1e-6)
     # Zero temperature: plain attention, 1 + 1/2 and 1/2; budget 1 keeps t0.
-    st = velox.keyformer_init(1, 1, 1, budget=1, n_sink=0, tau_init=0.0, tau_end=0.0, backend=backend)
+    st = velox.keyformer_init(1, 1, 1, budget=1, n_sink=0, recent=0, tau_init=0.0, tau_end=0.0, backend=backend)
     st = velox.keyformer_update(st, z, z)
     assert pos(st) == [0] and np.allclose(np.array(st.scores), 1.5)
 

@@ -88,10 +88,10 @@ def test_qfilters_by_hand(backend):
     # Filter [1, 0]; keys [3, 0], [-1, 5], [2, 2], [0, 1] project 3, -1, 2, 0.
     k = rows([3.0, 0.0], [-1.0, 5.0], [2.0, 2.0], [0.0, 1.0])
     f = np.array([[1.0, 0.0]], np.float32)
-    st = qfilters.qfilters_init_calibrated(f, 1, 1, 2, budget=2, n_sink=0, backend=backend)
+    st = qfilters.qfilters_init_calibrated(f, 1, 1, 2, budget=2, n_sink=0, recent=0, backend=backend)
     assert pos(velox.qfilters_update(st, k, k)) == [0, 2]
     # sign = -1 keeps the least aligned: -3, 1, -2, 0 -> t1, t3.
-    st = qfilters.qfilters_init_calibrated(f, 1, 1, 2, budget=2, n_sink=0, sign=-1, backend=backend)
+    st = qfilters.qfilters_init_calibrated(f, 1, 1, 2, budget=2, n_sink=0, recent=0, sign=-1, backend=backend)
     assert pos(velox.qfilters_update(st, k, k)) == [1, 3]
     # recent = 1 protects t3; the best other is t0.
     st = qfilters.qfilters_init_calibrated(f, 1, 1, 2, budget=2, n_sink=0, recent=1, backend=backend)
@@ -100,7 +100,7 @@ def test_qfilters_by_hand(backend):
     # [0, 2]; t2's and t3's queries ([5, 0]) come after the calibration and do not count.
     # Projections 0, 10, 4, 2 -> t1, t2.
     q = rows([0.0, 1.0], [0.0, 1.0], [5.0, 0.0], [5.0, 0.0])
-    st = velox.qfilters_init(1, 1, 2, budget=2, n_sink=0, calib_tokens=2, backend=backend)
+    st = velox.qfilters_init(1, 1, 2, budget=2, n_sink=0, calib_tokens=2, recent=0, backend=backend)
     st = velox.qfilters_update(st, k[:, :, :1], k[:, :, :1], queries=q[:, :, :1])
     st = velox.qfilters_update(st, k[:, :, 1:], k[:, :, 1:], queries=q[:, :, 1:])
     assert np.array(st.filters).ravel().tolist() == [0.0, 2.0]
@@ -235,9 +235,9 @@ def test_qfilters_calibrated_is_path_independent(backend):
     rng = np.random.default_rng(1)
     k = mx.array(rng.standard_normal((1, 2, 40, 8)).astype(np.float32))
     f = rng.standard_normal((2, 8)).astype(np.float32)
-    one = qfilters.qfilters_init_calibrated(f, 1, 2, 8, budget=10, n_sink=2, backend=backend)
+    one = qfilters.qfilters_init_calibrated(f, 1, 2, 8, budget=10, n_sink=2, recent=0, backend=backend)
     one = velox.qfilters_update(one, k, k)
-    step = qfilters.qfilters_init_calibrated(f, 1, 2, 8, budget=10, n_sink=2, backend=backend)
+    step = qfilters.qfilters_init_calibrated(f, 1, 2, 8, budget=10, n_sink=2, recent=0, backend=backend)
     for t in range(40):
         step = velox.qfilters_update(step, k[:, :, t:t + 1], k[:, :, t:t + 1])
     assert np.array_equal(np.array(one.positions), np.array(step.positions))
@@ -249,7 +249,7 @@ def test_qfilters_fallback_freezes_after_calibration(backend):
     rng = np.random.default_rng(2)
     k = mx.array(rng.standard_normal((1, 1, 30, 4)).astype(np.float32))
     q = mx.array(rng.standard_normal((1, 2, 30, 4)).astype(np.float32))
-    st = velox.qfilters_init(1, 1, 4, budget=8, n_sink=1, calib_tokens=12, backend=backend)
+    st = velox.qfilters_init(1, 1, 4, budget=8, n_sink=1, calib_tokens=12, recent=0, backend=backend)
     st = velox.qfilters_update(st, k[:, :, :10], k[:, :, :10], queries=q[:, :, :10])
     st = velox.qfilters_update(st, k[:, :, 10:20], k[:, :, 10:20], queries=q[:, :, 10:20])
     want = np.array(q[0, :, :12]).sum(axis=(0, 1))  # both query heads, the first 12 tokens

@@ -108,7 +108,7 @@ class KeyformerState(NamedTuple):
 
 
 def keyformer_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-                   budget: int = 512, n_sink: int = 4, recent: int = 0, tau_init: float = 1.0,
+                   budget: int = 512, n_sink: int = 4, recent: int = 32, tau_init: float = 1.0,
                    tau_end: float = 1.0, anneal_steps: int = 0, decay: float = 1.0, seed: int = 0,
                    backend: str = "auto") -> KeyformerState:
     """Empty Keyformer state keeping at most ``budget`` tokens per head (sinks included)."""

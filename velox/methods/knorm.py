@@ -53,7 +53,7 @@ class KNormState(NamedTuple):
 
 
 def knorm_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-               budget: int = 512, n_sink: int = 4, recent: int = 0, keep: str = "low",
+               budget: int = 512, n_sink: int = 4, recent: int = 32, keep: str = "low",
                backend: str = "auto") -> KNormState:
     """Empty KNorm state keeping at most ``budget`` tokens per head (sinks included)."""
     p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,

@@ -110,7 +110,7 @@ def _artifact(name: str) -> np.ndarray:
 
 
 def qfilters_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-                  budget: int = 512, n_sink: int = 4, recent: int = 0, calib_tokens: int = 128,
+                  budget: int = 512, n_sink: int = 4, recent: int = 32, calib_tokens: int = 128,
                   sign: int = 1, calibration: str = "none", layer: int = 0,
                   backend: str = "auto") -> QFiltersState:
     """Empty Q-Filters state: shipped filters (``calibration``, ``layer``) or the online estimate."""
