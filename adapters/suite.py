@@ -62,6 +62,8 @@ from typing import Any
 
 import numpy as np
 
+from velox.adapters.cli import _csv_list
+
 __all__ = ["Protocol", "Sample", "QUICK", "DEFAULT", "TASKS", "MODES", "make_sample", "samples",
            "score", "wilson", "bootstrap_mean", "block_bootstrap", "configs", "evaluate_config",
            "run_suite", "merge", "markdown", "plot", "add_parser", "run", "main"]
@@ -1016,19 +1018,11 @@ def write(result: dict[str, Any], out: Path) -> list[Path]:
 # --- command -------------------------------------------------------------------------
 
 def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") \
-            from None
+    return _csv_list(float, text)
 
 
 def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") \
-            from None
+    return _csv_list(int, text)
 
 
 def _names(text: str) -> list[str]:

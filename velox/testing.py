@@ -271,6 +271,16 @@ def check_sinks(case: Case, states: list) -> None:
             assert np.isin(need, row).all(), f"sinks {need} missing from {row}"
 
 
+def _checked_positions(m: Method, state, seen: int) -> np.ndarray:
+    """The state's positions, checked: int32, strictly increasing, within ``[0, seen)``."""
+    pos = np.array(m.positions(state))
+    assert pos.dtype == np.int32
+    if pos.shape[-1]:
+        assert (np.diff(pos, axis=-1) > 0).all(), "positions not strictly increasing"
+        assert pos.min() >= 0 and pos.max() < seen
+    return pos
+
+
 def check_positions(case: Case, states: list, steps: list[Step]) -> None:
     """Positions strictly increase, lie below ``seen``, and index the rows ``get_kv`` returns.
 
@@ -280,11 +290,7 @@ def check_positions(case: Case, states: list, steps: list[Step]) -> None:
     m = get_method(case.key)
     for t, state in enumerate(states):
         seen = sum(case.chunks[:t + 1])
-        pos = np.array(m.positions(state))
-        assert pos.dtype == np.int32
-        if pos.shape[-1]:
-            assert (np.diff(pos, axis=-1) > 0).all(), "positions not strictly increasing"
-            assert pos.min() >= 0 and pos.max() < seen
+        pos = _checked_positions(m, state, seen)
         k, v = m.get_kv(state)
         assert k.shape[2] == pos.shape[-1] and v.shape[2] == pos.shape[-1]
         assert k.dtype == case.mx_dtype and v.dtype == case.mx_dtype
@@ -452,11 +458,7 @@ def check_nonfinite(case: Case, backend: str = "mlx") -> None:
     recent = recent_count(case)
     for t, state in enumerate(states):
         seen = sum(case.chunks[:t + 1])
-        pos = np.array(m.positions(state))
-        assert pos.dtype == np.int32
-        if pos.shape[-1]:
-            assert (np.diff(pos, axis=-1) > 0).all(), "positions not strictly increasing"
-            assert pos.min() >= 0 and pos.max() < seen
+        pos = _checked_positions(m, state, seen)
         need = np.arange(max(seen - recent, 0), seen)
         for row in pos.reshape(-1, pos.shape[-1]):
             assert np.isin(need, row).all(), f"recent {need} missing from {row}"
