@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 import math
+import operator
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -29,7 +31,8 @@ from .registry import dims_of
 
 __all__ = ["empty_rows", "new_positions", "protected", "ranked", "top_budget", "row_offsets", "all_but",
            "take_rows", "append_rows", "keep_rows", "dims", "row_sq_norms", "row_norms",
-           "cuda_update", "with_compacted", "cached_const", "CONST_BYTES"]
+           "cuda_update", "with_compacted", "cached_const", "CONST_BYTES", "score_and_keep", "Scored",
+           "empty_state"]
 
 
 def empty_rows(batch: int, heads: int, head_dim: int, dtype: mx.Dtype):
@@ -280,3 +283,232 @@ def with_compacted(state, out: Sequence[mx.array], carried: str = "scores"):
     if len(out) > 4:
         fields[carried] = out[4]
     return state._replace(**fields)
+
+
+# --- the score-and-keep skeleton, written once for every backend -------------------------
+
+class Scored(NamedTuple):
+    """What a rule's score returns: the candidates' ``scores`` (``None`` when nothing is
+    evicted and the rule needs none) and new values of state fields (``updates``): the
+    rule's carried per-token fields over the ``n + s`` candidates (an array, or a
+    ``(stored, new)`` pair), and any other field it refreshes."""
+
+    scores: Any
+    updates: dict
+
+
+def _scored(out) -> Scored:
+    if isinstance(out, Scored):
+        return out
+    if isinstance(out, tuple):
+        return Scored(*out)
+    return Scored(out, {})
+
+
+class _Plan(NamedTuple):
+    """What a spec says of a score-and-keep method: capacity, protected slots, when it
+    evicts, whether a batch row's heads share one selection."""
+
+    capacity: Callable
+    sinks: Callable
+    recent: Callable
+    prefill_only: bool
+    shared: Callable
+
+
+def _getter(expr: str | None, default: int = 0) -> Callable:
+    """``state -> value`` of a spec expression over state fields (``"budget"``,
+    ``"n_sink + window_size"``), compiled once."""
+    if expr is None:
+        return lambda state: default
+    if expr.isidentifier():
+        return operator.attrgetter(expr)
+    code = compile(expr, "<spec>", "eval")
+    names = code.co_names
+    env = {"__builtins__": {"min": min, "max": max}}
+    return lambda state: eval(code, env, {n: getattr(state, n) for n in names if n not in ("min", "max")})
+
+
+def _plan(spec) -> _Plan:
+    c = spec.contract
+    head = c.get("head_independent", True)
+    if head is True:
+        shared = lambda state: False  # noqa: E731
+    elif head is False:
+        shared = lambda state: True  # noqa: E731
+    else:  # the name of the bool parameter that gives every head its own selection
+        shared = lambda state, name=head: not getattr(state, name)  # noqa: E731
+    return _Plan(capacity=_getter(c["capacity"]), sinks=_getter(c.get("sinks")),
+                 recent=_getter(c.get("recent")), prefill_only=spec.phases == "prefill",
+                 shared=shared)
+
+
+def _evicting(plan: _Plan, state, n: int, s: int) -> bool:
+    return n + s > plan.capacity(state) and (s > 1 or not plan.prefill_only)
+
+
+def _protected_index(n: int, n_sink: int, recent: int) -> np.ndarray:
+    return np.flatnonzero(_build_const("protected", n, n_sink, recent)).astype(np.int32)
+
+
+def score_and_keep(score: Callable | None, reference: Callable | None, *,
+                   kernel: Callable | None = None, carry: tuple[str, ...] = (),
+                   fields: tuple[str, ...] = ()) -> Callable:
+    """The backends of a score-and-keep eviction method, built from its score.
+
+    Every update appends the ``s`` new rows to the ``n`` stored ones, and when the method
+    evicts (its spec: ``n + s`` over ``contract.capacity``; every update, or prefill chunks
+    only when ``phases = "prefill"``) keeps the ``capacity`` best-scoring candidates, the
+    protected ones always (the first ``contract.sinks`` positions and the ``contract.recent``
+    newest), in increasing position, with the tie and non-finite rules of :func:`top_budget`.
+    Where the spec's ``head_independent`` names a bool parameter (``"per_head"``), a batch
+    row's heads share one selection when it is false: the mean of their scores. Positions,
+    ``next_pos``, the append and the gather are written here, once.
+
+    Args:
+        score: the ``mlx`` score, ``score(state, keys, queries, evicting) -> scores
+            [b, h, n + s]`` (vectorised MLX) or ``(scores, updates)`` (see :class:`Scored`).
+            Called when the update evicts, and on every update when the method carries or
+            refreshes fields. ``None``: the protected slots alone are kept (a fixed index).
+        reference: the ``reference`` score of one head, ``reference(state, head) -> scores
+            [N]`` or ``(scores, updates)`` (NumPy, float64: the executable spec; ``head`` is a
+            :class:`velox.reference.Head`). Called on the same updates as ``score``; its
+            updates are per head (``[N, ...]`` for carried fields, the field's per-head
+            shape for the others). ``None`` with ``score=None``.
+        kernel: the ``cuda`` backend's input for a decode step at a full cache,
+            ``kernel(state, keys, queries) -> dict`` of ``velox.kernels.evict.compact``'s
+            loser arguments (``by=`` scores or ``drop=``, ``carry=``, ``profiles=``); the
+            protection and sharing are added here. Default (when the spec lists ``cuda``):
+            ``by`` the ``mlx`` score. Every other call runs the ``mlx`` backend on the GPU.
+        carry: state fields of per-token data kept with the rows (``[b, h, n, ...]``): H2O's
+            accumulated attention, KVzip's running maximum, MorphKV's votes. The score's
+            updates hold their values over the candidates.
+        fields: other state fields the score's updates refresh every update (Q-Filters'
+            running filters).
+
+    Returns:
+        ``spec -> {backend: update}``, for :func:`velox.registry.register`'s ``backends``.
+    """
+    if score is None and (carry or fields or reference is not None):
+        raise ValueError("a rule without a score keeps the protected slots only: it carries nothing")
+
+    def build(spec) -> dict[str, Callable]:
+        plan = _plan(spec)
+        mlx_update = _mlx_backend(score, carry, fields, plan)
+        out = {"reference": _reference_backend(reference, carry, fields, plan), "mlx": mlx_update}
+        if "cuda" in spec.backends:
+            out["cuda"] = cuda_update(mlx_update, plan.capacity,
+                                      _kernel_step(score, kernel, carry, fields, plan))
+        return out
+
+    return build
+
+
+def _mlx_backend(score, carry, fields, plan: _Plan) -> Callable:
+    def update(state, keys, values, queries):
+        n, s = state.keys.shape[2], keys.shape[2]
+        evicting = _evicting(plan, state, n, s)
+        scored = Scored(None, {})
+        if score is not None and (evicting or carry or fields):
+            scored = _scored(score(state, keys, queries, evicting))
+        idx = None
+        if evicting:
+            b, h = state.positions.shape[:2]
+            if score is None:
+                keep = cached_const(("kept", n + s, plan.sinks(state), plan.recent(state)),
+                                    lambda: _protected_index(n + s, plan.sinks(state), plan.recent(state)))
+                idx = mx.broadcast_to(keep, (b, h) + keep.shape)
+            else:
+                scores = scored.scores
+                if plan.shared(state):  # one selection for the row, shared by every head
+                    scores = scores.mean(axis=1, keepdims=True)
+                idx = top_budget(scores, plan.capacity(state),
+                                 protected(n + s, plan.sinks(state), plan.recent(state)))
+                idx = mx.broadcast_to(idx, (b, h) + idx.shape[2:])
+        stored = [state.keys, state.values, state.positions]
+        new = [keys, values, new_positions(state.next_pos, s)]
+        for name in carry:
+            both = scored.updates[name]
+            a, x = both if isinstance(both, tuple) else (both[:, :, :n], both[:, :, n:])
+            stored.append(a)
+            new.append(x)
+        out = keep_rows(tuple(stored), tuple(new), idx)
+        kept = dict(zip(carry, out[3:]))
+        kept.update({name: scored.updates[name] for name in fields})
+        return state._replace(keys=out[0], values=out[1], positions=out[2],
+                              next_pos=state.next_pos + s, **kept)
+
+    return update
+
+
+def _reference_backend(reference, carry, fields, plan: _Plan) -> Callable:
+    from . import reference as ref
+
+    def update(state, keys, values, queries):
+        c = ref.candidates(state, keys, values, queries)
+        b, h, N = c.positions.shape
+        s = keys.shape[2]
+        evicting = _evicting(plan, state, N - s, s)
+        scores = np.zeros((b, h, N))
+        per_head: dict[str, list] = {name: [[None] * h for _ in range(b)] for name in (*carry, *fields)}
+        if reference is not None and (evicting or carry or fields):
+            old = {name: ref.to_np(getattr(state, name)) for name in carry}
+            for i in range(b):
+                for j in range(h):
+                    head = ref.head(c, i, j, {k: v[i, j] for k, v in old.items()}, evicting)
+                    out = _scored(reference(state, head))
+                    if out.scores is not None:
+                        scores[i, j] = out.scores
+                    for name in per_head:
+                        per_head[name][i][j] = out.updates[name]
+        chosen = [[None] * h for _ in range(b)]
+        if evicting:
+            if plan.shared(state):
+                scores[:] = scores.mean(axis=1, keepdims=True)
+            cap, sinks, recent = plan.capacity(state), plan.sinks(state), plan.recent(state)
+            chosen = [[ref.top_budget(scores[i, j], cap,
+                                      ref.protected(c.positions[i, j], c.total[i, j], sinks, recent))
+                       for j in range(h)] for i in range(b)]
+        stacked = {name: np.stack([np.stack(row) for row in rows]) for name, rows in per_head.items()}
+        new = ref.keep(state, c, chosen, **{name: stacked[name] for name in carry})
+        return new._replace(**{name: ref.to_mx(stacked[name], getattr(state, name).dtype)
+                               for name in fields})
+
+    return update
+
+
+def _kernel_step(score, kernel, carry, fields, plan: _Plan) -> Callable:
+    def step(state, keys, values, queries):
+        from .kernels.evict import compact
+        if kernel is None:
+            scored = _scored(score(state, keys, queries, True))
+            args = dict(by=scored.scores)
+            state = state._replace(**{name: scored.updates[name] for name in fields})
+        else:
+            args = kernel(state, keys, queries)
+        if "by" in args:
+            args.update(shared=plan.shared(state), n_sink=plan.sinks(state),
+                        recent=plan.recent(state))
+        out = compact(state.keys, state.values, state.positions, keys, values, state.next_pos,
+                      **args)
+        return with_compacted(state, out, carried=carry[0] if carry else "scores")
+
+    return step
+
+
+def empty_state(state_type: type, args: dict, **arrays: mx.array):
+    """A fresh eviction state from ``init``'s arguments (``locals()`` of an ``init``): no
+    rows, ``next_pos`` zero, every static field from ``args`` by name, every carried
+    per-token field an empty ``[b, h, 0]`` float32 array unless given in ``arrays``."""
+    b, h, d = args["batch"], args["kv_heads"], args["head_dim"]
+    k, v, pos, nxt = empty_rows(b, h, d, args["dtype"])
+    given = dict(keys=k, values=v, positions=pos, next_pos=nxt, **arrays)
+    out = {}
+    for name in state_type._fields:
+        if name in given:
+            out[name] = given[name]
+        elif name in args:
+            out[name] = args[name]
+        else:
+            out[name] = mx.zeros((b, h, 0), mx.float32)
+    return state_type(**out)

@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 __all__ = ["to_np", "to_mx", "softmax", "attention_weights", "protected", "ranked", "top_budget",
-           "scoring_queries", "Candidates", "candidates", "keep"]
+           "scoring_queries", "Candidates", "candidates", "keep", "Head", "head"]
 
 
 def to_np(x: mx.array, dtype=np.float64) -> np.ndarray:
@@ -97,6 +97,27 @@ def candidates(state, keys: mx.array, values: mx.array, queries: mx.array | None
         values=np.concatenate([to_np(state.values, np.float32), to_np(values, np.float32)], axis=2),
         positions=np.concatenate([to_np(state.positions, np.int64), nxt[..., None] + np.arange(s)], axis=2),
         total=nxt + s, new_keys=to_np(keys), queries=None if queries is None else to_np(queries))
+
+
+class Head(NamedTuple):
+    """One head's candidates (stored rows, then the ``s`` new ones): what a score-and-keep
+    rule's reference score reads (``velox.evict.score_and_keep``)."""
+
+    keys: np.ndarray       # [N, d] float32: exact copies of the rows
+    values: np.ndarray     # [N, d] float32
+    positions: np.ndarray  # [N] int64, absolute
+    total: int             # tokens seen, the new ones included
+    probes: np.ndarray     # [g, s, d] float64: the new tokens' real queries, or their keys
+    carried: dict          # the rule's carried fields of the n stored rows, float64 [n, ...]
+    evicting: bool         # whether this update evicts
+    s: int                 # new tokens
+
+
+def head(cand: Candidates, i: int, j: int, carried: dict, evicting: bool) -> Head:
+    """Row ``i``, kv head ``j`` of ``cand``."""
+    probes = scoring_queries(cand.new_keys, cand.queries)[i, j]
+    return Head(cand.keys[i, j], cand.values[i, j], cand.positions[i, j], int(cand.total[i, j]),
+                probes, carried, evicting, cand.new_keys.shape[2])
 
 
 def keep(state, cand: Candidates, chosen, **extra: np.ndarray):

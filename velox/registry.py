@@ -7,13 +7,17 @@ per-method branches. Kernel modules add backends to a registered method with
 
 from __future__ import annotations
 
+import functools
+import inspect
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 
-from .spec import Spec, load_spec
+from .accounting import state_nbytes
+from .spec import Spec, read_spec, spec_keys
 
 State = tuple  # every state record is a typing.NamedTuple
 
@@ -28,7 +32,7 @@ class Method:
     key: str
     state_type: type
     init: Callable[..., State]
-    update: Callable[..., State]
+    update: Callable[..., State] | None
     get_kv: Callable[[State], tuple[mx.array, mx.array]]
     nbytes: Callable[[State], int]
     positions: Callable[[State], mx.array]
@@ -42,6 +46,7 @@ class Method:
     attend: Callable[..., mx.array] | None = None
     spec_override: Spec | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+    _spec: Spec | None = field(default=None, repr=False)
 
     def per_layer_params(self, n_layers: int, params: dict[str, Any]) -> list[dict[str, Any]]:
         """Parameters of each of ``n_layers`` layers (a schedule where the method has one)."""
@@ -51,8 +56,13 @@ class Method:
 
     @property
     def spec(self) -> Spec:
-        """The method's spec (its file in ``velox/specs``, or a generated one for compositions)."""
-        return self.spec_override if self.spec_override is not None else load_spec(self.key)
+        """The method's spec: its file in ``velox/specs`` with the parameters of its ``init``
+        signature (or a generated one, for compositions)."""
+        if self.spec_override is not None:
+            return self.spec_override
+        if self._spec is None:
+            self._spec = read_spec(self.key, getattr(self.init, "__wrapped__", self.init))
+        return self._spec
 
 
 _REGISTRY: dict[str, Method] = {}
@@ -60,22 +70,47 @@ _BY_STATE: dict[type, Method] = {}
 
 
 def _stored_positions(state: State) -> mx.array:
+    """Absolute positions of what ``get_kv`` returns: the state's ``positions`` field."""
     return state.positions
 
 
-def register(key: str, *, state_type: type, init: Callable, update: Callable,
-             get_kv: Callable, nbytes: Callable, backends: dict[str, Callable],
-             positions: Callable | None = None, error_bound: Callable | None = None,
-             dims: Callable | None = None, layer_params: Callable | None = None,
-             model_init: Callable | None = None, layer_update: Callable | None = None,
-             attend: Callable | None = None, **extras: Any) -> Method:
-    """Add a method to the registry (called once by each method module).
+def _stored_kv(state: State) -> tuple[mx.array, mx.array]:
+    """Kept keys and values, in increasing absolute position: the state's ``keys``/``values``."""
+    return state.keys, state.values
+
+
+def register(key: str, state_type: type, init: Callable, backends: Any = None, *,
+             update: Callable | None = None, get_kv: Callable | None = None,
+             nbytes: Callable | None = None, positions: Callable | None = None,
+             error_bound: Callable | None = None, dims: Callable | None = None,
+             layer_params: Callable | None = None, model_init: Callable | None = None,
+             layer_update: Callable | None = None, attend: Callable | None = None,
+             spec: Spec | None = None, **extras: Any) -> Method:
+    """Add a method to the registry (called once, at the end of each method module).
+
+    The method writes its state record, its ``init`` and its backends; everything else has a
+    default here:
+
+    * ``init``: the module's function is wrapped. The wrapper binds the call to the function's
+      signature (its keyword parameters, with their defaults, are the method's parameters),
+      checks the dims, validates the parameters against the spec (types, ranges,
+      constraints), resolves ``backend`` (``"auto"`` -> a concrete name) and calls the
+      function with the checked values. ``help(<key>.init)`` shows the signature and its
+      ``Args:``.
+    * ``update(state, keys, values, *, queries=None)``: checks the new rows against the
+      state's dims and runs ``backends[state.backend]``.
+    * ``get_kv``: the state's ``keys`` and ``values``; ``nbytes``: the bytes of every array
+      the state holds; ``positions``: the state's ``positions``; ``dims``: from ``keys``.
 
     Args:
-        positions: absolute positions ``[b, h, n]`` of what ``get_kv`` returns (default: the
-            state's ``positions`` field).
+        key: the method key (``velox/specs/<key>.toml`` is its spec, unless ``spec`` is given).
+        state_type: the method's state record (a ``typing.NamedTuple``).
+        init: ``init(batch, kv_heads, head_dim, *, dtype, <params>, backend)``.
+        backends: ``{name: update(state, keys, values, queries)}``, or a function of the
+            method's spec returning that dict (``velox.evict.score_and_keep`` builds one).
+        update: replaces the generated update (compositions do).
+        get_kv, nbytes, positions, dims: replace the defaults above.
         error_bound: per-element bound ``(keys, values)`` on ``|get_kv - input|`` (lossy methods).
-        dims: ``(batch, kv_heads, head_dim, dtype)`` of a state (default: from ``state.keys``).
         layer_params: ``(n_layers, params) -> [params per layer]``: a static per-layer schedule.
         model_init, layer_update: cross-layer methods. ``model_init(per_layer_params)`` returns
             a model-level record; ``layer_update(record, layer, state, keys, values, *,
@@ -85,19 +120,91 @@ def register(key: str, *, state_type: type, init: Callable, update: Callable,
             ``queries [b, q, s, d]`` over the stored tokens plus ``s`` new ones, for methods
             whose attention is not plain attention over ``get_kv`` (sparse page selection,
             attention on packed quantized codes). ``mask`` is ``None`` or ``"causal"``.
+        spec: a generated spec (compositions); default: the spec file of ``key``.
     """
     if key in _REGISTRY:
         raise ValueError(f"method {key!r} is already registered")
     if (model_init is None) != (layer_update is None):
         raise ValueError(f"{key}: model_init and layer_update come together")
-    m = Method(key=key, state_type=state_type, init=init, update=update, get_kv=get_kv,
-               nbytes=nbytes, positions=positions or _stored_positions,
-               backends=dict(backends), error_bound=error_bound, dims=dims,
-               layer_params=layer_params, model_init=model_init, layer_update=layer_update,
-               attend=attend, extras=extras)
+    m = Method(key=key, state_type=state_type, init=_checked_init(key, init), update=update,
+               get_kv=get_kv or _stored_kv, nbytes=nbytes or state_nbytes,
+               positions=positions or _stored_positions, backends={}, error_bound=error_bound,
+               dims=dims, layer_params=layer_params, model_init=model_init,
+               layer_update=layer_update, attend=attend, spec_override=spec, extras=extras)
     _REGISTRY[key] = m
     _BY_STATE[state_type] = m
+    try:
+        m.backends.update(backends(m.spec) if callable(backends) else dict(backends or {}))
+        if update is None:
+            m.update = _dispatching_update(m, init.__module__)
+        if spec is None and key in spec_keys():
+            _document(m, init.__module__)
+    except Exception:
+        del _REGISTRY[key], _BY_STATE[state_type]
+        raise
     return m
+
+
+def _checked_init(key: str, body: Callable) -> Callable:
+    """``body`` behind the validation every ``init`` shares (see :func:`register`)."""
+    from .backend import resolve_backend
+    from .spec import validate_params
+    from .validate import check_dims
+
+    sig = inspect.signature(body)
+    named = {"batch", "kv_heads", "head_dim", "dtype", "backend"}
+
+    @functools.wraps(body)
+    def init(*args: Any, **kwargs: Any) -> State:
+        given = dict(sig.bind(*args, **kwargs).arguments)
+        for name in [n for n, q in sig.parameters.items() if q.kind is q.VAR_KEYWORD]:
+            given.update(given.pop(name, {}))
+        batch, kv_heads, head_dim = given["batch"], given["kv_heads"], given["head_dim"]
+        dtype = given.get("dtype", sig.parameters["dtype"].default)
+        check_dims(batch, kv_heads, head_dim, dtype)
+        method = get_method(key)
+        params = validate_params(method.spec, {k: v for k, v in given.items() if k not in named},
+                                 dims=dict(batch=batch, kv_heads=kv_heads, head_dim=head_dim))
+        backend = resolve_backend(given.get("backend", "auto"), key, method.backends)
+        return body(batch, kv_heads, head_dim, dtype=dtype, backend=backend, **params)
+
+    return init
+
+
+def _dispatching_update(m: Method, module: str) -> Callable:
+    """The update every method shares: check the new rows, run the state's backend."""
+    from .validate import check_update
+
+    backends, dims = m.backends, m.dims or _keys_dims
+
+    def update(state: State, keys: mx.array, values: mx.array, *,
+               queries: mx.array | None = None) -> State:
+        b, h, d, dtype = dims(state)
+        check_update(keys, values, queries, batch=b, heads=h, head_dim=d, dtype=dtype)
+        return backends[state.backend](state, keys, values, queries)
+
+    update.__module__, update.__qualname__ = module, "update"
+    update.__doc__ = (f"Absorb ``s`` new tokens ``keys, values [b, h, s, d]`` (``queries [b, q, "
+                      f"s, d]``: their real queries, optional): {m.spec.summary}.\n\n"
+                      f"Returns the new state; the state given is left as it was.")
+    return update
+
+
+def _document(m: Method, module: str) -> None:
+    """Append the spec's paper and deviations to the method module's docstring (they are
+    written once, in the spec)."""
+    mod = sys.modules.get(module)
+    if mod is None or m.spec_override is not None:
+        return
+    spec, parts = m.spec, []
+    if spec.title:
+        where = ", ".join(x for x in (spec.venue, f"arXiv:{spec.arxiv}" if spec.arxiv else "") if x)
+        parts.append(f"Reference:\n    {spec.title}. {where}.")
+    if spec.deviations:
+        parts.append("Deviations from the paper (the spec's ``deviations``):\n"
+                     + "\n".join(f"    * {d}" for d in spec.deviations))
+    if parts:
+        mod.__doc__ = (mod.__doc__ or "").rstrip() + "\n\n" + "\n\n".join(parts) + "\n"
 
 
 def register_backend(key: str, backend: str, update: Callable) -> None:
@@ -152,6 +259,11 @@ def dispatch(key: str, state: State, keys: mx.array, values: mx.array,
     b, h, d, dtype = dims
     check_update(keys, values, queries, batch=b, heads=h, head_dim=d, dtype=dtype)
     return _REGISTRY[key].backends[state.backend](state, keys, values, queries)
+
+
+def _keys_dims(state: State) -> tuple[int, int, int, mx.Dtype]:
+    b, h, _, d = state.keys.shape
+    return b, h, d, state.keys.dtype
 
 
 def dims_of(field: str) -> Callable[[Any], tuple[int, int, int, mx.Dtype]]:

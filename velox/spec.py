@@ -1,20 +1,25 @@
 """Method specs: the data file of each method (paper, parameters, invariants, tolerances).
 
-A spec is a TOML file in ``velox/specs/<key>.toml``. Parameters declare their type, default,
-valid range and the range property tests draw from; constraints relate parameters
-(``"budget > n_sink"``); the ``[contract]`` table says which contract invariants apply.
+A spec is a TOML file in ``velox/specs/<key>.toml`` read together with the method's ``init``.
+The ``init`` signature is the one source of each parameter's name, type (its annotation:
+``int``, ``float``, ``bool``, or ``str`` for a choice) and default, and its ``Args:``
+docstring of the parameter's doc. The file says what Python cannot: each parameter's valid
+range or choices and the range property tests draw from (``[params.<name>]``), constraints
+relating parameters (``"budget > n_sink"``), the ``[contract]`` invariants, tolerances, the
+paper, presets and the deviations from it.
 """
 
 from __future__ import annotations
 
 import ast
+import inspect
 import math
 import operator
 import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -24,7 +29,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["Param", "Spec", "load_spec", "spec_keys", "validate_params", "evaluate", "method_table"]
+__all__ = ["Param", "Spec", "load_spec", "read_spec", "spec_keys", "validate_params", "evaluate",
+           "method_table", "init_params", "args_section"]
 
 _TYPES = ("int", "float", "bool", "choice")
 
@@ -224,12 +230,81 @@ def validate_params(spec: Spec, given: Mapping[str, Any],
     return out
 
 
-def _param(name: str, raw: Mapping[str, Any]) -> Param:
-    kind = raw.get("type")
+_TABLE_ONLY = {"min", "max", "min_exclusive", "max_exclusive", "choices", "test_min", "test_max",
+               "test_choices", "seed_name"}
+_ANNOTATIONS = {int: "int", float: "float", bool: "bool", str: "choice",
+                "int": "int", "float": "float", "bool": "bool", "str": "choice"}
+_LEGACY = True
+_NOT_PARAMS = ("batch", "kv_heads", "head_dim", "dtype", "backend")
+
+
+def args_section(doc: str | None) -> dict[str, str]:
+    """``name -> text`` of a Google-style ``Args:`` section (continuation lines joined)."""
+    out: dict[str, str] = {}
+    lines = inspect.cleandoc(doc or "").splitlines()
+    try:
+        start = next(i for i, ln in enumerate(lines) if ln.strip() == "Args:")
+    except StopIteration:
+        return out
+    indent, name = None, None
+    for ln in lines[start + 1:]:
+        if not ln.strip():
+            continue
+        depth = len(ln) - len(ln.lstrip())
+        if indent is None:
+            indent = depth
+        if depth < indent:
+            break
+        head, sep, text = ln.strip().partition(":")
+        if depth == indent and sep and head.isidentifier():
+            name = head
+            out[name] = text.strip()
+        elif name is not None:
+            out[name] = (out[name] + " " + ln.strip()).strip()
+    return out
+
+
+def init_params(init: Callable) -> list[tuple[str, str, Any, str]]:
+    """``(name, type, default, doc)`` of each method parameter of an ``init`` function: its
+    keyword-only parameters other than ``dtype`` and ``backend``, in signature order."""
+    sig = inspect.signature(init)
+    docs = args_section(init.__doc__)
+    out = []
+    for q in sig.parameters.values():
+        if q.kind is not q.KEYWORD_ONLY or q.name in _NOT_PARAMS:
+            continue
+        kind = _ANNOTATIONS.get(q.annotation)
+        if kind is None:
+            raise ValueError(f"{init.__qualname__}: parameter {q.name} needs an int, float, bool "
+                             f"or str annotation, got {q.annotation!r}")
+        if q.default is q.empty:
+            raise ValueError(f"{init.__qualname__}: parameter {q.name} needs a default")
+        out.append((q.name, kind, q.default, docs.get(q.name, "")))
+    return out
+
+
+def _param(name: str, raw: Mapping[str, Any], declared: tuple[str, Any, str] | None) -> Param:
+    if declared is None:  # a spec without an init (tests, tools): the table says it all
+        declared = raw.get("type"), raw.get("default"), raw.get("doc", "")
+    else:
+        stray = sorted({"type", "default", "doc"} & set(raw))
+        if stray and _LEGACY:  # a spec file not moved yet: its table still declares them
+            declared = raw.get("type"), raw.get("default"), raw.get("doc", "")
+        elif stray:
+            raise ValueError(f"parameter {name}: {', '.join(stray)} come(s) from the init "
+                             f"signature and its Args, not the spec file")
+    kind, default, doc = declared
+    unknown = sorted(set(raw) - _TABLE_ONLY - {"type", "default", "doc"})
+    if unknown:
+        raise ValueError(f"parameter {name}: unknown field(s) {', '.join(unknown)}")
+    if kind == "choice" and not raw.get("choices"):
+        raise ValueError(f"parameter {name}: a str parameter needs `choices` in the spec file")
+    if kind in ("int", "float") and raw.get("choices"):
+        kind = "choice"
     if kind not in _TYPES:
         raise ValueError(f"parameter {name}: type must be one of {_TYPES}, got {kind!r}")
     return Param(
-        name=name, type=kind, default=raw["default"], doc=raw.get("doc", ""),
+        name=name, type=kind, default=default, doc=doc,
         min=raw.get("min"), max=raw.get("max"),
         min_exclusive=raw.get("min_exclusive", False), max_exclusive=raw.get("max_exclusive", False),
         choices=tuple(raw.get("choices", ())), test_min=raw.get("test_min"),
@@ -238,14 +313,25 @@ def _param(name: str, raw: Mapping[str, Any]) -> Param:
     )
 
 
-def parse_spec(data: Mapping[str, Any]) -> Spec:
-    """Build a :class:`Spec` from parsed TOML data."""
+def parse_spec(data: Mapping[str, Any], init: Callable | None = None) -> Spec:
+    """Build a :class:`Spec` from parsed TOML data and (when given) the method's ``init``,
+    whose signature declares the parameters."""
     paper = data.get("paper", {})
+    tables = data.get("params", {})
+    if init is None:
+        params = {k: _param(k, v, None) for k, v in tables.items()}
+    else:
+        declared = {n: (t, d, doc) for n, t, d, doc in init_params(init)}
+        extra = sorted(set(tables) - set(declared))
+        if extra:
+            raise ValueError(f"spec {data['key']}: [params.{extra[0]}] is not a parameter of "
+                             f"{init.__qualname__}")
+        params = {k: _param(k, tables.get(k, {}), v) for k, v in declared.items()}
     return Spec(
         key=data["key"], name=data["name"], title=paper.get("title", ""),
         arxiv=paper.get("arxiv", ""), venue=paper.get("venue", ""), family=data["family"],
         phases=data["phases"], queries=data.get("queries", "no"), summary=data.get("summary", ""),
-        params={k: _param(k, v) for k, v in data.get("params", {}).items()},
+        params=params,
         constraints=tuple(data.get("constraints", ())), contract=dict(data.get("contract", {})),
         tolerance=dict(data.get("tolerance", {})), deviations=tuple(data.get("deviations", ())),
         backends=tuple(data.get("backends", ("reference", "mlx"))),
@@ -259,13 +345,13 @@ def spec_keys() -> tuple[str, ...]:
     return tuple(sorted(f.name[:-5] for f in files if f.name.endswith(".toml")))
 
 
-@lru_cache(maxsize=None)
-def load_spec(key: str) -> Spec:
-    """Read and parse ``velox/specs/<key>.toml``."""
+def read_spec(key: str, init: Callable | None = None) -> Spec:
+    """Read ``velox/specs/<key>.toml`` with the parameters of ``init`` and check it: defaults
+    valid, constraints hold at the defaults, presets valid."""
     path = resources.files("velox.specs") / f"{key}.toml"
     if not path.is_file():
         raise ValueError(f"no spec file for method {key!r}")
-    spec = parse_spec(tomllib.loads(path.read_text(encoding="utf-8")))
+    spec = parse_spec(tomllib.loads(path.read_text(encoding="utf-8")), init)
     if spec.key != key:
         raise ValueError(f"spec file {key}.toml declares key {spec.key!r}")
     for p in spec.params.values():
@@ -277,6 +363,20 @@ def load_spec(key: str) -> Spec:
         except ValueError as e:
             raise ValueError(f"{key}.toml preset {name!r}: {e}") from None
     return spec
+
+
+def load_spec(key: str) -> Spec:
+    """The spec of method ``key`` (a registered method's, with its ``init`` parameters)."""
+    from .registry import get_method, method_keys
+
+    if key in method_keys():
+        return get_method(key).spec
+    return _file_spec(key)
+
+
+@lru_cache(maxsize=None)
+def _file_spec(key: str) -> Spec:
+    return read_spec(key)
 
 
 def method_table(keys: tuple[str, ...] | None = None) -> str:

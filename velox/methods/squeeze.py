@@ -13,20 +13,6 @@ budget (a layer given less shrinks at its next update, one given more grows into
 
 Backends: ``reference``, ``mlx`` and ``cuda`` (H2O's fused kernels for a decode step at a
 full cache of the layer's budget; every other step runs the ``mlx`` ops).
-
-References:
-    Wang, Cui, Gan. SqueezeAttention: 2D Management of KV-Cache in LLM Inference via
-    Layer-wise Optimal Budget. ICLR 2025. arXiv:2404.04793.
-
-Deviations from the paper:
-    * Layer importance is the keys' concentration, a proxy: the paper's cosine similarity of
-      the hidden states before and after attention is not visible to a cache.
-    * Budgets follow importance continuously (``strength`` interpolates from uniform); the
-      paper clusters layers into groups and moves budget from the least important group.
-    * The reallocation reads the layers' concentrations once, after the first forward, and
-      takes effect from the next one; the paper compresses the prompt with the new budgets
-      right after prefill. One budget per layer is shared by the batch.
-    * Within a layer, H2O's deviations (grace, decay, sinks, chunk rule, key-as-query proxy).
 """
 
 from __future__ import annotations
@@ -42,16 +28,12 @@ import numpy as np
 
 from .. import evict
 from .._typing import Array, Float, Int
-from ..accounting import state_nbytes
 from ..crosslayer import checked_update, layer_params, round_to_total
-from ..registry import dispatch, get_method, prepare_init, register
-from .h2o import H2OState
-from .h2o import _update_cuda as _h2o_cuda
-from .h2o import _update_mlx as _h2o_mlx
-from .h2o import _update_reference as _h2o_reference
+from ..registry import get_method, register
+from .h2o import heavy_hitter_kernel, heavy_hitter_reference, heavy_hitter_scores
 
-__all__ = ["SqueezeState", "SqueezeRecord", "squeeze_init", "squeeze_update", "squeeze_get_kv",
-           "squeeze_bytes", "squeeze_budgets", "concentration"]
+__all__ = ["SqueezeState", "SqueezeRecord", "State", "init", "update", "get_kv", "nbytes",
+           "squeeze_budgets", "concentration"]
 
 KEY = "squeeze"
 
@@ -82,16 +64,22 @@ class SqueezeRecord(NamedTuple):
     floor: int                        # smallest budget a layer may get
 
 
-def squeeze_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-                 budget: int = 512, n_sink: int = 4, strength: float = 1.0, grace: int = 16,
-                 decay: float = 0.98, backend: str = "auto") -> SqueezeState:
-    """Empty state of one layer keeping at most ``budget`` tokens per head (sinks included)."""
-    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
-                              dict(budget=budget, n_sink=n_sink, strength=strength, grace=grace,
-                                   decay=decay))
-    k, v, pos, nxt = evict.empty_rows(batch, kv_heads, head_dim, dtype)
-    return SqueezeState(k, v, pos, mx.zeros((batch, kv_heads, 0), mx.float32), nxt, **p,
-                        backend=backend)
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         budget: int = 512, n_sink: int = 4, strength: float = 1.0, grace: int = 16,
+         decay: float = 0.98, backend: str = "auto") -> SqueezeState:
+    """Empty state of one layer keeping at most ``budget`` tokens per head.
+
+    Args:
+        budget: tokens kept per head: the layer's average budget before reallocation (sinks
+            included).
+        n_sink: leading tokens never evicted.
+        strength: how far budgets follow layer importance (0 = uniform, every layer is h2o).
+        grace: newest tokens never evicted (H2O's grace; not in the seed, added with h2o's
+            default).
+        decay: multiplier applied to accumulated scores at every token (H2O's decay; not in
+            the seed, added with h2o's default).
+    """
+    return evict.empty_state(SqueezeState, locals())
 
 
 def concentration(keys: Float[Array, "b h s d"]) -> Float[Array, "b h"]:
@@ -140,45 +128,6 @@ def squeeze_budgets(concentrations: Sequence[float], budget: int | Sequence[int]
     return round_to_total(shares, total)
 
 
-def _as_h2o(state: SqueezeState) -> H2OState:
-    return H2OState(state.keys, state.values, state.positions, state.scores, state.next_pos,
-                    state.budget, state.n_sink, state.grace, state.decay, state.backend)
-
-
-def _from_h2o(state: SqueezeState, new: H2OState) -> SqueezeState:
-    return state._replace(keys=new.keys, values=new.values, positions=new.positions,
-                          scores=new.scores, next_pos=new.next_pos)
-
-
-# Within a layer the rule is H2O's, run on an H2O view of this layer's state.
-def _update_mlx(state: SqueezeState, keys, values, queries) -> SqueezeState:
-    return _from_h2o(state, _h2o_mlx(_as_h2o(state), keys, values, queries))
-
-
-def _update_reference(state: SqueezeState, keys, values, queries) -> SqueezeState:
-    return _from_h2o(state, _h2o_reference(_as_h2o(state), keys, values, queries))
-
-
-def _update_cuda(state: SqueezeState, keys, values, queries) -> SqueezeState:
-    return _from_h2o(state, _h2o_cuda(_as_h2o(state), keys, values, queries))
-
-
-def squeeze_update(state: SqueezeState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
-                   *, queries: Float[Array, "b q s d"] | None = None) -> SqueezeState:
-    """One layer alone: H2O with this layer's ``budget`` (no reallocation)."""
-    return dispatch(KEY, state, keys, values, queries, evict.dims(state))
-
-
-def squeeze_get_kv(state: SqueezeState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
-    """Kept keys and values, in increasing absolute position."""
-    return state.keys, state.values
-
-
-def squeeze_bytes(state: SqueezeState) -> int:
-    """Bytes of every array the state holds (scores included)."""
-    return state_nbytes(state)
-
-
 def _model_init(per_layer_params: list[dict[str, Any]]) -> SqueezeRecord:
     """The ``model_init`` hook: a record holding every layer's average budget, not yet resolved."""
     per_layer_params, strength = layer_params(KEY, per_layer_params, "strength")
@@ -211,7 +160,10 @@ def _layer_update(record: SqueezeRecord, layer: int, state: SqueezeState,
     return record, state
 
 
-register(KEY, state_type=SqueezeState, init=squeeze_init, update=squeeze_update,
-         get_kv=squeeze_get_kv, nbytes=squeeze_bytes,
-         backends={"reference": _update_reference, "mlx": _update_mlx, "cuda": _update_cuda},
-         model_init=_model_init, layer_update=_layer_update)
+# Within a layer the rule is H2O's, with the layer's own budget.
+State = SqueezeState
+method = register(KEY, SqueezeState, init,
+                  evict.score_and_keep(heavy_hitter_scores, heavy_hitter_reference,
+                                       kernel=heavy_hitter_kernel, carry=("scores",)),
+                  model_init=_model_init, layer_update=_layer_update)
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
