@@ -4,7 +4,8 @@
   NumPy backends produce bit-identical float32 statistics, and a statistic that drives a
   discrete choice (a top-k, an argmin, a Lloyd level) never differs between backends.
 * Rank selection: :func:`top_k_mask` / :func:`top_k_indices` pick the ``k`` largest entries
-  with a total order (ties: the lower index wins), through unique integer keys.
+  with a total order (ties: the lower index wins), through the unique integer keys of
+  ``velox.ordering`` (``ties="older"``).
 * Affine codes: :func:`affine` is ``velox.quant.quantize`` without the packing (one group per
   last-axis row, optional clip factor, float16 side data), so callers pack codes along any axis.
 * Non-uniform levels: :func:`lloyd` fits ``2**bits`` levels in ``[0, 1]`` to normalized points
@@ -22,7 +23,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from . import quant
+from . import ordering, quant
 from . import reference as ref
 from ._typing import Array, Bool, Float, Int, UInt
 
@@ -78,18 +79,13 @@ def np_tree_sum(x: np.ndarray) -> np.ndarray:
 
 
 def order_key(x: Float[Array, "*batch n"]) -> Int[Array, "*batch n"]:
-    """Unique int64 keys ordered like ``x`` along the last axis; equal values: lower index larger."""
-    bits = mx.view(x.astype(mx.float32), mx.int32)
-    mono = mx.where(bits < 0, bits ^ 0x7FFFFFFF, bits).astype(mx.int64)
-    n = x.shape[-1]
-    return mono * n + mx.arange(n - 1, -1, -1, dtype=mx.int64)
+    """Unique int64 keys ordered like ``x`` along the last axis; equal values: lower index larger
+    (``velox.ordering.order_key`` with ``ties="older"``)."""
+    return ordering.order_key(x, ties="older")
 
 
 def np_order_key(x: np.ndarray) -> np.ndarray:
-    bits = np.asarray(x, np.float32).view(np.int32)
-    mono = np.where(bits < 0, bits ^ 0x7FFFFFFF, bits).astype(np.int64)
-    n = x.shape[-1]
-    return mono * n + np.arange(n - 1, -1, -1, dtype=np.int64)
+    return ordering.order_key_np(x, ties="older")
 
 
 def top_k_mask(x: Float[Array, "*batch n"], k: int) -> Bool[Array, "*batch n"]:

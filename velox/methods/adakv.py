@@ -45,6 +45,7 @@ from .. import quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..accounting import state_nbytes
+from ..ordering import order_key
 from ..registry import dispatch, prepare_init, register
 
 __all__ = ["AdaKVState", "adakv_init", "adakv_update", "adakv_get_kv", "adakv_bytes",
@@ -203,10 +204,7 @@ def _importance(state: AdaKVState, stats: Float[Array, "b h k"], tokens: int) ->
 
 def _ranks(importance: Float[Array, "b h"]) -> Int[Array, "b h"]:
     """Rank of each head by (importance, index), ascending: a permutation of ``0..h-1``."""
-    h = importance.shape[-1]
-    bits = mx.view(importance.astype(mx.float32), mx.int32)
-    mono = mx.where(bits < 0, bits ^ 0x7FFFFFFF, bits).astype(mx.int64)
-    order = mx.argsort(mono * h + mx.arange(h, dtype=mx.int64), axis=-1)
+    order = mx.argsort(order_key(importance), axis=-1)
     return mx.argsort(order, axis=-1).astype(mx.int32)
 
 

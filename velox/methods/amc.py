@@ -48,6 +48,7 @@ from .. import quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..accounting import state_nbytes
+from ..ordering import order_key
 from ..registry import dims_of, dispatch, prepare_init, register
 
 __all__ = ["AMCState", "amc_init", "amc_update", "amc_get_kv", "amc_bytes", "tier_ranks",
@@ -186,19 +187,13 @@ def _saliency(state: AMCState, keys: Float[Array, "b h s d"],
 
 def _tier_order(sal: Float[Array, "b h s"]) -> Int[Array, "b h s"]:
     """Token indices from most to least salient (ties: the newer token first)."""
-    bits = mx.view(sal.astype(mx.float32), mx.int32)
-    mono = mx.where(bits < 0, bits ^ 0x7FFFFFFF, bits).astype(mx.int64)
-    s = sal.shape[-1]
-    return mx.argsort(-(mono * s + mx.arange(s, dtype=mx.int64)), axis=-1).astype(mx.int32)
+    return mx.argsort(-order_key(sal), axis=-1).astype(mx.int32)
 
 
 def _channel_order(x: Float[Array, "b h s d"]) -> Int[Array, "b h d"]:
     """Channels by decreasing mean square over the chunk (ties: the lower channel first)."""
     energy = (x.astype(mx.float32) ** 2).mean(axis=2)
-    bits = mx.view(energy, mx.int32)  # non-negative floats: the bits order like the values
-    d = energy.shape[-1]
-    key = bits.astype(mx.int64) * d + (d - 1 - mx.arange(d, dtype=mx.int64))
-    return mx.argsort(-key, axis=-1).astype(mx.int32)
+    return mx.argsort(-order_key(energy, ties="older"), axis=-1).astype(mx.int32)
 
 
 def _quantize_prefix(x: Float[Array, "b h n d"], rank: int, bits: int, group_size: int):

@@ -42,6 +42,7 @@ from .. import quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..accounting import state_nbytes
+from ..ordering import order_key, order_key_np
 from ..registry import dims_of, dispatch, prepare_init, register
 
 __all__ = ["GearState", "gear_init", "gear_update", "gear_get_kv", "gear_bytes",
@@ -124,18 +125,10 @@ def _kinds(state: GearState) -> tuple[str, ...]:
 
 # --- mlx -----------------------------------------------------------------------------------
 
-def _order_key(x: Float[Array, "*batch n"]) -> Int[Array, "*batch n"]:
-    """Int64 keys ordered like (value, index): float bits made monotone, the index breaks ties."""
-    bits = mx.view(x.astype(mx.float32), mx.int32)
-    mono = mx.where(bits < 0, bits ^ 0x7FFFFFFF, bits).astype(mx.int64)
-    n = x.shape[-1]
-    return mono * n + mx.arange(n, dtype=mx.int64)
-
-
 def _outliers(x: Float[Array, "*batch n"], k: int):
     """Indices of the ``k`` smallest then the ``k`` largest entries (ties: the lower index is
     the smaller), and the mask of them."""
-    order = mx.argsort(_order_key(x), axis=-1)
+    order = mx.argsort(order_key(x), axis=-1)
     n = x.shape[-1]
     idx = mx.concatenate([order[..., :k], order[..., n - k:]], axis=-1).astype(mx.int32)
     mask = mx.zeros(x.shape, mx.bool_)
@@ -241,20 +234,13 @@ def _update_mlx(state: GearState, keys, values, queries) -> GearState:
 
 # --- reference: head by head, block by block, in NumPy ----------------------------------------
 
-def _np_order(x: np.ndarray) -> np.ndarray:
-    """Argsort by (value, index) with the float ordering of the mlx path (-0.0 < +0.0)."""
-    bits = np.ascontiguousarray(x, np.float32).view(np.int32).astype(np.int64)
-    mono = np.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return np.argsort(mono * x.size + np.arange(x.size), kind="stable")
-
-
 def _np_block(state: GearState, kind: str, x: np.ndarray, dtype: mx.Dtype) -> dict:
     """One head's block ``x [G, d]`` (float32): its stored fields, tokens on the first axis
     (keys' codes, scales and zeros: channels first, tokens last, as stored)."""
     g, d = x.shape
     bits, r = state.bits, state.rank
     k = outlier_count(state.sparse_fraction, g, d) // 2
-    order = _np_order(x.ravel())
+    order = np.argsort(order_key_np(x.ravel()))  # (value, index), as the mlx path
     idx = np.concatenate([order[:k], order[g * d - k:]])
     mask = np.zeros(g * d, bool)
     mask[idx] = True
