@@ -330,11 +330,11 @@ def _params(scale: float, decay: float, tau_init: float = 0.0, tau_end: float = 
 @lru_cache(maxsize=None)
 def _seed_mix(seed: int) -> mx.array:
     """The mixed seed of the counter-based draws, ``mix(seed)`` (uint32, one cached array),
-    from the NumPy twin of the mixer that Keyformer's and CaM's ``mlx`` ops use."""
+    from the NumPy twin of the mixer that Keyformer's and CaM's ``mlx`` ops use (``velox.noise``)."""
     import numpy as np
 
-    from ..methods.keyformer import _mix_np
-    return mx.array(_mix_np(np.array([seed], np.int64).astype(np.uint32)))
+    from ..noise import mix_np
+    return mx.array(mix_np(np.array([seed], np.int64).astype(np.uint32)))
 
 
 def weights(queries, keys, new_keys, *, old=None, accumulate: str | None = None,

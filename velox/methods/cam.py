@@ -51,9 +51,9 @@ from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
 from ..accounting import state_nbytes
+from ..noise import hash_uniform, hash_uniform_np
 from ..registry import dispatch, prepare_init, register
 from .h2o import heavy_hitters
-from .keyformer import hash_uniform, hash_uniform_np
 
 __all__ = ["CaMState", "cam_init", "cam_update", "cam_get_kv", "cam_bytes"]
 

@@ -3,7 +3,7 @@
 Each query adds to every visible token the softmax of its logits perturbed by Gumbel noise,
 ``softmax(z + tau * g)``; scores accumulate (with ``decay``) and the ``budget`` best tokens are
 kept besides the sinks and the ``recent`` newest. ``g`` is a deterministic function of
-``(seed, key position, query position)`` (a counter-based hash), so it is redrawn for every
+``(seed, key position, query position)`` (a counter-based hash, ``velox.noise``), so it is redrawn for every
 query as in the paper, yet independent of the batch layout and of chunking. The temperature
 anneals linearly with the query's absolute position ``p``: ``tau = tau_init + (tau_end -
 tau_init) * min(p, anneal_steps) / anneal_steps`` (``anneal_steps = 0``: constant
@@ -42,6 +42,7 @@ from .. import reference as ref
 from .._typing import Array, Float, Int
 from ..accounting import state_nbytes
 from ..attention import candidate_logits, softmax
+from ..noise import hash_uniform, hash_uniform_np  # re-exported: the noise's former home
 from ..registry import dispatch, prepare_init, register
 from .h2o import heavy_hitters, heavy_hitters_step
 
@@ -49,44 +50,6 @@ __all__ = ["KeyformerState", "keyformer_init", "keyformer_update", "keyformer_ge
            "keyformer_bytes", "hash_uniform", "hash_uniform_np"]
 
 KEY = "keyformer"
-
-# lowbias32 (C. Wellons): a 32-bit integer mixer; nested on (seed, a, b) it is a counter-based
-# generator, the same bits in MLX and NumPy.
-_M1, _M2 = 0x7FEB352D, 0x846CA68B
-
-
-def _mix(x: mx.array) -> mx.array:
-    x = x ^ (x >> 16)
-    x = x * mx.array(_M1, mx.uint32)
-    x = x ^ (x >> 15)
-    x = x * mx.array(_M2, mx.uint32)
-    return x ^ (x >> 16)
-
-
-def hash_uniform(seed: int, a: mx.array, b: mx.array | None = None) -> mx.array:
-    """Uniform floats in (0, 1), a deterministic function of ``(seed, a[, b])`` elementwise."""
-    h = _mix(_mix(mx.array(seed, mx.uint32)) ^ a.astype(mx.uint32))
-    if b is not None:
-        h = _mix(h ^ b.astype(mx.uint32))
-    return ((h >> 9).astype(mx.float32) + 0.5) * (2.0 ** -23)
-
-
-def _mix_np(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        x = x ^ (x >> np.uint32(16))
-        x = x * np.uint32(_M1)
-        x = x ^ (x >> np.uint32(15))
-        x = x * np.uint32(_M2)
-        return x ^ (x >> np.uint32(16))
-
-
-def hash_uniform_np(seed: int, a: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
-    """NumPy twin of :func:`hash_uniform` (the same values, as float64)."""
-    h = _mix_np(_mix_np(np.atleast_1d(np.uint32(seed))) ^ np.asarray(a).astype(np.uint32))
-    if b is not None:
-        h = _mix_np(h ^ np.asarray(b).astype(np.uint32))
-    return ((h >> np.uint32(9)).astype(np.float64) + 0.5) * 2.0 ** -23
-
 
 class KeyformerState(NamedTuple):
     """Kept rows, their absolute positions and accumulated perturbed attention ``scores``."""
