@@ -18,8 +18,8 @@ import mlx.core as mx
 from ._typing import Array, Float, UInt
 
 __all__ = ["SUPPORTED_BITS", "RESIDUAL_DTYPES", "pack", "unpack", "quantize", "dequantize",
-           "error_bound", "unit_roundoff", "side_dtype", "exact_dtype", "rounding_bound",
-           "dtype_name", "dtype_of"]
+           "dequantize_f32", "error_bound", "unit_roundoff", "side_dtype", "exact_dtype",
+           "rounding_bound", "dtype_name", "dtype_of"]
 
 SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 
@@ -152,17 +152,37 @@ def quantize(x: Float[Array, "*batch m"], bits: int, group_size: int,
     return pack(q, bits), scales, zeros
 
 
+def dequantize_f32(codes: UInt[Array, "*batch w"], scales: Float[Array, "*batch g"],
+                   zeros: Float[Array, "*batch g"], bits: int, group_size: int,
+                   count: int | None = None) -> Float[Array, "*batch m"]:
+    """``q * scale + zero`` in float32, unrounded (what :func:`dequantize` rounds to its dtype).
+
+    ``count``: only the first ``count`` codes of each row are values, in ``ceil(count /
+    group_size)`` groups, the last possibly shorter (codes beyond them, word padding, are
+    dropped); default: every code, ``m / group_size`` whole groups.
+    """
+    q = unpack(codes, bits).astype(mx.float32)
+    lead = q.shape[:-1]
+    if count is None:
+        m = q.shape[-1]
+    else:
+        m = -(-count // group_size) * group_size
+        if q.shape[-1] > m:
+            q = q[..., :m]
+        elif q.shape[-1] < m:
+            q = mx.concatenate([q, mx.zeros((*lead, m - q.shape[-1]), mx.float32)], axis=-1)
+    q = q.reshape(*lead, m // group_size, group_size)
+    x = (q * scales.astype(mx.float32)[..., None] + zeros.astype(mx.float32)[..., None]).reshape(*lead, m)
+    return x if count is None or count == m else x[..., :count]
+
+
 def dequantize(codes: UInt[Array, "*batch w"], scales: Float[Array, "*batch g"],
                zeros: Float[Array, "*batch g"], bits: int, group_size: int,
                dtype: mx.Dtype | None = None) -> Float[Array, "*batch m"]:
-    """Reconstruct ``q * scale + zero`` (float32 arithmetic) in ``dtype`` (default: the
-    scales' dtype)."""
-    q = unpack(codes, bits).astype(mx.float32)
-    lead = q.shape[:-1]
-    m = q.shape[-1]
-    q = q.reshape(*lead, m // group_size, group_size)
-    x = q * scales.astype(mx.float32)[..., None] + zeros.astype(mx.float32)[..., None]
-    return x.reshape(*lead, m).astype(scales.dtype if dtype is None else dtype)
+    """Reconstruct ``q * scale + zero`` (float32 arithmetic, :func:`dequantize_f32`) in
+    ``dtype`` (default: the scales' dtype)."""
+    x = dequantize_f32(codes, scales, zeros, bits, group_size)
+    return x.astype(scales.dtype if dtype is None else dtype)
 
 
 def error_bound(scales: Float[Array, "*batch g"], zeros: Float[Array, "*batch g"], bits: int,

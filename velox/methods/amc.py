@@ -214,9 +214,7 @@ def _quantize_prefix(x: Float[Array, "b h n d"], rank: int, bits: int, group_siz
 
 def _dequantize_prefix(codes, scales, zeros, rank: int, bits: int, group_size: int,
                        head_dim: int, dtype: mx.Dtype) -> Float[Array, "b h n d"]:
-    q = quant.unpack(codes, bits)[..., :rank].astype(mx.float32)
-    idx = mx.arange(rank) // group_size
-    x = q * scales.astype(mx.float32)[..., idx] + zeros.astype(mx.float32)[..., idx]
+    x = quant.dequantize_f32(codes, scales, zeros, bits, group_size, count=rank)
     if head_dim > rank:
         x = mx.concatenate([x, mx.zeros((*x.shape[:-1], head_dim - rank), mx.float32)], axis=-1)
     return x.astype(dtype)

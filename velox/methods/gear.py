@@ -181,7 +181,7 @@ def _compress(state: GearState, kind: str, blocks: Float[Array, "b h m G d"]) ->
         xq = mx.where(mt, fill, xt).astype(dtype)                      # [b, h, m, d, G]
         xq = xq.transpose(0, 1, 3, 2, 4).reshape(b, h, d, m * g)
         codes, scales, zeros = quant.quantize(xq, state.bits, g)
-        deq = _dequant32(codes, scales, zeros, state.bits, g)
+        deq = quant.dequantize_f32(codes, scales, zeros, state.bits, g)
         deq = deq.reshape(b, h, d, m, g).transpose(0, 1, 3, 4, 2)    # [b, h, m, G, d]
     else:  # per token, groups of G channels
         grp = x.reshape(b, h, m, g, d // g, g)
@@ -190,7 +190,7 @@ def _compress(state: GearState, kind: str, blocks: Float[Array, "b h m G d"]) ->
         fill = mx.where(mx.isinf(fill), 0.0, fill)
         xq = mx.where(gm, fill, grp).reshape(b, h, m * g, d).astype(dtype)
         codes, scales, zeros = quant.quantize(xq, state.bits, g)
-        deq = _dequant32(codes, scales, zeros, state.bits, g).reshape(b, h, m, g, d)
+        deq = quant.dequantize_f32(codes, scales, zeros, state.bits, g).reshape(b, h, m, g, d)
     resid = mx.where(mask, 0.0, x - deq)
     resid = mx.where(mx.isfinite(resid), resid, 0.0)  # a non-finite group gets no correction
     left, right = _lowrank(resid, state.rank, state.energy_threshold, quant.side_dtype(dtype))
@@ -205,15 +205,6 @@ def _compress(state: GearState, kind: str, blocks: Float[Array, "b h m G d"]) ->
 def _axis(kind: str, field: str) -> int:
     """The token (or block) axis of a stored field: keys' codes hold tokens last."""
     return -1 if kind == "keys" and field in ("codes", "scales", "zeros") else 2
-
-
-def _dequant32(codes, scales, zeros, bits: int, group_size: int) -> Float[Array, "*batch m"]:
-    """``q * scale + zero`` in float32 (``quant.dequantize`` before its final rounding)."""
-    q = quant.unpack(codes, bits).astype(mx.float32)
-    lead, m = q.shape[:-1], q.shape[-1]
-    q = q.reshape(*lead, m // group_size, group_size)
-    x = q * scales.astype(mx.float32)[..., None] + zeros.astype(mx.float32)[..., None]
-    return x.reshape(*lead, m)
 
 
 def _update_mlx(state: GearState, keys, values, queries) -> GearState:
@@ -323,8 +314,8 @@ def base_reconstruction(state: GearState, kind: str) -> Float[Array, "b h q d"]:
     """The quantized part ``D`` of the compressed blocks (float32, no correction, no outliers)."""
     b, h, _, d = state.residual_keys.shape
     g = state.group_size
-    deq = _dequant32(getattr(state, f"{kind}_codes"), getattr(state, f"{kind}_scales"),
-                     getattr(state, f"{kind}_zeros"), state.bits, g)
+    deq = quant.dequantize_f32(getattr(state, f"{kind}_codes"), getattr(state, f"{kind}_scales"),
+                               getattr(state, f"{kind}_zeros"), state.bits, g)
     return deq.swapaxes(2, 3) if kind == "keys" else deq
 
 
