@@ -24,7 +24,8 @@ Deviations from the paper:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import typing
+from typing import Any, NamedTuple, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -61,6 +62,23 @@ class KiviState(NamedTuple):
     backend: str
 
 
+def extended_state(name: str, doc: str, arrays: Sequence[tuple[str, Any]],
+                   params: Sequence[tuple[str, Any]], module: str) -> type:
+    """The state record of a method that holds a KIVI cache and more: KIVI's fields, written
+    once here, with the method's own ``(name, annotation)`` pairs in place.
+
+    Layout: KIVI's arrays (codes, scales, zeros, residual window), then ``arrays``, then
+    ``next_pos`` and KIVI's settings, then ``params``, ``backend`` last. The KIVI state within
+    is ``KiviState(*(getattr(state, f) for f in KiviState._fields))``.
+    """
+    hints = typing.get_type_hints(KiviState)
+    own = [(f, hints[f]) for f in KiviState._fields]
+    i, j = KiviState._fields.index("next_pos"), KiviState._fields.index("backend")
+    record = NamedTuple(name, own[:i] + list(arrays) + own[i:j] + list(params) + own[j:])
+    record.__doc__, record.__module__ = doc, module
+    return record
+
+
 def kivi_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
               bits: int = 2, group_size: int = 32, residual_length: int = 128,
               residual_dtype: str = "float16", backend: str = "auto") -> KiviState:
@@ -85,7 +103,7 @@ def quantized_tokens(state: KiviState) -> int:
     return state.key_scales.shape[-1] * state.group_size
 
 
-def _flush_count(state: KiviState, s: int) -> int:
+def flush_count(state: KiviState, s: int) -> int:
     """Tokens that leave the residual window when ``s`` more arrive (a multiple of the group)."""
     g = state.group_size
     total = quantized_tokens(state) + state.residual_keys.shape[2] + s
@@ -98,7 +116,7 @@ def _update_mlx(state: KiviState, keys, values, queries) -> KiviState:
     rd, cd = state.residual_keys.dtype, quant.dtype_of(state.cache_dtype)
     rk = mx.concatenate([state.residual_keys, keys.astype(rd)], axis=2)
     rv = mx.concatenate([state.residual_values, values.astype(rd)], axis=2)
-    f = _flush_count(state, s)
+    f = flush_count(state, s)
     fields = dict(residual_keys=rk[:, :, f:], residual_values=rv[:, :, f:],
                   next_pos=state.next_pos + s)
     if f:
@@ -127,7 +145,7 @@ def _update_reference(state: KiviState, keys, values, queries) -> KiviState:
     new = lambda x: ref.round_to(ref.to_np(x, np.float32), dtype)  # noqa: E731  (held in dtype)
     rk = np.concatenate([ref.to_np(state.residual_keys, np.float32), new(keys)], 2)
     rv = np.concatenate([ref.to_np(state.residual_values, np.float32), new(values)], 2)
-    f = _flush_count(state, s)
+    f = flush_count(state, s)
     fields = dict(residual_keys=ref.to_mx(rk[:, :, f:], dtype),
                   residual_values=ref.to_mx(rv[:, :, f:], dtype), next_pos=state.next_pos + s)
     if f:

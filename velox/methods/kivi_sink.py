@@ -31,46 +31,28 @@ Deviations from the paper:
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import mlx.core as mx
 import numpy as np
 
 from .. import nuq, quant
 from .. import reference as ref
-from .._typing import Array, Float, Int, UInt
+from .._typing import Array, Float, Int
 from ..accounting import state_nbytes
 from ..registry import dispatch, prepare_init, register
 from .kivi import _dims as kivi_dims
-from .kivi import KiviState, kivi_error_bound, kivi_get_kv, kivi_init, kivi_positions, kivi_update
+from .kivi import (KiviState, extended_state, flush_count, kivi_error_bound, kivi_get_kv, kivi_init,
+                   kivi_positions, kivi_update)
 
 __all__ = ["KiviSinkState", "kivi_sink_init", "kivi_sink_update", "kivi_sink_get_kv", "kivi_sink_bytes"]
 
 KEY = "kivi_sink"
 
 
-class KiviSinkState(NamedTuple):
-    """KIVI's fields (see ``KiviState``) plus the exact sink rows and their positions."""
-
-    key_codes: UInt[Array, "b h d kw"]
-    key_scales: Float[Array, "b h d kg"]
-    key_zeros: Float[Array, "b h d kg"]
-    value_codes: UInt[Array, "b h nq vw"]
-    value_scales: Float[Array, "b h nq vg"]
-    value_zeros: Float[Array, "b h nq vg"]
-    residual_keys: Float[Array, "b h r d"]
-    residual_values: Float[Array, "b h r d"]
-    sink_keys: Float[Array, "b h ns d"]
-    sink_values: Float[Array, "b h ns d"]
-    sink_positions: Int[Array, "b h ns"]
-    next_pos: Int[Array, "b h"]
-    bits: int
-    group_size: int
-    residual_length: int
-    residual_dtype: str
-    cache_dtype: str
-    n_sink_tokens: int
-    backend: str
+KiviSinkState = extended_state(
+    "KiviSinkState", "KIVI's fields (see ``KiviState``) plus the exact sink rows and their positions.",
+    arrays=[("sink_keys", Float[Array, "b h ns d"]), ("sink_values", Float[Array, "b h ns d"]),
+            ("sink_positions", Int[Array, "b h ns"])],
+    params=[("n_sink_tokens", int)], module=__name__)
 
 
 def _kivi(state: KiviSinkState) -> KiviState:
@@ -108,9 +90,7 @@ def _first_flush(state: KiviSinkState, s: int) -> int:
     """Tokens this update quantizes if it is the first to quantize (else 0)."""
     if state.n_sink_tokens == 0 or state.key_scales.shape[-1]:
         return 0
-    total = state.residual_keys.shape[2] + s
-    g = state.group_size
-    return g * (max(total - state.residual_length, 0) // g)
+    return flush_count(_kivi(state), s)
 
 
 def _update_mlx(state: KiviSinkState, keys, values, queries) -> KiviSinkState:
