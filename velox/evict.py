@@ -27,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from ._typing import Array, Bool, Float, Int, Shaped
+from .ordering import order_key
 from .registry import dims_of
 
 __all__ = ["empty_rows", "new_positions", "protected", "ranked", "top_budget", "row_offsets", "all_but",
@@ -111,16 +112,6 @@ def ranked(scores: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
     return mx.where(mx.isfinite(scores), scores, -mx.inf)
 
 
-def _order_key(scores: Float[Array, "b h n"]) -> Int[Array, "b h n"]:
-    """Int64 keys ordered like (score, index): the float bits made monotone, index breaks ties.
-
-    ``scores`` hold no NaN (:func:`ranked`): a NaN's bits would order above ``+inf``."""
-    bits = mx.view(scores.astype(mx.float32), mx.int32)
-    mono = mx.where(bits < 0, bits ^ 0x7FFFFFFF, bits).astype(mx.int64)
-    n = scores.shape[-1]
-    return mono * n + mx.arange(n, dtype=mx.int64)
-
-
 def top_budget(scores: Float[Array, "b h n"], budget: int,
                protect: Bool[Array, "... n"] | None = None) -> Int[Array, "b h k"] | None:
     """Indices of the ``budget`` highest-scoring candidates, ascending; ``None`` keeps all.
@@ -138,7 +129,7 @@ def top_budget(scores: Float[Array, "b h n"], budget: int,
         scores = mx.where(protect, mx.inf, scores)
     if n == budget + 1:
         return all_but(mx.argmin(scores, axis=-1, keepdims=True).astype(mx.int32), budget)
-    key = _order_key(scores)
+    key = order_key(scores)  # ties: the newer token ranks higher
     idx = mx.argpartition(-key, kth=budget - 1, axis=-1)[..., :budget]
     return mx.sort(idx.astype(mx.int32), axis=-1)
 
