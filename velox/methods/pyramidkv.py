@@ -5,20 +5,10 @@ The schedule (:func:`pyramid_budgets`) is static: every layer keeps the protecte
 obs_window``, is tapered linearly from ``2 * free - free / beta`` at the bottom layer to
 ``free / beta`` at the top (at least 1), as in the authors' code, then rounded so the layers
 sum to exactly ``n_layers * budget``. The ``layer_params`` hook hands each layer its budget;
-``pyramidkv_init`` takes that layer's budget, and within a layer the update is SnapKV's: a
-prefill chunk (``s > 1``) is cut to ``budget`` by the observation window's pooled votes, a
-decode token is appended.
-
-References:
-    Cai, Zhang, Gao, Liu, Liu, Lu, Xiong, Dong, Chang, Hu, Xiao. PyramidKV: Dynamic KV Cache
-    Compression based on Pyramidal Information Funneling. COLM 2025. arXiv:2406.02069.
-
-Deviations from the paper:
-    * The schedule does not depend on the prompt length (the paper's code caps the bottom
-      budget at the prompt length); it is an exact-sum integer rounding of the arithmetic one.
-    * ``n_sink`` protects the first tokens and, like the window, sits outside the taper.
-    * Within a layer, SnapKV's deviations: chunked prompts re-select over stored + new, and
-      without real queries the window's keys are its queries (key-as-query proxy).
+``init`` takes that layer's budget, and within a layer the update is SnapKV's (its
+:func:`velox.methods.snapkv.votes`): a prefill chunk (``s > 1``) is cut to ``budget`` by the
+observation window's pooled votes, a decode token is appended. Backends: ``reference`` and
+``mlx``.
 """
 
 from __future__ import annotations
@@ -30,18 +20,12 @@ import mlx.core as mx
 
 from .. import evict
 from .._typing import Array, Float, Int
-from ..accounting import state_nbytes
 from ..crosslayer import round_to_total
-from ..registry import dispatch, prepare_init, register
+from ..registry import register
 from ..spec import load_spec, validate_params
-from .snapkv import SnapKVState
-from .snapkv import _update_mlx as _snapkv_mlx
-from .snapkv import _update_reference as _snapkv_reference
+from .snapkv import votes, votes_reference
 
-__all__ = ["PyramidKVState", "pyramidkv_init", "pyramidkv_update", "pyramidkv_get_kv",
-           "pyramidkv_bytes", "pyramid_budgets"]
-
-KEY = "pyramidkv"
+__all__ = ["PyramidKVState", "State", "init", "update", "get_kv", "nbytes", "pyramid_budgets"]
 
 
 class PyramidKVState(NamedTuple):
@@ -86,57 +70,31 @@ def pyramid_budgets(n_layers: int, budget: int, beta: float, *, reserved: int = 
 
 def _layer_params(n_layers: int, params: dict[str, Any]) -> list[dict[str, Any]]:
     """The ``layer_params`` hook: ``params`` (average budget) -> each layer's parameters."""
-    p = validate_params(load_spec(KEY), params)
+    p = validate_params(load_spec("pyramidkv"), params)
     budgets = pyramid_budgets(n_layers, p["budget"], p["beta"], reserved=p["n_sink"] + p["obs_window"])
     return [{**p, "budget": b} for b in budgets]
 
 
-def pyramidkv_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-                   budget: int = 512, obs_window: int = 8, n_sink: int = 4, kernel_size: int = 7,
-                   pooling: str = "maxpool", beta: float = 2.0, backend: str = "auto") -> PyramidKVState:
-    """Empty state of one layer; ``budget`` is this layer's (from :func:`pyramid_budgets`)."""
-    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
-                              dict(budget=budget, obs_window=obs_window, n_sink=n_sink,
-                                   kernel_size=kernel_size, pooling=pooling, beta=beta))
-    return PyramidKVState(*evict.empty_rows(batch, kv_heads, head_dim, dtype), **p, backend=backend)
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         budget: int = 512, obs_window: int = 8, n_sink: int = 4, kernel_size: int = 7,
+         pooling: str = "maxpool", beta: float = 2.0, backend: str = "auto") -> PyramidKVState:
+    """Empty state of one layer; ``budget`` is this layer's (from :func:`pyramid_budgets`).
+
+    Args:
+        budget: tokens kept per head after each prefill chunk: the average over layers in
+            layer_params, this layer's own in pyramidkv_init.
+        obs_window: newest prompt tokens whose queries vote; always kept.
+        n_sink: leading tokens never evicted.
+        kernel_size: pooling width over neighbouring positions (odd; 1 = no pooling).
+        pooling: pooling of the votes.
+        beta: pyramid steepness: the top layer keeps 1/beta of the average selectable budget
+            (1 = flat).
+    """
+    return evict.empty_state(PyramidKVState, locals())
 
 
-def _as_snapkv(state: PyramidKVState) -> SnapKVState:
-    return SnapKVState(state.keys, state.values, state.positions, state.next_pos, state.budget,
-                       state.obs_window, state.n_sink, state.kernel_size, state.pooling, state.backend)
-
-
-def _from_snapkv(state: PyramidKVState, new: SnapKVState) -> PyramidKVState:
-    return state._replace(keys=new.keys, values=new.values, positions=new.positions,
-                          next_pos=new.next_pos)
-
-
-# Within a layer the rule is SnapKV's, run on a SnapKV view of this layer's state.
-def _update_mlx(state: PyramidKVState, keys, values, queries) -> PyramidKVState:
-    return _from_snapkv(state, _snapkv_mlx(_as_snapkv(state), keys, values, queries))
-
-
-def _update_reference(state: PyramidKVState, keys, values, queries) -> PyramidKVState:
-    return _from_snapkv(state, _snapkv_reference(_as_snapkv(state), keys, values, queries))
-
-
-def pyramidkv_update(state: PyramidKVState, keys: Float[Array, "b h s d"],
-                     values: Float[Array, "b h s d"], *,
-                     queries: Float[Array, "b q s d"] | None = None) -> PyramidKVState:
-    """Prefill chunk (``s > 1``): select to this layer's ``budget``; decode token: append."""
-    return dispatch(KEY, state, keys, values, queries, evict.dims(state))
-
-
-def pyramidkv_get_kv(state: PyramidKVState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
-    """Kept keys and values, in increasing absolute position."""
-    return state.keys, state.values
-
-
-def pyramidkv_bytes(state: PyramidKVState) -> int:
-    """Bytes of every array the state holds."""
-    return state_nbytes(state)
-
-
-register(KEY, state_type=PyramidKVState, init=pyramidkv_init, update=pyramidkv_update,
-         get_kv=pyramidkv_get_kv, nbytes=pyramidkv_bytes,
-         backends={"reference": _update_reference, "mlx": _update_mlx}, layer_params=_layer_params)
+# Within a layer the rule is SnapKV's, with the layer's own budget.
+State = PyramidKVState
+method = register("pyramidkv", PyramidKVState, init, evict.score_and_keep(votes, votes_reference),
+                  layer_params=_layer_params)
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes

@@ -1,19 +1,12 @@
 """SnapKV: at prefill, keep the prompt tokens the observation window votes for.
 
-References:
-    Li, Huang, Yang, Venkitesh, Locatelli, Ye, Cai, Lewis, Chen. SnapKV: LLM Knows What You
-    are Looking for Before Generation. NeurIPS 2024. arXiv:2404.14469.
-
 A chunk of ``s > 1`` tokens is prefill: the last ``min(obs_window, s)`` queries vote (summed
 attention), votes are pooled over neighbouring positions (``kernel_size``, ``pooling``), and
 the union of stored and new tokens is cut to ``budget``: sinks, the ``obs_window`` newest
 tokens and the best-voted rest. A chunk of one token is decode: appended, never evicted.
 
-Deviations from the paper:
-    * ``n_sink`` protects the first tokens (the paper protects none; ``n_sink=0`` is the paper).
-    * A prompt may arrive in several chunks; each chunk re-selects over stored + new, so the
-      budget holds over their union. The paper compresses one whole prompt.
-    * Without real queries the window's keys stand in for its queries (key-as-query proxy).
+The votes (:func:`votes`, and :func:`votes_reference` for one head in NumPy) are the score of
+PyramidKV's layers and of RocketKV's first stage as well. Backends: ``reference`` and ``mlx``.
 """
 
 from __future__ import annotations
@@ -26,13 +19,11 @@ import numpy as np
 from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
-from ..accounting import state_nbytes
 from ..attention import candidate_mass, scoring_queries
-from ..registry import dispatch, prepare_init, register
+from ..registry import register
 
-__all__ = ["SnapKVState", "snapkv_init", "snapkv_update", "snapkv_get_kv", "snapkv_bytes"]
-
-KEY = "snapkv"
+__all__ = ["SnapKVState", "State", "init", "update", "get_kv", "nbytes", "votes",
+           "votes_reference"]
 
 
 class SnapKVState(NamedTuple):
@@ -50,14 +41,19 @@ class SnapKVState(NamedTuple):
     backend: str
 
 
-def snapkv_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-                budget: int = 512, obs_window: int = 32, n_sink: int = 4, kernel_size: int = 5,
-                pooling: str = "avgpool", backend: str = "auto") -> SnapKVState:
-    """Empty SnapKV state; prefill chunks are cut to ``budget`` tokens per head."""
-    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
-                              dict(budget=budget, obs_window=obs_window, n_sink=n_sink,
-                                   kernel_size=kernel_size, pooling=pooling))
-    return SnapKVState(*evict.empty_rows(batch, kv_heads, head_dim, dtype), **p, backend=backend)
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         budget: int = 512, obs_window: int = 32, n_sink: int = 4, kernel_size: int = 5,
+         pooling: str = "avgpool", backend: str = "auto") -> SnapKVState:
+    """Empty SnapKV state; prefill chunks are cut to ``budget`` tokens per head.
+
+    Args:
+        budget: tokens kept per head after each prefill chunk (sinks and window included).
+        obs_window: newest prompt tokens whose queries vote; they are always kept.
+        n_sink: leading tokens never evicted (0 = the paper).
+        kernel_size: pooling width over neighbouring positions (odd; 1 = no pooling).
+        pooling: pooling of the votes.
+    """
+    return evict.empty_state(SnapKVState, locals())
 
 
 def _pool_mlx(x: mx.array, kernel: int, pooling: str) -> mx.array:
@@ -66,7 +62,7 @@ def _pool_mlx(x: mx.array, kernel: int, pooling: str) -> mx.array:
     A non-finite vote pools as the padding does (so its neighbours keep theirs) and its own
     pooled score is ``-inf``, the lowest rank (the non-finite rule of ``velox.evict``).
     """
-    if kernel == 1:
+    if kernel == 1 or x.shape[-1] == 0:
         return x
     pad_value = 0.0 if pooling == "avgpool" else -mx.inf
     bad = ~mx.isfinite(x)
@@ -87,23 +83,6 @@ def _pool_finite(x: mx.array, kernel: int, pooling: str, pad_value: float) -> mx
     return out
 
 
-def _update_mlx(state: SnapKVState, keys, values, queries) -> SnapKVState:
-    n, s = state.keys.shape[2], keys.shape[2]
-    idx = None
-    if s > 1 and n + s > state.budget:
-        w = min(state.obs_window, s)
-        q = scoring_queries(keys, queries)[:, :, :, s - w:]
-        votes = candidate_mass(q, state.keys, keys)
-        prefix = n + s - state.obs_window  # the window itself is protected; pool the prefix only
-        pooled = _pool_mlx(votes[:, :, :prefix], state.kernel_size, state.pooling)
-        votes = mx.concatenate([pooled, votes[:, :, prefix:]], axis=2)
-        idx = evict.top_budget(votes, state.budget,
-                               evict.protected(n + s, state.n_sink, state.obs_window))
-    k, v, p = evict.keep_rows((state.keys, state.values, state.positions),
-                              (keys, values, evict.new_positions(state.next_pos, s)), idx)
-    return state._replace(keys=k, values=v, positions=p, next_pos=state.next_pos + s)
-
-
 def _pool_reference(x: np.ndarray, kernel: int, pooling: str) -> np.ndarray:
     r = kernel // 2
     pad = 0.0 if pooling == "avgpool" else -np.inf
@@ -115,44 +94,34 @@ def _pool_reference(x: np.ndarray, kernel: int, pooling: str) -> np.ndarray:
     return out
 
 
-def _update_reference(state: SnapKVState, keys, values, queries) -> SnapKVState:
-    c = ref.candidates(state, keys, values, queries)
-    b, h, N = c.positions.shape
-    s = keys.shape[2]
-    if s == 1 or N <= state.budget:
-        return ref.keep(state, c, [[None] * h for _ in range(b)])
+def votes(state, keys: Float[Array, "b h s d"], queries: Float[Array, "b q s d"] | None,
+          evicting: bool = True, *, pooling: str | None = None) -> Float[Array, "b h ns"]:
+    """SnapKV's score of the ``n + s`` candidates, on any state with ``keys``, ``obs_window``,
+    ``kernel_size`` (and ``pooling``, unless given): the attention the chunk's last
+    ``min(obs_window, s)`` queries pay each candidate (summed over those queries, averaged over
+    the kv head's query heads; the new keys stand in for absent queries), pooled over
+    ``kernel_size`` neighbours in the prefix before the ``obs_window`` newest candidates (the
+    window itself, always kept, keeps its own votes)."""
+    n, s = state.keys.shape[2], keys.shape[2]
     w = min(state.obs_window, s)
-    q = ref.scoring_queries(c.new_keys, c.queries)[:, :, :, s - w:]
-    prefix = N - state.obs_window
-    chosen = []
-    for i in range(b):
-        chosen.append([])
-        for j in range(h):
-            pos = c.positions[i, j]
-            weights = ref.attention_weights(q[i, j], c.keys[i, j], pos, pos[N - w:])  # [g, w, N]
-            votes = weights.sum(axis=1).mean(axis=0)
-            votes[:prefix] = _pool_reference(votes[:prefix], state.kernel_size, state.pooling)
-            keep = ref.protected(pos, c.total[i, j], state.n_sink, state.obs_window)
-            chosen[i].append(ref.top_budget(votes, state.budget, keep))
-    return ref.keep(state, c, chosen)
+    v = candidate_mass(scoring_queries(keys, queries)[:, :, :, s - w:], state.keys, keys)
+    prefix = max(0, n + s - state.obs_window)
+    pooled = _pool_mlx(v[:, :, :prefix], state.kernel_size, pooling or state.pooling)
+    return mx.concatenate([pooled, v[:, :, prefix:]], axis=2)
 
 
-def snapkv_update(state: SnapKVState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
-                  *, queries: Float[Array, "b q s d"] | None = None) -> SnapKVState:
-    """Prefill chunk (``s > 1``): select to ``budget``; decode token (``s == 1``): append."""
-    return dispatch(KEY, state, keys, values, queries, evict.dims(state))
+def votes_reference(state, head: ref.Head, *, pooling: str | None = None) -> np.ndarray:
+    """One head of :func:`votes` (NumPy, float64): the window's causal attention summed over
+    its queries, averaged over the query heads, the prefix pooled."""
+    N, s, pos = len(head.positions), head.s, head.positions
+    w = min(state.obs_window, s)
+    weights = ref.attention_weights(head.probes[:, s - w:], head.keys, pos, pos[N - w:])  # [g, w, N]
+    v = weights.sum(axis=1).mean(axis=0)
+    prefix = max(0, N - state.obs_window)
+    v[:prefix] = _pool_reference(v[:prefix], state.kernel_size, pooling or state.pooling)
+    return v
 
 
-def snapkv_get_kv(state: SnapKVState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
-    """Kept keys and values, in increasing absolute position."""
-    return state.keys, state.values
-
-
-def snapkv_bytes(state: SnapKVState) -> int:
-    """Bytes of every array the state holds."""
-    return state_nbytes(state)
-
-
-register(KEY, state_type=SnapKVState, init=snapkv_init, update=snapkv_update,
-         get_kv=snapkv_get_kv, nbytes=snapkv_bytes,
-         backends={"reference": _update_reference, "mlx": _update_mlx})
+State = SnapKVState
+method = register("snapkv", SnapKVState, init, evict.score_and_keep(votes, votes_reference))
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
