@@ -1,9 +1,5 @@
 """NestedKV: keep the keys that are anomalous at three memory time scales; key-only, at prefill.
 
-References:
-    Chen, Liu, Gao, Fan, Wang, Chu, Lin, Hu. NestedKV: Nested Memory Routing for Long-Context
-    KV Cache Compression. arXiv:2605.26678 (preprint, 2026).
-
 Score of the ``N`` candidates of a kv head (stored + new, in slot order), from their unit keys
 ``k_i``:
 
@@ -18,17 +14,7 @@ Score of the ``N`` candidates of a kv head (stored + new, in slot order), from t
    and mean-centred; ``g(i) = sigmoid(kappa * (s(i) - tau))``; score ``(1 - g) blend + g max_x a_x``.
 
 A chunk of ``s > 1`` tokens (prefill) keeps sinks and the ``budget`` best of stored + new; a
-single token (decode) is appended, never scored.
-
-Deviations from the paper:
-    * Every kv head keeps ``budget`` tokens. The paper pools the layer's ``budget * heads``
-      slots over (head, position) scores with a per-head floor of ``safeguard_alpha *
-      budget``, so heads keep different counts; a state stores one count for all heads
-      (``[b, h, n, d]``). A uniform budget meets every floor, so ``safeguard_alpha`` does not
-      change the selection here.
-    * A prompt may arrive in several chunks; each re-scores stored + new, and the blocks and
-      windows run over stored slots (evicted tokens leave no gap). The paper scores one prompt.
-    * ``n_sink`` protects the first tokens.
+single token (decode) is appended, never scored. Backends: ``reference`` and ``mlx``.
 """
 
 from __future__ import annotations
@@ -42,13 +28,10 @@ import numpy as np
 from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
-from ..accounting import state_nbytes
-from ..registry import dispatch, prepare_init, register
+from ..registry import register
 
-__all__ = ["NestedKVState", "nestedkv_init", "nestedkv_update", "nestedkv_get_kv",
-           "nestedkv_bytes", "nestedkv_score"]
-
-KEY = "nestedkv"
+__all__ = ["NestedKVState", "State", "init", "update", "get_kv", "nbytes", "nestedkv_score",
+           "block_size", "tail_count"]
 
 PRIOR = (0.4, 0.4, 0.2)  # stable, episodic, current (the paper's log-prior)
 _EPS = 1e-12
@@ -74,15 +57,23 @@ class NestedKVState(NamedTuple):
     backend: str
 
 
-def nestedkv_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-                  budget: int = 512, n_sink: int = 4, window: int = 64, beta: float = 3.0,
-                  tau: float = 0.6, kappa: float = 10.0, safeguard_alpha: float = 0.2,
-                  backend: str = "auto") -> NestedKVState:
-    """Empty NestedKV state; prefill chunks are cut to ``budget`` tokens per head."""
-    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
-                              dict(budget=budget, n_sink=n_sink, window=window, beta=beta,
-                                   tau=tau, kappa=kappa, safeguard_alpha=safeguard_alpha))
-    return NestedKVState(*evict.empty_rows(batch, kv_heads, head_dim, dtype), **p, backend=backend)
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         budget: int = 512, n_sink: int = 4, window: int = 64, beta: float = 3.0,
+         tau: float = 0.6, kappa: float = 10.0, safeguard_alpha: float = 0.2,
+         backend: str = "auto") -> NestedKVState:
+    """Empty NestedKV state; prefill chunks are cut to ``budget`` tokens per head.
+
+    Args:
+        budget: tokens kept per head after each prefill chunk (sinks included).
+        n_sink: leading tokens never evicted.
+        window: slots averaged by the current-memory anchor.
+        beta: temperature of the head-adaptive mixing (0: the fixed prior 0.4, 0.4, 0.2).
+        tau: surprise-gate threshold on the centred, normalised cross-scale spread.
+        kappa: surprise-gate sharpness.
+        safeguard_alpha: per-head floor of the paper's layer-wide budget pool; heads keep a
+            uniform budget here, which meets it.
+    """
+    return evict.empty_state(NestedKVState, locals())
 
 
 def block_size(n: int) -> int:
@@ -140,17 +131,11 @@ def nestedkv_score(keys: Float[Array, "b h n d"], *, window: int = 64, beta: flo
     return mx.where(bad[..., 0], -mx.inf, (1.0 - gate) * blend + gate * a.max(axis=2))
 
 
-def _update_mlx(state: NestedKVState, keys, values, queries) -> NestedKVState:
-    n, s = state.keys.shape[2], keys.shape[2]
-    idx = None
-    if s > 1 and n + s > state.budget:
-        cand = mx.concatenate([state.keys, keys], axis=2) if n else keys
-        score = nestedkv_score(cand, window=state.window, beta=state.beta, tau=state.tau,
-                               kappa=state.kappa)
-        idx = evict.top_budget(score, state.budget, evict.protected(n + s, state.n_sink))
-    k, v, p = evict.keep_rows((state.keys, state.values, state.positions),
-                              (keys, values, evict.new_positions(state.next_pos, s)), idx)
-    return state._replace(keys=k, values=v, positions=p, next_pos=state.next_pos + s)
+def _score(state: NestedKVState, keys, queries, evicting):
+    """The candidates' score (stored ++ new); ``queries`` are unused (the score reads keys)."""
+    cand = mx.concatenate([state.keys, keys], axis=2) if state.keys.shape[2] else keys
+    return nestedkv_score(cand, window=state.window, beta=state.beta, tau=state.tau,
+                          kappa=state.kappa)
 
 
 def _minmax_reference(x: np.ndarray) -> np.ndarray:
@@ -188,37 +173,10 @@ def _score_reference(keys: np.ndarray, state: NestedKVState) -> np.ndarray:
     return np.where(bad, -np.inf, (1 - gate) * blend + gate * a.max(axis=0))
 
 
-def _update_reference(state: NestedKVState, keys, values, queries) -> NestedKVState:
-    c = ref.candidates(state, keys, values, queries)
-    b, h, N = c.positions.shape
-    s = keys.shape[2]
-    if s == 1 or N <= state.budget:
-        return ref.keep(state, c, [[None] * h for _ in range(b)])
-    chosen = [[ref.top_budget(_score_reference(c.keys[i, j].astype(np.float64), state),
-                              state.budget, c.positions[i, j] < state.n_sink)
-               for j in range(h)] for i in range(b)]
-    return ref.keep(state, c, chosen)
+def _head_score(state: NestedKVState, head: ref.Head) -> np.ndarray:
+    return _score_reference(head.keys.astype(np.float64), state)
 
 
-def nestedkv_update(state: NestedKVState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
-                    *, queries: Float[Array, "b q s d"] | None = None) -> NestedKVState:
-    """Prefill chunk (``s > 1``): keep the ``budget`` most anomalous; decode token: append.
-
-    ``queries`` are accepted and unused (the score reads keys only).
-    """
-    return dispatch(KEY, state, keys, values, queries, evict.dims(state))
-
-
-def nestedkv_get_kv(state: NestedKVState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
-    """Kept keys and values, in increasing absolute position."""
-    return state.keys, state.values
-
-
-def nestedkv_bytes(state: NestedKVState) -> int:
-    """Bytes of every array the state holds."""
-    return state_nbytes(state)
-
-
-register(KEY, state_type=NestedKVState, init=nestedkv_init, update=nestedkv_update,
-         get_kv=nestedkv_get_kv, nbytes=nestedkv_bytes,
-         backends={"reference": _update_reference, "mlx": _update_mlx})
+State = NestedKVState
+method = register("nestedkv", NestedKVState, init, evict.score_and_keep(_score, _head_score))
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
