@@ -21,24 +21,11 @@ along the token axis ``[b, h, d, Q * bits / 32]``, key scales and zeros ``[b, h,
 value scales and zeros ``[b, h, Q]``, level tables ``[b, h, G, L]`` (keys and values), key
 outliers and their token index in the group ``[b, h, G, d, k]``, value outliers and their
 channel ``[b, h, Q, k]``, the exact sinks and buffer.
-
-References:
-    Hooper, Kim, Mohammadzadeh, Mahoney, Shao, Keutzer, Gholami. KVQuant: Towards 10 Million
-    Context Length LLM Inference with KV Cache Quantization. NeurIPS 2024. arXiv:2401.18079.
-
-Deviations from the paper:
-    * Keys are quantized after RoPE: the cache only sees post-RoPE keys (a pre-RoPE path needs
-      the model's projection before rotation, which is adapter work).
-    * Levels are fitted online per group of ``group_size`` tokens by unweighted Lloyd
-      iterations, instead of one per-layer datatype from offline Fisher-weighted k-means; so
-      there is no refit schedule (the seed's ``refit_interval``).
-    * Per-channel key ranges and outlier thresholds come from each group, not from offline
-      calibration; outliers are the top ``ceil(outlier_fraction * length)`` magnitudes of
-      each vector (a static count) rather than values beyond a calibrated threshold.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -47,12 +34,10 @@ import numpy as np
 from .. import nuq, quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
-from ..accounting import state_nbytes
-from ..registry import dims_of, dispatch, prepare_init, register
+from ..registry import dims_of, register
 
-__all__ = ["KVQuantState", "kvquant_init", "kvquant_update", "kvquant_get_kv", "kvquant_bytes"]
-
-KEY = "kvquant"
+__all__ = ["KVQuantState", "State", "init", "update", "get_kv", "nbytes", "positions",
+           "error_bound", "outlier_counts", "every_position"]
 
 
 class KVQuantState(NamedTuple):
@@ -83,27 +68,35 @@ class KVQuantState(NamedTuple):
     backend: str
 
 
-def kvquant_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-                 bits: int = 3, outlier_fraction: float = 0.01, group_size: int = 32,
-                 lloyd_iters: int = 8, n_sink: int = 1, backend: str = "auto") -> KVQuantState:
-    """Empty KVQuant state."""
-    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
-                              dict(bits=bits, outlier_fraction=outlier_fraction, group_size=group_size,
-                                   lloyd_iters=lloyd_iters, n_sink=n_sink))
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         bits: int = 3, outlier_fraction: float = 0.01, group_size: int = 32,
+         lloyd_iters: int = 8, n_sink: int = 1, backend: str = "auto") -> KVQuantState:
+    """Empty KVQuant state.
+
+    Args:
+        bits: bits per inlier: 2**bits non-uniform levels per group (nuq2/3/4).
+        outlier_fraction: entries of each vector kept exact, ceil(fraction * length) (keys: a
+            channel of a group; values: a token).
+        group_size: tokens per group (one level table per group, keys per channel over the
+            group).
+        lloyd_iters: Lloyd iterations from the uniform grid (0 = uniform levels).
+        n_sink: leading tokens kept exact (attention-sink aware).
+    """
     b, h, d = batch, kv_heads, head_dim
-    kk, kv = outlier_counts(p["outlier_fraction"], p["group_size"], d)
-    n_levels = 1 << p["bits"]
+    kk, kv = outlier_counts(outlier_fraction, group_size, d)
+    n_levels = 1 << bits
     z = lambda *shape, t=dtype: mx.zeros((b, h) + shape, t)  # noqa: E731
     sd = quant.side_dtype(dtype)
     return KVQuantState(
         sink_keys=z(0, d), sink_values=z(0, d), key_codes=z(d, 0, t=mx.uint32), key_scales=z(0, d, t=sd),
         key_zeros=z(0, d, t=sd), key_levels=z(0, n_levels, t=sd), key_outliers=z(0, d, kk),
-        key_outlier_index=z(0, d, kk, t=nuq.index_dtype(p["group_size"])),
+        key_outlier_index=z(0, d, kk, t=nuq.index_dtype(group_size)),
         value_codes=z(d, 0, t=mx.uint32), value_scales=z(0, t=sd), value_zeros=z(0, t=sd),
         value_levels=z(0, n_levels, t=sd), value_outliers=z(0, kv),
         value_outlier_index=z(0, kv, t=nuq.index_dtype(d)),
         buffer_keys=z(0, d), buffer_values=z(0, d), next_pos=mx.zeros((b, h), mx.int32),
-        **p, backend=backend)
+        bits=bits, outlier_fraction=outlier_fraction, group_size=group_size,
+        lloyd_iters=lloyd_iters, n_sink=n_sink, backend=backend)
 
 
 def outlier_counts(outlier_fraction: float, group_size: int, head_dim: int) -> tuple[int, int]:
@@ -111,11 +104,15 @@ def outlier_counts(outlier_fraction: float, group_size: int, head_dim: int) -> t
     return nuq.ceil_count(outlier_fraction, group_size), nuq.ceil_count(outlier_fraction, head_dim)
 
 
-_dims = dims_of("buffer_keys")
-
-
-def _groups(state: KVQuantState) -> int:
-    return state.key_levels.shape[2]
+def every_position(tokens: Callable[[tuple], int]) -> Callable[[tuple], Int[Array, "b h n"]]:
+    """The ``positions`` hook of a cache that keeps every token, in order: ``0 .. n - 1`` on
+    every head, ``n = tokens(state)`` (counted from the state's shapes)."""
+    def positions(state) -> Int[Array, "b h n"]:
+        """Absolute positions of the tokens ``get_kv`` returns (all tokens, in order)."""
+        b, h = state.next_pos.shape
+        n = tokens(state)
+        return mx.broadcast_to(mx.arange(n, dtype=mx.int32), (b, h, n))
+    return positions
 
 
 def _route(state: KVQuantState, keys, values, cat):
@@ -247,12 +244,6 @@ def _update_reference(state: KVQuantState, keys, values, queries) -> KVQuantStat
     return state._replace(**fields)
 
 
-def kvquant_update(state: KVQuantState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
-                   *, queries: Float[Array, "b q s d"] | None = None) -> KVQuantState:
-    """Append ``s`` tokens (sinks first); every completed group of ``group_size`` is quantized."""
-    return dispatch(KEY, state, keys, values, queries, _dims(state))
-
-
 def _codes(state: KVQuantState):
     """Unpacked key codes ``[b, h, G, d, g]`` and value codes ``[b, h, G, g, d]``."""
     b, h, n_g, d = state.key_scales.shape
@@ -271,7 +262,7 @@ def _decode(codes, levels, scales, zeros, dtype):
     return x.astype(dtype)
 
 
-def kvquant_get_kv(state: KVQuantState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+def get_kv(state: KVQuantState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """Exact sinks, dequantized groups (outliers put back), exact buffer."""
     b, h, n_g, d = state.key_scales.shape
     cat = lambda *xs: mx.concatenate(xs, axis=2)  # noqa: E731
@@ -288,19 +279,11 @@ def kvquant_get_kv(state: KVQuantState) -> tuple[Float[Array, "b h n d"], Float[
             cat(state.sink_values, v, state.buffer_values))
 
 
-def kvquant_bytes(state: KVQuantState) -> int:
-    """Bytes of every array the state holds: codes, tables, scales, outliers, exact rows."""
-    return state_nbytes(state)
+positions = every_position(lambda state: state.sink_keys.shape[2] + state.value_scales.shape[2]
+                           + state.buffer_keys.shape[2])
 
 
-def kvquant_positions(state: KVQuantState) -> Int[Array, "b h n"]:
-    """Absolute positions of the tokens ``kvquant_get_kv`` returns (all tokens, in order)."""
-    b, h = state.next_pos.shape
-    n = state.sink_keys.shape[2] + state.value_scales.shape[2] + state.buffer_keys.shape[2]
-    return mx.broadcast_to(mx.arange(n, dtype=mx.int32), (b, h, n))
-
-
-def kvquant_error_bound(state: KVQuantState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+def error_bound(state: KVQuantState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """Per-element bound on ``|get_kv - input|``: half the gap to the neighbouring level (times
     the vector's range, plus rounding) for inliers; zero for outliers, sinks and the buffer."""
     b, h, n_g, d = state.key_scales.shape
@@ -325,6 +308,8 @@ def kvquant_error_bound(state: KVQuantState) -> tuple[Float[Array, "b h n d"], F
             cat(zs(state.sink_values), vb, zs(state.buffer_values)))
 
 
-register(KEY, state_type=KVQuantState, init=kvquant_init, update=kvquant_update, get_kv=kvquant_get_kv,
-         nbytes=kvquant_bytes, positions=kvquant_positions, error_bound=kvquant_error_bound,
-         dims=_dims, backends={"reference": _update_reference, "mlx": _update_mlx})
+State = KVQuantState
+method = register("kvquant", KVQuantState, init, {"reference": _update_reference, "mlx": _update_mlx},
+                  get_kv=get_kv, positions=positions, error_bound=error_bound,
+                  dims=dims_of("buffer_keys"))
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
