@@ -1,9 +1,5 @@
 """KVzip: keep the tokens a context-reconstruction pass relies on most; query-agnostic.
 
-References:
-    Kim, Kim, Kwon, Lee, Yun, Song. KVzip: Query-Agnostic KV Cache Compression with Context
-    Reconstruction. NeurIPS 2025. arXiv:2505.23416.
-
 Rule (``probe="context"``): a candidate's importance is the maximum attention it has received
 from any probe query, over the probes and the query heads of its kv head. The probes of an
 update are the queries given to it, taken as reconstruction queries: run the model over the
@@ -19,14 +15,6 @@ chunk's newest query alone, averaged over the group (TOVA's rule). Sinks are pro
 Backends: ``reference``, ``mlx`` and ``cuda`` (a decode step at a full cache: one fused
 kernel for the probe's weights (max or mean over the group) and the running maximum, one that
 finds the loser and moves the rows and importance; every other step runs the ``mlx`` ops).
-
-Deviations from the paper:
-    * The paper scores a whole context once after prefill, then evicts; here every update that
-      overflows the budget selects over stored + new, so a context streamed in chunks (and
-      decoding) is compressed step by step, with importance carried as a running maximum.
-    * Without real probe queries the candidates' keys are the probes (key-as-query proxy).
-    * ``n_sink`` protects the first tokens; the paper protects none.
-    * ``per_head=False`` keeps one token set per layer (importance averaged over kv heads).
 """
 
 from __future__ import annotations
@@ -39,14 +27,10 @@ import numpy as np
 from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
-from ..accounting import state_nbytes
 from ..attention import candidate_weights, scoring_queries, softmax
-from ..registry import dispatch, prepare_init, register
+from ..registry import register
 
-__all__ = ["KVzipState", "kvzip_init", "kvzip_update", "kvzip_get_kv", "kvzip_bytes",
-           "kvzip_importance"]
-
-KEY = "kvzip"
+__all__ = ["KVzipState", "State", "init", "update", "get_kv", "nbytes", "kvzip_importance"]
 
 
 class KVzipState(NamedTuple):
@@ -64,15 +48,20 @@ class KVzipState(NamedTuple):
     backend: str
 
 
-def kvzip_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-               budget: int = 512, n_sink: int = 4, probe: str = "context", per_head: bool = True,
-               backend: str = "auto") -> KVzipState:
-    """Empty KVzip state keeping at most ``budget`` tokens per head (sinks included)."""
-    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
-                              dict(budget=budget, n_sink=n_sink, probe=probe, per_head=per_head))
-    k, v, pos, nxt = evict.empty_rows(batch, kv_heads, head_dim, dtype)
-    importance = mx.zeros((batch, kv_heads, 0), mx.float32)
-    return KVzipState(k, v, pos, importance, nxt, **p, backend=backend)
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         budget: int = 512, n_sink: int = 4, probe: str = "context", per_head: bool = True,
+         backend: str = "auto") -> KVzipState:
+    """Empty KVzip state keeping at most ``budget`` tokens per head.
+
+    Args:
+        budget: tokens kept per head, sinks included.
+        n_sink: leading tokens never evicted.
+        probe: context: max attention from every probe (given queries, else every candidate
+            key); latest: the newest query alone (TOVA).
+        per_head: each kv head keeps its own tokens (false: one set per layer, importance
+            averaged over heads).
+    """
+    return evict.empty_state(KVzipState, locals())
 
 
 def kvzip_importance(probes: Float[Array, "b h g m d"], stored: Float[Array, "b h n d"],
@@ -96,8 +85,10 @@ def kvzip_importance(probes: Float[Array, "b h g m d"], stored: Float[Array, "b 
     return best
 
 
-def _update_mlx(state: KVzipState, keys, values, queries) -> KVzipState:
-    n, s = state.keys.shape[2], keys.shape[2]
+def _score(state: KVzipState, keys, queries, evicting) -> evict.Scored:
+    """This update's probe attention (``current``) folded into the running maximum; the
+    score is ``current`` with ``probe="latest"``, else the importance."""
+    s = keys.shape[2]
     probes = scoring_queries(keys, queries)
     if state.probe == "latest":  # TOVA: the newest query, averaged over its group
         current = candidate_weights(probes[:, :, :, -1:], state.keys, keys)[:, :, :, 0].mean(axis=2)
@@ -105,76 +96,34 @@ def _update_mlx(state: KVzipState, keys, values, queries) -> KVzipState:
         current = kvzip_importance(probes, state.keys, keys)
     carried = mx.concatenate([state.importance, mx.zeros(current.shape[:2] + (s,), mx.float32)], 2)
     importance = mx.maximum(carried, current)
-    idx = None
-    if n + s > state.budget:
-        score = current if state.probe == "latest" else importance
-        if not state.per_head:
-            score = score.mean(axis=1, keepdims=True)
-        idx = evict.top_budget(score, state.budget, evict.protected(n + s, state.n_sink))
-        idx = mx.broadcast_to(idx, state.positions.shape[:2] + idx.shape[2:])
-    k, v, p, imp = evict.keep_rows(
-        (state.keys, state.values, state.positions, importance[:, :, :n]),
-        (keys, values, evict.new_positions(state.next_pos, s), importance[:, :, n:]), idx)
-    return state._replace(keys=k, values=v, positions=p, importance=imp, next_pos=state.next_pos + s)
+    return evict.Scored(current if state.probe == "latest" else importance,
+                        {"importance": importance})
 
 
-def _decode_cuda(state: KVzipState, keys, values, queries) -> KVzipState:
-    from ..kernels.evict import compact, weights
+def _score_reference(state: KVzipState, head: ref.Head) -> evict.Scored:
+    pos, d = head.positions, head.keys.shape[1]
+    if state.probe == "latest":  # causal attention of the newest query, group mean
+        current = ref.attention_weights(head.probes[:, -1:], head.keys, pos, pos[-1:])[:, 0].mean(0)
+    else:  # each probe reads every candidate; a candidate keeps its best probe
+        q = head.probes.reshape(-1, d)
+        current = ref.softmax(q @ head.keys.astype(np.float64).T / np.sqrt(d)).max(axis=0)
+    importance = np.maximum(np.concatenate([head.carried["importance"], np.zeros(head.s)]), current)
+    return evict.Scored(current if state.probe == "latest" else importance,
+                        {"importance": importance})
+
+
+def _kernel(state: KVzipState, keys, queries) -> dict:
+    """The fused decode step's input: the probe's weights (mean over the group with
+    ``probe="latest"``, else the max) and the running maximum."""
+    from ..kernels.evict import weights
     latest = state.probe == "latest"
     current, importance = weights(queries, state.keys, keys, old=state.importance,
                                   accumulate="max", group="mean" if latest else "max")
-    return evict.with_compacted(state, compact(
-        state.keys, state.values, state.positions, keys, values, state.next_pos,
-        by=current if latest else importance, carry=importance, shared=not state.per_head,
-        n_sink=state.n_sink), carried="importance")
+    return dict(by=current if latest else importance, carry=importance)
 
 
-def _update_reference(state: KVzipState, keys, values, queries) -> KVzipState:
-    c = ref.candidates(state, keys, values, queries)
-    b, h, N = c.positions.shape
-    s = keys.shape[2]
-    d = keys.shape[3]
-    probes = ref.scoring_queries(c.new_keys, c.queries)
-    current = np.zeros((b, h, N))
-    for i in range(b):
-        for j in range(h):
-            pos = c.positions[i, j]
-            if state.probe == "latest":  # causal attention of the newest query, group mean
-                current[i, j] = ref.attention_weights(probes[i, j, :, -1:], c.keys[i, j], pos,
-                                                      pos[-1:])[:, 0].mean(0)
-            else:  # each probe reads every candidate; a candidate keeps its best probe
-                q = probes[i, j].reshape(-1, d)
-                w = ref.softmax(q @ c.keys[i, j].astype(np.float64).T / np.sqrt(d))
-                current[i, j] = w.max(axis=0)
-    carried = np.concatenate([ref.to_np(state.importance), np.zeros((b, h, s))], axis=2)
-    importance = np.maximum(carried, current)
-    if N <= state.budget:
-        return ref.keep(state, c, [[None] * h for _ in range(b)], importance=importance)
-    score = current if state.probe == "latest" else importance
-    if not state.per_head:
-        score = np.repeat(score.mean(axis=1, keepdims=True), h, axis=1)
-    chosen = [[ref.top_budget(score[i, j], state.budget, c.positions[i, j] < state.n_sink)
-               for j in range(h)] for i in range(b)]
-    return ref.keep(state, c, chosen, importance=importance)
-
-
-def kvzip_update(state: KVzipState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
-                 *, queries: Float[Array, "b q s d"] | None = None) -> KVzipState:
-    """Append ``s`` tokens; if over budget keep those the probes (``queries``) rely on most."""
-    return dispatch(KEY, state, keys, values, queries, evict.dims(state))
-
-
-def kvzip_get_kv(state: KVzipState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
-    """Kept keys and values, in increasing absolute position."""
-    return state.keys, state.values
-
-
-def kvzip_bytes(state: KVzipState) -> int:
-    """Bytes of every array the state holds."""
-    return state_nbytes(state)
-
-
-register(KEY, state_type=KVzipState, init=kvzip_init, update=kvzip_update, get_kv=kvzip_get_kv,
-         nbytes=kvzip_bytes, backends={"reference": _update_reference, "mlx": _update_mlx,
-                                        "cuda": evict.cuda_update(_update_mlx, lambda st: st.budget,
-                                                                  _decode_cuda)})
+State = KVzipState
+method = register("kvzip", KVzipState, init,
+                  evict.score_and_keep(_score, _score_reference, kernel=_kernel,
+                                       carry=("importance",)))
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
