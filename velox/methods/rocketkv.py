@@ -1,13 +1,10 @@
 """RocketKV: SnapKV eviction at prefill, then per-step page-level sparse attention at decode.
 
-References:
-    Behnam, Fu, Zhao, Tsai, Yu, Tumanov. RocketKV: Accelerating Long-Context LLM Inference via
-    Two-Stage KV Cache Compression. ICML 2025. arXiv:2502.14051.
-
-Stage 1 (``rocketkv_update``, prefill chunk of ``s > 1`` tokens): the last ``obs_window``
-queries vote (causal attention summed over the window, averaged over the kv head's query
-heads), the votes are max-pooled over ``kernel_size`` neighbours, and stored + new are cut to
-``budget``: sinks, the window and the best-voted rest. A single token (decode) is appended.
+Stage 1 (``update``, prefill chunk of ``s > 1`` tokens): SnapKV's votes
+(:func:`velox.methods.snapkv.votes`): the last ``obs_window`` queries vote (causal attention
+summed over the window, averaged over the kv head's query heads), the votes are max-pooled
+over ``kernel_size`` neighbours, and stored + new are cut to ``budget``: sinks, the window and
+the best-voted rest. A single token (decode) is appended.
 The state keeps the survivors and, per page of ``page_size`` stored slots, the element-wise
 max and min of their keys.
 
@@ -18,23 +15,15 @@ scaled by ``sqrt(d * |q_hat|_1 / |q|_1)`` and softmaxed over tokens per query he
 the group, the ``k2`` best pages are read, ``k2 = ceil(ceil(n / c2) / page_size)``, and exact
 attention runs over their tokens plus the new one. One selection per kv head serves its query
 heads (GQA), as in the authors' implementation. What the state stores (``get_kv``,
-``rocketkv_bytes``) and what a step reads (:func:`rocketkv_read_size`) are reported separately.
+``nbytes``) and what a step reads (:func:`rocketkv_read_size`) are reported separately.
 
 Split of the target ratio ``c`` (``compression_ratio``): ``r = clip(0.2 + 0.06 log2 c, 0.2,
 0.8)``; stage 2 reads ``1 / c2`` of the stored tokens, ``c2 = c ** (1 - r)``; ``c2`` splits
 evenly into the page size (``ceil(sqrt(c2))``) and the channel reduction (``head_topk1 =
 round(d * page_size / c2)``) unless those are given.
 
-Deviations from the paper:
-    * Stage 1 keeps a fixed ``budget`` (the state's capacity must not depend on the prompt
-      length); the paper keeps ``prompt / c ** r``, which ``budget`` equals for that prompt.
-    * SnapKV++'s adaptive pooling size is a parameter (``kernel_size``).
-    * Stage 2 selects whole pages; the paper takes the top-k tokens of the page-expanded
-      scores, which may cut the last page.
-    * Prefill chunks attend densely (as in the paper); a chunk arriving after decode does too.
-    * Without real queries the window's keys vote in stage 1 (key-as-query proxy); stage 2
-      runs on the real queries ``attend`` receives.
-    * ``n_sink`` protects the first tokens in stage 1.
+Backends: ``reference`` and ``mlx`` (stage 1 and the page summaries); stage 2 is the
+``attend`` hook.
 """
 
 from __future__ import annotations
@@ -48,15 +37,12 @@ import numpy as np
 from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
-from ..accounting import state_nbytes
-from ..attention import candidate_mass, group_queries, scoring_queries
-from ..registry import dispatch, prepare_init, register
+from ..attention import group_queries
+from ..registry import register
+from .snapkv import votes, votes_reference
 
-__all__ = ["RocketKVState", "rocketkv_init", "rocketkv_update", "rocketkv_get_kv",
-           "rocketkv_bytes", "rocketkv_attend", "rocketkv_select", "rocketkv_read_size",
-           "ReadSize", "split_ratio"]
-
-KEY = "rocketkv"
+__all__ = ["RocketKVState", "State", "init", "update", "get_kv", "nbytes", "rocketkv_attend",
+           "rocketkv_select", "rocketkv_read_size", "ReadSize", "split_ratio"]
 
 
 class RocketKVState(NamedTuple):
@@ -100,37 +86,30 @@ def _resolve(compression_ratio: float, page_size: int, head_topk1: int, head_dim
     return page, min(k1, head_dim)
 
 
-def rocketkv_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-                  budget: int = 512, compression_ratio: float = 8.0, page_size: int = 0,
-                  head_topk1: int = 0, obs_window: int = 32, n_sink: int = 4,
-                  kernel_size: int = 63, backend: str = "auto") -> RocketKVState:
-    """Empty RocketKV state; prefill chunks are cut to ``budget`` tokens per head."""
-    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
-                              dict(budget=budget, compression_ratio=compression_ratio,
-                                   page_size=page_size, head_topk1=head_topk1,
-                                   obs_window=obs_window, n_sink=n_sink, kernel_size=kernel_size))
-    p["page_size"], p["head_topk1"] = _resolve(compression_ratio, page_size, head_topk1, head_dim)
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         budget: int = 512, compression_ratio: float = 8.0, page_size: int = 0,
+         head_topk1: int = 0, obs_window: int = 32, n_sink: int = 4, kernel_size: int = 63,
+         backend: str = "auto") -> RocketKVState:
+    """Empty RocketKV state; prefill chunks are cut to ``budget`` tokens per head.
+
+    Args:
+        budget: stage 1: tokens kept per head after each prefill chunk (sinks and window
+            included).
+        compression_ratio: target ratio c; stage 2 reads 1 / c**(1 - r) of the stored tokens,
+            r = clip(0.2 + 0.06 log2 c, 0.2, 0.8).
+        page_size: stage 2: stored slots per page (0: ceil(sqrt(c2)) from the split).
+        head_topk1: stage 2: query channels kept for the page bounds (0: from the split;
+            capped at head_dim).
+        obs_window: stage 1: newest prompt tokens whose queries vote; always kept.
+        n_sink: stage 1: leading tokens never evicted.
+        kernel_size: stage 1: max-pooling width over neighbouring positions (odd).
+    """
+    page_size, head_topk1 = _resolve(compression_ratio, page_size, head_topk1, head_dim)
     empty = mx.zeros((batch, kv_heads, 0, head_dim), dtype)
-    return RocketKVState(*evict.empty_rows(batch, kv_heads, head_dim, dtype), empty, empty, **p,
-                         backend=backend)
+    return evict.empty_state(RocketKVState, locals(), page_max=empty, page_min=empty)
 
 
 # --- stage 1 ----------------------------------------------------------------------------
-
-def _maxpool_mlx(x: mx.array, kernel: int) -> mx.array:
-    """Max over ``kernel`` neighbours along the last axis, stride 1, 'same' padding; a
-    non-finite vote is left out of its neighbours' maxima and its own is ``-inf``."""
-    if kernel == 1 or x.shape[-1] == 0:
-        return x
-    r = kernel // 2
-    n = x.shape[-1]
-    bad = ~mx.isfinite(x)
-    xp = mx.pad(mx.where(bad, -mx.inf, x), [(0, 0)] * (x.ndim - 1) + [(r, r)], constant_values=-mx.inf)
-    out = xp[..., :n]
-    for i in range(1, kernel):
-        out = mx.maximum(out, xp[..., i:i + n])
-    return mx.where(bad, -mx.inf, out)
-
 
 def _pages_mlx(keys: mx.array, page: int) -> tuple[mx.array, mx.array]:
     """Element-wise max and min of the keys of each page of ``page`` slots."""
@@ -145,13 +124,8 @@ def _pages_mlx(keys: mx.array, page: int) -> tuple[mx.array, mx.array]:
 def _update_mlx(state: RocketKVState, keys, values, queries) -> RocketKVState:
     n, s = state.keys.shape[2], keys.shape[2]
     idx = None
-    if s > 1 and n + s > state.budget:
-        w = min(state.obs_window, s)
-        votes = candidate_mass(scoring_queries(keys, queries)[:, :, :, s - w:], state.keys, keys)
-        prefix = n + s - state.obs_window
-        votes = mx.concatenate([_maxpool_mlx(votes[:, :, :prefix], state.kernel_size),
-                                votes[:, :, prefix:]], axis=2)
-        idx = evict.top_budget(votes, state.budget,
+    if s > 1 and n + s > state.budget:  # stage 1: SnapKV's selection, max-pooled
+        idx = evict.top_budget(votes(state, keys, queries, pooling="maxpool"), state.budget,
                                evict.protected(n + s, state.n_sink, state.obs_window))
     k, v, p = evict.keep_rows((state.keys, state.values, state.positions),
                               (keys, values, evict.new_positions(state.next_pos, s)), idx)
@@ -170,13 +144,6 @@ def _update_mlx(state: RocketKVState, keys, values, queries) -> RocketKVState:
                           next_pos=state.next_pos + s)
 
 
-def _maxpool_reference(x: np.ndarray, kernel: int) -> np.ndarray:
-    r = kernel // 2
-    y = ref.ranked(x)  # a non-finite vote: out of its neighbours' maxima, its own -inf
-    return np.array([max(y[max(0, t - r):t + r + 1]) if y[t] > -np.inf else -np.inf
-                     for t in range(len(x))])
-
-
 def _pages_reference(keys: np.ndarray, page: int) -> tuple[np.ndarray, np.ndarray]:
     """One head: ``[n, d]`` keys -> page max and min ``[ceil(n / page), d]``."""
     starts = range(0, len(keys), page)
@@ -188,44 +155,19 @@ def _update_reference(state: RocketKVState, keys, values, queries) -> RocketKVSt
     c = ref.candidates(state, keys, values, queries)
     b, h, N = c.positions.shape
     s = keys.shape[2]
-    if s == 1 or N <= state.budget:
-        chosen = [[None] * h for _ in range(b)]
-    else:
-        w = min(state.obs_window, s)
-        q = ref.scoring_queries(c.new_keys, c.queries)[:, :, :, s - w:]
-        prefix = N - state.obs_window
-        chosen = []
+    chosen = [[None] * h for _ in range(b)]
+    if s > 1 and N > state.budget:  # stage 1: SnapKV's selection, max-pooled
         for i in range(b):
-            chosen.append([])
             for j in range(h):
-                pos = c.positions[i, j]
-                weights = ref.attention_weights(q[i, j], c.keys[i, j], pos, pos[N - w:])  # [g, w, N]
-                votes = weights.sum(axis=1).mean(axis=0)
-                votes[:prefix] = _maxpool_reference(votes[:prefix], state.kernel_size)
-                keep = ref.protected(pos, c.total[i, j], state.n_sink, state.obs_window)
-                chosen[i].append(ref.top_budget(votes, state.budget, keep))
+                score = votes_reference(state, ref.head(c, i, j, {}, True), pooling="maxpool")
+                keep = ref.protected(c.positions[i, j], c.total[i, j], state.n_sink, state.obs_window)
+                chosen[i][j] = ref.top_budget(score, state.budget, keep)
     out = ref.keep(state, c, chosen)
     kept = ref.to_np(out.keys, np.float32)
     pages = [[_pages_reference(kept[i, j], state.page_size) for j in range(h)] for i in range(b)]
     hi = np.stack([np.stack([p[0] for p in row]) for row in pages])
     lo = np.stack([np.stack([p[1] for p in row]) for row in pages])
     return out._replace(page_max=ref.to_mx(hi, state.keys.dtype), page_min=ref.to_mx(lo, state.keys.dtype))
-
-
-def rocketkv_update(state: RocketKVState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
-                    *, queries: Float[Array, "b q s d"] | None = None) -> RocketKVState:
-    """Prefill chunk (``s > 1``): stage-1 selection to ``budget``; decode token: append."""
-    return dispatch(KEY, state, keys, values, queries, evict.dims(state))
-
-
-def rocketkv_get_kv(state: RocketKVState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
-    """Stored keys and values (stage-1 survivors, then decode tokens), by position."""
-    return state.keys, state.values
-
-
-def rocketkv_bytes(state: RocketKVState) -> int:
-    """Bytes of every array the state holds (the page summaries included)."""
-    return state_nbytes(state)
 
 
 # --- stage 2 ----------------------------------------------------------------------------
@@ -323,6 +265,7 @@ def rocketkv_attend(state: RocketKVState, queries: Float[Array, "b q s d"], keys
     return out.reshape(queries.shape).astype(queries.dtype)
 
 
-register(KEY, state_type=RocketKVState, init=rocketkv_init, update=rocketkv_update,
-         get_kv=rocketkv_get_kv, nbytes=rocketkv_bytes, attend=rocketkv_attend,
-         backends={"reference": _update_reference, "mlx": _update_mlx})
+State = RocketKVState
+method = register("rocketkv", RocketKVState, init,
+                  {"reference": _update_reference, "mlx": _update_mlx}, attend=rocketkv_attend)
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
