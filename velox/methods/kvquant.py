@@ -37,7 +37,7 @@ from .._typing import Array, Float, Int, UInt
 from ..registry import dims_of, register
 
 __all__ = ["KVQuantState", "State", "init", "update", "get_kv", "nbytes", "positions",
-           "error_bound", "outlier_counts", "every_position"]
+           "error_bound", "outlier_counts", "every_position", "sinks_first"]
 
 
 class KVQuantState(NamedTuple):
@@ -115,11 +115,19 @@ def every_position(tokens: Callable[[tuple], int]) -> Callable[[tuple], Int[Arra
     return positions
 
 
+def sinks_first(state, keys, values, held_keys, held_values, cat) -> tuple:
+    """New rows ``[b, h, s, d]`` go to the exact sinks (the state's ``sink_keys``,
+    ``sink_values``) until ``n_sink`` are held, the rest after the rows held exact
+    (``held_keys``, ``held_values``): ``(sink_keys, sink_values, keys, values)``, each
+    concatenated with ``cat(old, new)``."""
+    take = min(state.n_sink - state.sink_keys.shape[2], keys.shape[2])
+    return (cat(state.sink_keys, keys[:, :, :take]), cat(state.sink_values, values[:, :, :take]),
+            cat(held_keys, keys[:, :, take:]), cat(held_values, values[:, :, take:]))
+
+
 def _route(state: KVQuantState, keys, values, cat):
     """New sinks, the buffer + remaining new rows, and how many of those form whole groups."""
-    take = min(state.n_sink - state.sink_keys.shape[2], keys.shape[2])
-    sk, sv = cat(state.sink_keys, keys[:, :, :take]), cat(state.sink_values, values[:, :, :take])
-    bk, bv = cat(state.buffer_keys, keys[:, :, take:]), cat(state.buffer_values, values[:, :, take:])
+    sk, sv, bk, bv = sinks_first(state, keys, values, state.buffer_keys, state.buffer_values, cat)
     g = state.group_size
     return sk, sv, bk, bv, g * (bk.shape[2] // g)
 

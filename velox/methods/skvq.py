@@ -17,18 +17,6 @@ Storage (``Q`` quantized tokens, ``G = d / group_size``): key and value codes pe
 packed along the permuted channels ``[b, h, Q, d * bits / 32]``, scales and zeros
 ``[b, h, Q, G]``, the permutations ``[b, h, d]``, the clip factors ``[b, h, G]`` (float32), and
 the exact sinks and window.
-
-References:
-    Duanmu, Yuan, Li, Duan, Zhang, Lin. SKVQ: Sliding-window Key and Value Cache Quantization
-    for Large Language Models. COLM 2024. arXiv:2405.06219.
-
-Deviations from the paper:
-    * Permutation and clip factors are calibrated on the first window of tokens after the
-      sinks, per kv head, instead of offline on a calibration set across the layer's heads.
-    * Channels are sorted by magnitude into equal groups of ``group_size`` (static shapes)
-      instead of k-means clusters of varying size.
-    * Integer bit-widths and clip factors in float32 (the paper also uses 1.5-bit values and
-      FP8 quantization parameters); the state grows with the sequence (no ``max_ctx``).
 """
 
 from __future__ import annotations
@@ -41,12 +29,11 @@ import numpy as np
 from .. import nuq, quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
-from ..accounting import state_nbytes
-from ..registry import dispatch, prepare_init, register
+from ..registry import register
+from .kvquant import every_position, sinks_first
 
-__all__ = ["SKVQState", "skvq_init", "skvq_update", "skvq_get_kv", "skvq_bytes", "CLIP_GRID"]
-
-KEY = "skvq"
+__all__ = ["SKVQState", "State", "init", "update", "get_kv", "nbytes", "positions", "error_bound",
+           "CLIP_GRID"]
 
 #: Clip factors the search tries, largest first (ties go to the larger factor).
 CLIP_GRID = tuple(1.0 - 0.05 * i for i in range(11))
@@ -83,29 +70,40 @@ class SKVQState(NamedTuple):
     backend: str
 
 
-def skvq_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-              bits_key: int = 2, bits_value: int = 2, group_size: int = 32, window: int = 128,
-              n_sink: int = 5, reorder: bool = True, clip_search: bool = True, clip_alpha: float = 1.0,
-              residual_dtype: str = "float16", backend: str = "auto") -> SKVQState:
-    """Empty SKVQ state (identity permutations and ``clip_alpha`` until calibration)."""
-    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
-                              dict(bits_key=bits_key, bits_value=bits_value, group_size=group_size,
-                                   window=window, n_sink=n_sink, reorder=reorder,
-                                   clip_search=clip_search, clip_alpha=clip_alpha,
-                                   residual_dtype=residual_dtype))
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         bits_key: int = 2, bits_value: int = 2, group_size: int = 32, window: int = 128,
+         n_sink: int = 5, reorder: bool = True, clip_search: bool = True, clip_alpha: float = 1.0,
+         residual_dtype: str = "float16", backend: str = "auto") -> SKVQState:
+    """Empty SKVQ state (identity permutations and ``clip_alpha`` until calibration).
+
+    Args:
+        bits_key: bits per key element.
+        bits_value: bits per value element.
+        group_size: channels per quantization group (per token, after reordering).
+        window: newest tokens kept exact (the sliding window); also the calibration length.
+        n_sink: leading tokens kept exact (attention sinks).
+        reorder: permute channels so each group holds channels of similar magnitude.
+        clip_search: search each group's clip factor on the calibration window (grid 1.0, 0.95,
+            ..., 0.5).
+        clip_alpha: clip factor of every group when clip_search is false.
+        residual_dtype: dtype of the rows held exact ("model": the cache dtype); scales and
+            zeros are float16 (bfloat16 for a bfloat16 cache).
+    """
     b, h, d = batch, kv_heads, head_dim
-    n_g = d // p["group_size"]
-    sd, rd = quant.side_dtype(dtype), quant.exact_dtype(p["residual_dtype"], dtype)
+    n_g = d // group_size
+    sd, rd = quant.side_dtype(dtype), quant.exact_dtype(residual_dtype, dtype)
     z = lambda *shape, t=sd: mx.zeros((b, h) + shape, t)  # noqa: E731
     ident = mx.zeros((b, h, 1), nuq.index_dtype(d)) + mx.arange(d).astype(nuq.index_dtype(d))
-    clip = mx.full((b, h, n_g), p["clip_alpha"], mx.float32)
+    clip = mx.full((b, h, n_g), clip_alpha, mx.float32)
     return SKVQState(
         sink_keys=z(0, d, t=rd), sink_values=z(0, d, t=rd),
-        key_codes=z(0, d * p["bits_key"] // 32, t=mx.uint32), key_scales=z(0, n_g), key_zeros=z(0, n_g),
-        value_codes=z(0, d * p["bits_value"] // 32, t=mx.uint32), value_scales=z(0, n_g),
+        key_codes=z(0, d * bits_key // 32, t=mx.uint32), key_scales=z(0, n_g), key_zeros=z(0, n_g),
+        value_codes=z(0, d * bits_value // 32, t=mx.uint32), value_scales=z(0, n_g),
         value_zeros=z(0, n_g), key_perm=ident, value_perm=ident, key_clip=clip, value_clip=clip,
         window_keys=z(0, d, t=rd), window_values=z(0, d, t=rd), next_pos=mx.zeros((b, h), mx.int32),
-        **p, cache_dtype=quant.dtype_name(dtype), backend=backend)
+        bits_key=bits_key, bits_value=bits_value, group_size=group_size, window=window,
+        n_sink=n_sink, reorder=reorder, clip_search=clip_search, clip_alpha=clip_alpha,
+        residual_dtype=residual_dtype, cache_dtype=quant.dtype_name(dtype), backend=backend)
 
 
 def _dims(state: SKVQState) -> tuple[int, int, int, mx.Dtype]:
@@ -116,9 +114,7 @@ def _dims(state: SKVQState) -> tuple[int, int, int, mx.Dtype]:
 
 def _route(state: SKVQState, keys, values, cat):
     """New sinks, the window + remaining new rows, and how many leave the window (flushed)."""
-    take = min(state.n_sink - state.sink_keys.shape[2], keys.shape[2])
-    sk, sv = cat(state.sink_keys, keys[:, :, :take]), cat(state.sink_values, values[:, :, :take])
-    wk, wv = cat(state.window_keys, keys[:, :, take:]), cat(state.window_values, values[:, :, take:])
+    sk, sv, wk, wv = sinks_first(state, keys, values, state.window_keys, state.window_values, cat)
     return sk, sv, wk, wv, max(wk.shape[2] - state.window, 0)
 
 
@@ -241,12 +237,6 @@ def _update_reference(state: SKVQState, keys, values, queries) -> SKVQState:
     return state._replace(**fields, **out)
 
 
-def skvq_update(state: SKVQState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
-                *, queries: Float[Array, "b q s d"] | None = None) -> SKVQState:
-    """Append ``s`` tokens (sinks first); tokens pushed out of the window are quantized."""
-    return dispatch(KEY, state, keys, values, queries, _dims(state))
-
-
 def _unpermute(x, perm):
     """Rows ``[b, h, n, d]`` in permuted channel order back to the original order."""
     inv = mx.argsort(perm.astype(mx.int32), axis=-1)
@@ -261,7 +251,7 @@ def _dequantize(codes, scales, zeros, perm, bits, group_size, dtype):
     return _unpermute(x.reshape(b, h, n, d).astype(dtype), perm)
 
 
-def skvq_get_kv(state: SKVQState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+def get_kv(state: SKVQState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """Exact sinks, dequantized tokens, exact window (model dtype)."""
     dtype, g = quant.dtype_of(state.cache_dtype), state.group_size
     k = _dequantize(state.key_codes, state.key_scales, state.key_zeros, state.key_perm, state.bits_key, g,
@@ -272,19 +262,11 @@ def skvq_get_kv(state: SKVQState) -> tuple[Float[Array, "b h n d"], Float[Array,
             mx.concatenate([state.sink_values.astype(dtype), v, state.window_values.astype(dtype)], axis=2))
 
 
-def skvq_bytes(state: SKVQState) -> int:
-    """Bytes of every array the state holds: codes, scales, zeros, calibration, exact rows."""
-    return state_nbytes(state)
+positions = every_position(lambda state: state.sink_keys.shape[2] + state.key_codes.shape[2]
+                           + state.window_keys.shape[2])
 
 
-def skvq_positions(state: SKVQState) -> Int[Array, "b h n"]:
-    """Absolute positions of the tokens ``skvq_get_kv`` returns (all tokens, in order)."""
-    b, h = state.next_pos.shape
-    n = state.sink_keys.shape[2] + state.key_codes.shape[2] + state.window_keys.shape[2]
-    return mx.broadcast_to(mx.arange(n, dtype=mx.int32), (b, h, n))
-
-
-def skvq_error_bound(state: SKVQState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+def error_bound(state: SKVQState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """Per-element bound on ``|get_kv - input|``: scale/2 plus rounding plus the clipping
     excess ``(1/alpha - 1) * max(|lo|, |hi|)`` of the token's group; for exact rows, their
     rounding to ``residual_dtype``."""
@@ -300,6 +282,7 @@ def skvq_error_bound(state: SKVQState) -> tuple[Float[Array, "b h n d"], Float[A
     return out[0], out[1]
 
 
-register(KEY, state_type=SKVQState, init=skvq_init, update=skvq_update, get_kv=skvq_get_kv,
-         nbytes=skvq_bytes, positions=skvq_positions, error_bound=skvq_error_bound,
-         dims=_dims, backends={"reference": _update_reference, "mlx": _update_mlx})
+State = SKVQState
+method = register("skvq", SKVQState, init, {"reference": _update_reference, "mlx": _update_mlx},
+                  get_kv=get_kv, positions=positions, error_bound=error_bound, dims=_dims)
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
