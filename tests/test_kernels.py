@@ -19,9 +19,11 @@ import pytest
 
 from velox.backend import BackendUnavailable, device_supports
 from velox.registry import get_method, method_keys
+from velox.spec import load_spec, spec_keys
 
-KERNEL_METHODS = ("streaming_llm", "tova", "h2o", "squeeze", "knorm", "qfilters", "keyformer",
-                  "kvzip", "morphkv", "curdkv", "chunkkv", "cam")
+# The methods with fused kernels: those whose spec declares a ``cuda`` backend. A composed
+# method (``tova+affine``) has no spec file of its own; it runs its policy's kernels.
+KERNEL_METHODS = tuple(k for k in method_keys() if k in spec_keys() and "cuda" in load_spec(k).backends)
 
 
 def test_kernel_backends_are_registered_and_refused_without_a_gpu():
@@ -45,6 +47,14 @@ needs_nvrtc = pytest.mark.skipif(
     reason="needs NVIDIA's NVRTC wheel: pip install \".[kernels-check]\" (Linux x86-64)")
 
 SHAPES = [(1, 8, 0, 128), (2, 4, 3, 64), (3, 2, 2, 96), (1, 1, 1, 32)]  # b, h, groups (0 = proxy), d
+
+# Each kernel method runs at its defaults ("") and at the second settings of its kernel path
+# named here (per-head or per-layer selection, another scoring or merge rule: see _params).
+VARIANTS = {"tova": ("per_head",), "knorm": ("high",), "kvzip": ("latest",), "morphkv": ("max", "window1"),
+            "chunkkv": ("per_layer", "key_norm"), "cam": ("mean", "window", "drop")}
+DECODE_CASES = [(key, variant) for key in KERNEL_METHODS for variant in ("", *VARIANTS.get(key, ()))]
+# The non-finite rule: each kernel method at its defaults, and CaM's window merge.
+NONFINITE_CASES = [(key, "") for key in KERNEL_METHODS] + [("cam", "window")]
 
 
 def _params(key: str, budget: int, variant: str) -> dict:
@@ -115,14 +125,7 @@ def _compare(key, a, b, step):
 
 
 @needs_cuda
-@pytest.mark.parametrize("key,variant", [("streaming_llm", ""), ("tova", ""), ("tova", "per_head"),
-                                          ("h2o", ""), ("squeeze", ""), ("knorm", ""),
-                                          ("knorm", "high"), ("qfilters", ""), ("keyformer", ""),
-                                          ("kvzip", ""), ("kvzip", "latest"), ("morphkv", ""),
-                                          ("morphkv", "max"), ("morphkv", "window1"), ("curdkv", ""),
-                                          ("chunkkv", ""), ("chunkkv", "per_layer"),
-                                          ("chunkkv", "key_norm"), ("cam", ""), ("cam", "mean"),
-                                          ("cam", "window"), ("cam", "drop")])
+@pytest.mark.parametrize("key,variant", DECODE_CASES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_kernel_decode_steps_match_mlx(key, variant, shape, dtype):
@@ -289,11 +292,7 @@ def test_kernel_wrappers_refuse_bad_arguments():
 
 
 @needs_cuda
-@pytest.mark.parametrize("key,variant", [("streaming_llm", ""), ("tova", ""), ("h2o", ""),
-                                          ("squeeze", ""), ("knorm", ""), ("qfilters", ""),
-                                          ("keyformer", ""), ("kvzip", ""), ("morphkv", ""),
-                                          ("curdkv", ""), ("chunkkv", ""), ("cam", ""),
-                                          ("cam", "window")])
+@pytest.mark.parametrize("key,variant", NONFINITE_CASES)
 @pytest.mark.parametrize("spoil", ["nan", "inf", "-inf", "overflow"])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_kernel_decode_steps_follow_the_nonfinite_rule(key, variant, spoil, dtype):
