@@ -1,32 +1,20 @@
 """ChunkKV: evict whole chunks of ``chunk_size`` consecutive tokens, scored together.
 
 Tokens are scored as in H2O (``score="attn_mass"``: accumulated attention with ``grace``,
-``decay`` and the chunk rule below) or by key norm (``"key_norm"``, high = important, fixed
-at insertion). Absolute positions are cut into fixed chunks ``[c * chunk_size, (c + 1) *
-chunk_size)``; a chunk's score is the mean score of its members among the candidates (stored
-+ new), every member takes its chunk's score, and the ``budget`` best candidates are kept, so
-whole chunks survive except at most one per selection, which keeps its newest members (the
-tie rule). A multi-token chunk of input is one selection. ``chunk_size = 1`` is H2O exactly.
-Across layers (``model_init`` / ``layer_update``), layers come in blocks of ``reuse_layers``:
-the first of a block selects, the others keep exactly its kept positions.
+``decay`` and the chunk rule below; :func:`velox.methods.h2o.heavy_hitter_scores`) or by key
+norm (``"key_norm"``, high = important, fixed at insertion). Absolute positions are cut into
+fixed chunks ``[c * chunk_size, (c + 1) * chunk_size)``; a chunk's score is the mean score of
+its members among the candidates (stored + new), every member takes its chunk's score, and the
+``budget`` best candidates are kept, so whole chunks survive except at most one per selection,
+which keeps its newest members (the tie rule). A multi-token chunk of input is one selection.
+``chunk_size = 1`` is H2O exactly. Across layers (``model_init`` / ``layer_update``), layers
+come in blocks of ``reuse_layers``: the first of a block selects, the others keep exactly its
+kept positions.
 
 Backends: ``reference``, ``mlx`` and ``cuda`` (a decode step at a full cache: H2O's fused
 weights kernel, or the new key's norm, then one kernel that takes each candidate's chunk mean,
 finds the loser and moves the rows and scores; every other step, and the leaders of reused
 layers, run the ``mlx`` ops).
-
-References:
-    Liu, Tang, Dong, Li, Liu, Li, Hu, Chu. ChunkKV: Semantic-Preserving KV Cache Compression
-    for Efficient Long-Context LLM Inference. NeurIPS 2025. arXiv:2502.00299.
-
-Deviations from the paper:
-    * Every update evicts (prefill chunks and decode steps); the paper compresses the prompt
-      once, scoring chunks by the observation window's attention. Here the scores are H2O's.
-    * The budget is met exactly: the lowest-ranked kept chunk may be cut (newest kept).
-    * ``per_head=True`` (the default) selects per kv head; ``False`` is the paper's one
-      selection per layer, on token scores averaged over the heads.
-    * ``n_sink`` and ``grace`` protect the first and the newest tokens.
-    * Without real queries the new keys are their own queries (key-as-query proxy).
 """
 
 from __future__ import annotations
@@ -39,15 +27,11 @@ import numpy as np
 from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
-from ..accounting import state_nbytes
-from ..attention import accumulated_scores, scoring_queries
 from ..crosslayer import checked_update, layer_params
-from ..registry import dispatch, prepare_init, register
+from ..registry import register
+from .h2o import heavy_hitter_kernel, heavy_hitter_reference, heavy_hitter_scores
 
-__all__ = ["ChunkKVState", "ChunkKVRecord", "chunkkv_init", "chunkkv_update", "chunkkv_get_kv",
-           "chunkkv_bytes"]
-
-KEY = "chunkkv"
+__all__ = ["ChunkKVState", "ChunkKVRecord", "State", "init", "update", "get_kv", "nbytes"]
 
 
 class ChunkKVState(NamedTuple):
@@ -78,18 +62,27 @@ class ChunkKVRecord(NamedTuple):
     reuse_layers: int
 
 
-def chunkkv_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-                 budget: int = 512, chunk_size: int = 8, n_sink: int = 4, score: str = "attn_mass",
-                 reuse_layers: int = 1, grace: int = 16, decay: float = 0.98, per_head: bool = True,
-                 backend: str = "auto") -> ChunkKVState:
-    """Empty ChunkKV state keeping at most ``budget`` tokens per head (sinks included)."""
-    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
-                              dict(budget=budget, chunk_size=chunk_size, n_sink=n_sink, score=score,
-                                   reuse_layers=reuse_layers, grace=grace, decay=decay,
-                                   per_head=per_head))
-    k, v, pos, nxt = evict.empty_rows(batch, kv_heads, head_dim, dtype)
-    return ChunkKVState(k, v, pos, mx.zeros((batch, kv_heads, 0), mx.float32), nxt, **p,
-                        backend=backend)
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         budget: int = 512, chunk_size: int = 8, n_sink: int = 4, score: str = "attn_mass",
+         reuse_layers: int = 1, grace: int = 16, decay: float = 0.98, per_head: bool = True,
+         backend: str = "auto") -> ChunkKVState:
+    """Empty ChunkKV state keeping at most ``budget`` tokens per head (sinks included).
+
+    Args:
+        budget: tokens kept per head, sinks included.
+        chunk_size: tokens per chunk (fixed runs of absolute positions); 1 = h2o.
+        n_sink: leading tokens never evicted.
+        score: token score: accumulated attention (as h2o) or key L2 norm (high = important).
+        reuse_layers: layers per block sharing the first layer's kept positions (1 = every
+            layer selects).
+        grace: newest tokens never evicted (h2o's grace; not in the seed, added with h2o's
+            default).
+        decay: multiplier applied to accumulated scores at every token (h2o's decay; not in
+            the seed, added with h2o's default).
+        per_head: each kv head selects its own chunks (false = the paper: one selection per
+            layer).
+    """
+    return evict.empty_state(ChunkKVState, locals())
 
 
 def _chunk_mean_mlx(scores: mx.array, positions: mx.array, size: int) -> mx.array:
@@ -121,21 +114,26 @@ def _chunk_mean_mlx(scores: mx.array, positions: mx.array, size: int) -> mx.arra
     return (sums[flat] / counts[flat]).reshape(b, h, N)
 
 
+def _token_scores(state: ChunkKVState, keys, queries) -> evict.Scored:
+    """Every candidate's token score (stored ++ new) and the new carried ``scores``: H2O's
+    accumulated attention, or the stored norms with the new keys' norms."""
+    if state.score == "attn_mass":
+        return heavy_hitter_scores(state, keys, queries)
+    old, new = state.scores, evict.row_norms(keys)
+    return evict.Scored(mx.concatenate([old, new], axis=2), {"scores": (old, new)})
+
+
 def _select_mlx(state: ChunkKVState, keys, values, queries) -> tuple[ChunkKVState, mx.array | None]:
     n, s = state.keys.shape[2], keys.shape[2]
-    if state.score == "attn_mass":
-        old, new = accumulated_scores(state.scores, scoring_queries(keys, queries), state.keys,
-                                      keys, state.decay)
-    else:
-        old, new = state.scores, evict.row_norms(keys)
+    tokens = _token_scores(state, keys, queries)
+    old, new = tokens.updates["scores"]
     new_pos = evict.new_positions(state.next_pos, s)
     idx = None
     if n + s > state.budget:
-        tokens = mx.concatenate([old, new], axis=2)
-        cand_pos = mx.concatenate([state.positions, new_pos], axis=2)
+        scores, cand_pos = tokens.scores, mx.concatenate([state.positions, new_pos], axis=2)
         if not state.per_head:  # one selection per layer: every head holds the same positions
-            tokens, cand_pos = tokens.mean(axis=1, keepdims=True), cand_pos[:, :1]
-        chunk = _chunk_mean_mlx(tokens, cand_pos, state.chunk_size)
+            scores, cand_pos = scores.mean(axis=1, keepdims=True), cand_pos[:, :1]
+        chunk = _chunk_mean_mlx(scores, cand_pos, state.chunk_size)
         idx = evict.top_budget(chunk, state.budget, evict.protected(n + s, state.n_sink, state.grace))
         idx = mx.broadcast_to(idx, state.positions.shape[:2] + idx.shape[2:])
     k, v, p, sc = evict.keep_rows((state.keys, state.values, state.positions, old),
@@ -148,16 +146,16 @@ def _update_mlx(state: ChunkKVState, keys, values, queries) -> ChunkKVState:
 
 
 def _decode_cuda(state: ChunkKVState, keys, values, queries) -> ChunkKVState:
-    from ..kernels.evict import compact, weights
-    if state.score == "attn_mass":
-        _, scores = weights(queries, state.keys, keys,
-                            old=state.scores, accumulate="decay", decay=state.decay)
+    from ..kernels.evict import compact
+    if state.score == "attn_mass":  # H2O's fused weights kernel accumulates the step
+        args = heavy_hitter_kernel(state, keys, queries)
     else:
         scores = (state.scores, evict.row_norms(keys))
+        args = dict(by=scores, carry=scores)
     return evict.with_compacted(state, compact(
-        state.keys, state.values, state.positions, keys, values, state.next_pos, by=scores,
-        carry=scores, chunk_size=state.chunk_size, shared=not state.per_head,
-        n_sink=state.n_sink, recent=state.grace))
+        state.keys, state.values, state.positions, keys, values, state.next_pos, **args,
+        chunk_size=state.chunk_size, shared=not state.per_head, n_sink=state.n_sink,
+        recent=state.grace))
 
 
 def _chunk_mean_reference(scores: np.ndarray, positions: np.ndarray, size: int) -> np.ndarray:
@@ -170,19 +168,16 @@ def _select_reference(state: ChunkKVState, keys, values, queries):
     c = ref.candidates(state, keys, values, queries)
     b, h, N = c.positions.shape
     s = keys.shape[2]
+    old = ref.to_np(state.scores)
     tokens = np.zeros((b, h, N))
-    tokens[:, :, : N - s] = ref.to_np(state.scores)
-    if state.score == "attn_mass":
-        q = ref.scoring_queries(c.new_keys, c.queries)
-        for i in range(b):
-            for j in range(h):
-                pos = c.positions[i, j]
-                for t in range(s):  # token by token: decay, then add this query's attention
-                    w = ref.attention_weights(q[i, j, :, t:t + 1], c.keys[i, j], pos,
-                                              pos[N - s + t:][:1])
-                    tokens[i, j] = tokens[i, j] * state.decay + w[:, 0].mean(0)
-    else:
-        tokens[:, :, N - s:] = np.linalg.norm(c.new_keys, axis=-1)
+    for i in range(b):
+        for j in range(h):
+            if state.score == "attn_mass":
+                head = ref.head(c, i, j, {"scores": old[i, j]}, N > state.budget)
+                tokens[i, j] = heavy_hitter_reference(state, head)[0]
+            else:
+                new = np.linalg.norm(c.new_keys[i, j], axis=-1)
+                tokens[i, j] = np.concatenate([old[i, j], new])
     chosen = [[None] * h for _ in range(b)]
     if N > state.budget:
         for i in range(b):
@@ -201,25 +196,9 @@ def _update_reference(state: ChunkKVState, keys, values, queries) -> ChunkKVStat
     return _select_reference(state, keys, values, queries)[0]
 
 
-def chunkkv_update(state: ChunkKVState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
-                   *, queries: Float[Array, "b q s d"] | None = None) -> ChunkKVState:
-    """Append ``s`` tokens; if over budget keep the best-scoring chunks (``budget`` tokens)."""
-    return dispatch(KEY, state, keys, values, queries, evict.dims(state))
-
-
-def chunkkv_get_kv(state: ChunkKVState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
-    """Kept keys and values, in increasing absolute position."""
-    return state.keys, state.values
-
-
-def chunkkv_bytes(state: ChunkKVState) -> int:
-    """Bytes of every array the state holds (scores included)."""
-    return state_nbytes(state)
-
-
 def _model_init(per_layer_params: list[dict[str, Any]]) -> ChunkKVRecord:
     """The ``model_init`` hook: an empty record; layers ``l % reuse_layers == 0`` lead."""
-    _, reuse = layer_params(KEY, per_layer_params, "reuse_layers")
+    _, reuse = layer_params("chunkkv", per_layer_params, "reuse_layers")
     return ChunkKVRecord(index=mx.zeros((0, 0, 0), mx.int32), scores=mx.zeros((0, 0, 0), mx.float32),
                          candidates=0, reuse_layers=reuse)
 
@@ -230,7 +209,7 @@ def _layer_update(record: ChunkKVRecord, layer: int, state: ChunkKVState,
     """The ``layer_update`` hook: a leader selects and publishes; a follower keeps the same rows.
     Without followers (``reuse_layers=1``) it is the layer's own update (kernels included)."""
     if record.reuse_layers == 1:
-        return record, chunkkv_update(state, keys, values, queries=queries)
+        return record, update(state, keys, values, queries=queries)
     checked_update(state, keys, values, queries)
     n, s = state.keys.shape[2], keys.shape[2]
     if layer % record.reuse_layers == 0:
@@ -253,8 +232,9 @@ def _layer_update(record: ChunkKVRecord, layer: int, state: ChunkKVState,
     return record, state
 
 
-register(KEY, state_type=ChunkKVState, init=chunkkv_init, update=chunkkv_update,
-         get_kv=chunkkv_get_kv, nbytes=chunkkv_bytes,
-         backends={"reference": _update_reference, "mlx": _update_mlx,
+State = ChunkKVState
+method = register("chunkkv", ChunkKVState, init,
+                  {"reference": _update_reference, "mlx": _update_mlx,
                    "cuda": evict.cuda_update(_update_mlx, lambda st: st.budget, _decode_cuda)},
-         model_init=_model_init, layer_update=_layer_update)
+                  model_init=_model_init, layer_update=_layer_update)
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
