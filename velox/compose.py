@@ -22,7 +22,7 @@ from . import evict, quant
 from . import reference as ref
 from .accounting import state_nbytes
 from .qattention import AffineRows, attend_segments
-from .registry import Method, _REGISTRY, dispatch, get_method, register
+from .registry import Method, dispatch, get_method, method_keys, register
 from .spec import Param, Spec, validate_params
 
 __all__ = ["evict_then_store"]
@@ -96,8 +96,8 @@ def evict_then_store(policy: str) -> Method:
     ``group_size``.
     """
     key = f"{policy}+affine"
-    if key in _REGISTRY:
-        return _REGISTRY[key]
+    if key in method_keys():
+        return get_method(key)
     P = get_method(policy)
     if P.layer_update is not None or P.attend is not None:
         raise ValueError(f"{policy} threads cross-layer state or attends itself; it cannot be composed")
