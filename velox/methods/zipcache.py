@@ -22,18 +22,6 @@ G*k, d * hi_bits / 32]`` and the others ``[b, h, G*(g-k), d * lo_bits / 32]`` (t
 packed along the channels, in position order within each set), per-channel scales and zeros of
 each set ``[b, h, G, d]``, the salient indices ``[b, h, G, k]``; values likewise, with
 per-channel factors ``[b, h, G, d]`` and per-token scales and zeros.
-
-References:
-    He, Zhang, Wu, Liu, Zhou, Zhuang. ZipCache: Accurate and Efficient KV Cache Quantization
-    with Salient Token Identification. NeurIPS 2024. arXiv:2405.14256.
-
-Deviations from the paper:
-    * Saliency and quantization work per group of ``group_size`` tokens (the paper quantizes
-      the whole prompt at once and streams decoded tokens in blocks of 100).
-    * The normalized attention score uses every query of each chunk (the paper's exact
-      metric) rather than the paper's probe-query approximation; without real queries the
-      new keys stand in for the queries (key-as-query proxy).
-    * The value channel factors are shared by the salient and the other tokens of a group.
 """
 
 from __future__ import annotations
@@ -45,14 +33,13 @@ import numpy as np
 
 from .. import nuq, quant
 from .. import reference as ref
-from .._typing import Array, Float, Int, UInt
-from ..accounting import state_nbytes
+from .._typing import Array, Bool, Float, Int, UInt
 from ..attention import candidate_mass, scoring_queries
-from ..registry import dims_of, dispatch, prepare_init, register
+from ..registry import dims_of, register
+from .kvquant import every_position
 
-__all__ = ["ZipCacheState", "zipcache_init", "zipcache_update", "zipcache_get_kv", "zipcache_bytes"]
-
-KEY = "zipcache"
+__all__ = ["ZipCacheState", "State", "init", "update", "get_kv", "nbytes", "positions",
+           "error_bound", "salient_tokens", "chosen_mask", "chosen_first_inverse"]
 _U32 = 2.0 ** -24
 
 
@@ -86,35 +73,38 @@ class ZipCacheState(NamedTuple):
     backend: str
 
 
-def zipcache_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-                  hi_bits: int = 4, lo_bits: int = 2, hi_fraction: float = 0.2, group_size: int = 32,
-                  quantize_values: bool = True, backend: str = "auto") -> ZipCacheState:
-    """Empty ZipCache state."""
-    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
-                              dict(hi_bits=hi_bits, lo_bits=lo_bits, hi_fraction=hi_fraction,
-                                   group_size=group_size, quantize_values=quantize_values))
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         hi_bits: int = 4, lo_bits: int = 2, hi_fraction: float = 0.2, group_size: int = 32,
+         quantize_values: bool = True, backend: str = "auto") -> ZipCacheState:
+    """Empty ZipCache state.
+
+    Args:
+        hi_bits: bits of the salient tokens.
+        lo_bits: bits of the other tokens.
+        hi_fraction: fraction of each group's tokens kept at hi_bits (rounded half up).
+        group_size: tokens per group (saliency ranking and quantization).
+        quantize_values: quantize values too (false: values stay exact).
+    """
     b, h, d = batch, kv_heads, head_dim
-    k = salient_tokens(p["hi_fraction"], p["group_size"])
+    k = salient_tokens(hi_fraction, group_size)
     z = lambda *shape, t=quant.side_dtype(dtype): mx.zeros((b, h) + shape, t)  # noqa: E731
     return ZipCacheState(
-        key_hi_codes=z(0, d * p["hi_bits"] // 32, t=mx.uint32),
-        key_lo_codes=z(0, d * p["lo_bits"] // 32, t=mx.uint32),
+        key_hi_codes=z(0, d * hi_bits // 32, t=mx.uint32),
+        key_lo_codes=z(0, d * lo_bits // 32, t=mx.uint32),
         key_hi_scales=z(0, d), key_hi_zeros=z(0, d), key_lo_scales=z(0, d), key_lo_zeros=z(0, d),
-        salient=z(0, k, t=nuq.index_dtype(p["group_size"])),
-        value_hi_codes=z(0, d * p["hi_bits"] // 32, t=mx.uint32),
-        value_lo_codes=z(0, d * p["lo_bits"] // 32, t=mx.uint32), value_channels=z(0, d),
+        salient=z(0, k, t=nuq.index_dtype(group_size)),
+        value_hi_codes=z(0, d * hi_bits // 32, t=mx.uint32),
+        value_lo_codes=z(0, d * lo_bits // 32, t=mx.uint32), value_channels=z(0, d),
         value_hi_scales=z(0), value_hi_zeros=z(0), value_lo_scales=z(0), value_lo_zeros=z(0),
         values=z(0, d, t=dtype), buffer_keys=z(0, d, t=dtype), buffer_values=z(0, d, t=dtype),
-        buffer_scores=z(0, t=mx.float32),
-        next_pos=mx.zeros((b, h), mx.int32), **p, backend=backend)
+        buffer_scores=z(0, t=mx.float32), next_pos=mx.zeros((b, h), mx.int32), hi_bits=hi_bits,
+        lo_bits=lo_bits, hi_fraction=hi_fraction, group_size=group_size,
+        quantize_values=quantize_values, backend=backend)
 
 
 def salient_tokens(hi_fraction: float, group_size: int) -> int:
     """Salient tokens per group: ``hi_fraction * group_size`` rounded half up."""
     return nuq.round_count(hi_fraction, group_size)
-
-
-_dims = dims_of("buffer_keys")
 
 
 def _groups(state: ZipCacheState) -> int:
@@ -268,26 +258,24 @@ def _update_reference(state: ZipCacheState, keys, values, queries) -> ZipCacheSt
     return state._replace(**fields)
 
 
-def zipcache_update(state: ZipCacheState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
-                    *, queries: Float[Array, "b q s d"] | None = None) -> ZipCacheState:
-    """Append ``s`` tokens, add their attention to the buffered tokens' saliency, quantize
-    every completed group."""
-    return dispatch(KEY, state, keys, values, queries, _dims(state))
+def chosen_mask(index: UInt[Array, "*batch k"], n: int) -> Bool[Array, "*batch n"]:
+    """``[*batch, n]``: whether each of ``n`` slots is one of the ``k`` chosen in ``index``."""
+    return (index.astype(mx.int32)[..., :, None] == mx.arange(n)).any(axis=-2)
 
 
-def _salient_mask(state: ZipCacheState) -> mx.array:
-    """``[b, h, G, g]``: whether each token of each group is salient."""
-    idx = state.salient.astype(mx.int32)
-    return (idx[..., :, None] == mx.arange(state.group_size)).any(axis=-2)
+def chosen_first_inverse(chosen: Bool[Array, "*batch n"]) -> UInt[Array, "*batch n"]:
+    """The gather that puts ``n`` rows stored chosen-first (the chosen ones, then the rest,
+    each in position order) back in position order, from the mask ``chosen [*batch, n]``."""
+    n = chosen.shape[-1]
+    i = mx.arange(n, dtype=mx.int32)
+    return mx.argsort(mx.argsort(mx.where(chosen, i, n + i), axis=-1), axis=-1)
 
 
 def _unorder(state: ZipCacheState, parts: list[mx.array]) -> mx.array:
     """Salient-first rows ``[b, h, G, g, d]`` back to position order."""
     x = mx.concatenate(parts, axis=3) if len(parts) > 1 else parts[0]
-    g = state.group_size
-    i = mx.arange(g, dtype=mx.int32)
-    inv = mx.argsort(mx.argsort(mx.where(_salient_mask(state), i, g + i), axis=-1), axis=-1)
-    b, h, n_g = x.shape[:3]
+    inv = chosen_first_inverse(chosen_mask(state.salient, state.group_size))
+    b, h, n_g, g = x.shape[:4]
     return mx.take_along_axis(x, inv[..., None], axis=3).reshape(b, h, n_g * g, -1)
 
 
@@ -331,25 +319,17 @@ def _dequantize_values(state: ZipCacheState) -> Float[Array, "b h n d"]:
     return _unorder(state, parts).astype(dtype)
 
 
-def zipcache_get_kv(state: ZipCacheState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+def get_kv(state: ZipCacheState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """Dequantized groups followed by the exact buffer."""
     return (_cat(_dequantize_keys(state), state.buffer_keys),
             _cat(_dequantize_values(state), state.buffer_values))
 
 
-def zipcache_bytes(state: ZipCacheState) -> int:
-    """Bytes of every array the state holds (the buffer's saliency scores included)."""
-    return state_nbytes(state)
+positions = every_position(lambda state: _groups(state) * state.group_size
+                           + state.buffer_keys.shape[2])
 
 
-def zipcache_positions(state: ZipCacheState) -> Int[Array, "b h n"]:
-    """Absolute positions of the tokens ``zipcache_get_kv`` returns (all tokens, in order)."""
-    b, h = state.next_pos.shape
-    n = _groups(state) * state.group_size + state.buffer_keys.shape[2]
-    return mx.broadcast_to(mx.arange(n, dtype=mx.int32), (b, h, n))
-
-
-def zipcache_error_bound(state: ZipCacheState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+def error_bound(state: ZipCacheState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """Per-element bound on ``|get_kv - input|``: each token's group bound at its bit-width."""
     b, h, r, d = state.buffer_keys.shape
     n_g = _groups(state)
@@ -378,7 +358,8 @@ def zipcache_error_bound(state: ZipCacheState) -> tuple[Float[Array, "b h n d"],
     return _cat(kb, zero), _cat(vb, zero)
 
 
-register(KEY, state_type=ZipCacheState, init=zipcache_init, update=zipcache_update,
-         get_kv=zipcache_get_kv, nbytes=zipcache_bytes, positions=zipcache_positions,
-         error_bound=zipcache_error_bound, dims=_dims,
-         backends={"reference": _update_reference, "mlx": _update_mlx})
+State = ZipCacheState
+method = register("zipcache", ZipCacheState, init, {"reference": _update_reference, "mlx": _update_mlx},
+                  get_kv=get_kv, positions=positions, error_bound=error_bound,
+                  dims=dims_of("buffer_keys"))
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
