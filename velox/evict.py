@@ -330,7 +330,7 @@ def _plan(spec) -> _Plan:
     else:  # the name of the bool parameter that gives every head its own selection
         shared = lambda state, name=head: not getattr(state, name)  # noqa: E731
     return _Plan(capacity=_getter(c["capacity"]), sinks=_getter(c.get("sinks")),
-                 recent=_getter(c.get("recent")), prefill_only=spec.phases == "prefill",
+                 recent=_getter(c.get("recent")), prefill_only=c.get("bound_phase") == "prefill",
                  shared=shared)
 
 
@@ -348,8 +348,8 @@ def score_and_keep(score: Callable | None, reference: Callable | None, *,
     """The backends of a score-and-keep eviction method, built from its score.
 
     Every update appends the ``s`` new rows to the ``n`` stored ones, and when the method
-    evicts (its spec: ``n + s`` over ``contract.capacity``; every update, or prefill chunks
-    only when ``phases = "prefill"``) keeps the ``capacity`` best-scoring candidates, the
+    evicts (its spec: ``n + s`` over ``contract.capacity``; every update, or multi-token
+    chunks only when ``contract.bound_phase = "prefill"``) keeps the ``capacity`` best-scoring candidates, the
     protected ones always (the first ``contract.sinks`` positions and the ``contract.recent``
     newest), in increasing position, with the tie and non-finite rules of :func:`top_budget`.
     Where the spec's ``head_independent`` names a bool parameter (``"per_head"``), a batch
