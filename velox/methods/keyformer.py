@@ -42,12 +42,12 @@ from .. import reference as ref
 from .._typing import Array, Float, Int
 from ..accounting import state_nbytes
 from ..attention import candidate_logits, softmax
-from ..noise import hash_uniform, hash_uniform_np  # re-exported: the noise's former home
+from ..noise import hash_uniform, hash_uniform_np
 from ..registry import dispatch, prepare_init, register
 from .h2o import heavy_hitters, heavy_hitters_step
 
 __all__ = ["KeyformerState", "keyformer_init", "keyformer_update", "keyformer_get_kv",
-           "keyformer_bytes", "hash_uniform", "hash_uniform_np"]
+           "keyformer_bytes"]
 
 KEY = "keyformer"
 
