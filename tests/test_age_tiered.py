@@ -80,7 +80,7 @@ def test_age_tiered_requantization_is_path_independent_and_bounded(dtype):
     got = np.array(velox.age_tiered_get_kv(one)[0].astype(mx.float32))
     n_old = one.old_keys_scales.shape[-1] * 32
     exact = np.array(k.astype(mx.float32))[:, :, :n_old]
-    bound = np.array(velox.methods.age_tiered.age_tiered_error_bound(one)[0])[:, :, :n_old]
+    bound = np.array(velox.methods.age_tiered.error_bound(one)[0])[:, :, :n_old]
     assert (np.abs(got[:, :, :n_old] - exact) <= bound).all()
     direct = np.array(quant.unpack(quant.quantize(k[:, :, :n_old].swapaxes(2, 3), 2, 32)[0], 2))
     chained = np.array(quant.unpack(one.old_keys_codes, 2))

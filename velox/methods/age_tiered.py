@@ -20,17 +20,6 @@ model's dtype.
 Shapes: ``<tier>_keys_codes [b, h, d, n_tier*bits/32]`` (tokens last, MLX's packing),
 ``_scales``/``_zeros [b, h, d, n_tier/G]``; ``<tier>_values_codes [b, h, n_tier, d*bits/32]``,
 ``_scales``/``_zeros [b, h, n_tier, d/G]``; ``residual_* [b, h, r, d]`` (r < G).
-
-References:
-    No paper: the seed library's own design (VeloxQuant-MLX's AgeTieredKV).
-
-Deviations from the seed:
-    * Re-quantization from the previous tier's codes on nested grids (the seed keeps a
-      full-precision copy of every token to re-quantize from).
-    * A group's tier follows its newest token (the seed: its oldest, which makes the
-      group's newer tokens coarser than their age entitles).
-    * The newest incomplete group is exact (the seed quantizes partial groups).
-    * Bit-widths lie in 1-8 and divide each other (the seed: any of 1-16).
 """
 
 from __future__ import annotations
@@ -43,13 +32,12 @@ import numpy as np
 from .. import quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
-from ..accounting import state_nbytes
-from ..registry import dims_of, dispatch, prepare_init, register
+from ..registry import dims_of, register
+from .kvquant import every_position
 
-__all__ = ["AgeTieredState", "age_tiered_init", "age_tiered_update", "age_tiered_get_kv",
-           "age_tiered_bytes"]
+__all__ = ["AgeTieredState", "State", "init", "update", "get_kv", "nbytes", "positions",
+           "error_bound", "tier_bits", "tier_counts"]
 
-KEY = "age_tiered"
 TIERS = ("old", "mid", "recent")  # storage (and position) order: oldest groups first
 _PARTS = ("codes", "scales", "zeros")
 
@@ -87,29 +75,37 @@ class AgeTieredState(NamedTuple):
     backend: str
 
 
-def age_tiered_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-                    recent_boundary: int = 128, mid_boundary: int = 1024, bits_recent: int = 8,
-                    bits_mid: int = 4, bits_old: int = 2, group_size: int = 32,
-                    backend: str = "auto") -> AgeTieredState:
-    """Empty AgeTiered state."""
-    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
-                              dict(recent_boundary=recent_boundary, mid_boundary=mid_boundary,
-                                   bits_recent=bits_recent, bits_mid=bits_mid, bits_old=bits_old,
-                                   group_size=group_size))
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         recent_boundary: int = 128, mid_boundary: int = 1024, bits_recent: int = 8,
+         bits_mid: int = 4, bits_old: int = 2, group_size: int = 32,
+         backend: str = "auto") -> AgeTieredState:
+    """Empty AgeTiered state.
+
+    Args:
+        recent_boundary: a group is recent (bits_recent) while its newest token is younger than
+            this.
+        mid_boundary: a group is middle-aged (bits_mid) while its newest token is younger than
+            this, old after.
+        bits_recent: bits per element of recent groups.
+        bits_mid: bits per element of middle-aged groups (divides bits_recent).
+        bits_old: bits per element of old groups (divides bits_mid).
+        group_size: tokens per group; each channel of a group has one scale and zero.
+    """
     b, h, d = batch, kv_heads, head_dim
-    sd, bits = quant.side_dtype(dtype), {"old": p["bits_old"], "mid": p["bits_mid"],
-                                         "recent": p["bits_recent"]}
+    sd, bits = quant.side_dtype(dtype), {"old": bits_old, "mid": bits_mid, "recent": bits_recent}
     empty = {}
     for tier in TIERS:
         empty[f"{tier}_keys_codes"] = mx.zeros((b, h, d, 0), mx.uint32)
         empty[f"{tier}_keys_scales"] = mx.zeros((b, h, d, 0), sd)
         empty[f"{tier}_keys_zeros"] = mx.zeros((b, h, d, 0), sd)
         empty[f"{tier}_values_codes"] = mx.zeros((b, h, 0, d * bits[tier] // 32), mx.uint32)
-        empty[f"{tier}_values_scales"] = mx.zeros((b, h, 0, d // p["group_size"]), sd)
-        empty[f"{tier}_values_zeros"] = mx.zeros((b, h, 0, d // p["group_size"]), sd)
+        empty[f"{tier}_values_scales"] = mx.zeros((b, h, 0, d // group_size), sd)
+        empty[f"{tier}_values_zeros"] = mx.zeros((b, h, 0, d // group_size), sd)
     return AgeTieredState(**empty, residual_keys=mx.zeros((b, h, 0, d), dtype),
                           residual_values=mx.zeros((b, h, 0, d), dtype),
-                          next_pos=mx.zeros((b, h), mx.int32), **p, backend=backend)
+                          next_pos=mx.zeros((b, h), mx.int32), recent_boundary=recent_boundary,
+                          mid_boundary=mid_boundary, bits_recent=bits_recent, bits_mid=bits_mid,
+                          bits_old=bits_old, group_size=group_size, backend=backend)
 
 
 # --- the tier rule (static: a function of the token count only) ---------------------------
@@ -344,17 +340,7 @@ def _update_reference(state: AgeTieredState, keys, values, queries) -> AgeTiered
 
 # --- public functions ----------------------------------------------------------------------
 
-_dims = dims_of("residual_keys")
-
-
-def age_tiered_update(state: AgeTieredState, keys: Float[Array, "b h s d"],
-                      values: Float[Array, "b h s d"], *,
-                      queries: Float[Array, "b q s d"] | None = None) -> AgeTieredState:
-    """Append ``s`` tokens: complete groups are quantized, aged groups re-quantized coarser."""
-    return dispatch(KEY, state, keys, values, queries, _dims(state))
-
-
-def age_tiered_get_kv(state: AgeTieredState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+def get_kv(state: AgeTieredState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """Dequantized old, mid and recent groups, then the exact newest tokens."""
     bits = tier_bits(state)
     out = []
@@ -368,16 +354,7 @@ def age_tiered_get_kv(state: AgeTieredState) -> tuple[Float[Array, "b h n d"], F
     return out[0], out[1]
 
 
-def age_tiered_bytes(state: AgeTieredState) -> int:
-    """Bytes of every array the state holds: codes, scales and zeros per tier, exact tokens."""
-    return state_nbytes(state)
-
-
-def age_tiered_positions(state: AgeTieredState) -> Int[Array, "b h n"]:
-    """Absolute positions of the tokens ``age_tiered_get_kv`` returns (all tokens, in order)."""
-    b, h = state.next_pos.shape
-    n = _tokens(state)
-    return mx.broadcast_to(mx.arange(n, dtype=mx.int32), (b, h, n))
+positions = every_position(_tokens)
 
 
 def _requant_stages(state: AgeTieredState, tier: str) -> int:
@@ -387,7 +364,7 @@ def _requant_stages(state: AgeTieredState, tier: str) -> int:
     return sum(_ratio(bits[a], bits[c]) > 1 for a, c in steps[tier])
 
 
-def age_tiered_error_bound(
+def error_bound(
         state: AgeTieredState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """Per-element bound on ``|get_kv - input|``: half the tier's step plus rounding terms.
 
@@ -413,7 +390,8 @@ def age_tiered_error_bound(
     return out[0], out[1]
 
 
-register(KEY, state_type=AgeTieredState, init=age_tiered_init, update=age_tiered_update,
-         get_kv=age_tiered_get_kv, nbytes=age_tiered_bytes, positions=age_tiered_positions,
-         error_bound=age_tiered_error_bound, dims=_dims,
-         backends={"reference": _update_reference, "mlx": _update_mlx})
+State = AgeTieredState
+method = register("age_tiered", AgeTieredState, init,
+                  {"reference": _update_reference, "mlx": _update_mlx}, get_kv=get_kv,
+                  positions=positions, error_bound=error_bound, dims=dims_of("residual_keys"))
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
