@@ -1,14 +1,10 @@
 """Q-Filters: keep the keys with the largest projection on the head's query direction.
 
-References:
-    Godey, Devoto, Zhao, Scardapane, Minervini, de la Clergerie, Sagot. Q-Filters: Leveraging
-    QK Geometry for Efficient KV Cache Compression. arXiv:2503.02812 (SLLM workshop 2025).
-
 Queries of a head share a favoured direction ``u`` (``E<Q, u> > 0``) and ``E_Q <Q, K> ~
 kappa <K, u>`` with ``kappa > 0``, so ``<K, u>`` ranks keys by the attention they can expect
 from any query. The filter ``u`` of a kv head is the top right singular vector of its query
 heads' calibration queries, signed so the queries project positively on it
-(:func:`qfilters_from_queries`). :func:`qfilters_init_calibrated` installs any such filters;
+(:func:`qfilters_from_queries`). :func:`init_calibrated` installs any such filters;
 ``calibration="smollm2-135m-instruct"`` loads layer ``layer``'s from the artifact shipped in
 ``velox.adapters`` (``make_cache`` numbers the layers through ``layer_params``). Each
 update scores every candidate (stored + new) by ``sign * <k, u>`` and keeps sinks, the
@@ -24,14 +20,6 @@ estimate changes while calibration lasts, then freezes.
 Backends: ``reference``, ``mlx`` and ``cuda`` (a decode step at a full cache scores with the
 ``mlx`` ops and finds the loser and moves the rows in one fused kernel,
 ``velox.kernels.evict.compact``; every other step runs the ``mlx`` ops).
-
-Deviations from the paper:
-    * Fallback (no calibrated filters): the online mean-query direction above; the paper
-      always calibrates offline.
-    * ``n_sink`` and ``recent`` protect the first and newest tokens; the paper protects none.
-    * A multi-token chunk is one selection.
-    * The seed's ``min_retention`` / ``on_low_retention`` warnings are not parameters: a pure
-      update has no side channel; ``budget / tokens seen`` is the caller's to check.
 """
 
 from __future__ import annotations
@@ -46,14 +34,11 @@ import numpy as np
 from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
-from ..accounting import state_nbytes
 from ..attention import scoring_queries
-from ..registry import dispatch, prepare_init, register
+from ..registry import register
 
-__all__ = ["QFiltersState", "qfilters_init", "qfilters_init_calibrated", "qfilters_update",
-           "qfilters_get_kv", "qfilters_bytes", "qfilters_from_queries"]
-
-KEY = "qfilters"
+__all__ = ["QFiltersState", "State", "init", "update", "get_kv", "nbytes", "init_calibrated",
+           "qfilters_init_calibrated", "qfilters_from_queries"]
 
 #: Calibrations shipped in ``velox.adapters/data``: name -> file (``filters [layers, h, d]``).
 ARTIFACTS = {"smollm2-135m-instruct": "qfilters_smollm2.npz"}
@@ -109,15 +94,23 @@ def _artifact(name: str) -> np.ndarray:
             return data["filters"]
 
 
-def qfilters_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-                  budget: int = 512, n_sink: int = 4, recent: int = 32, calib_tokens: int = 128,
-                  sign: int = 1, calibration: str = "none", layer: int = 0,
-                  backend: str = "auto") -> QFiltersState:
-    """Empty Q-Filters state: shipped filters (``calibration``, ``layer``) or the online estimate."""
-    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
-                              dict(budget=budget, n_sink=n_sink, recent=recent,
-                                   calib_tokens=calib_tokens, sign=sign,
-                                   calibration=calibration, layer=layer))
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         budget: int = 512, n_sink: int = 4, recent: int = 32, calib_tokens: int = 128,
+         sign: int = 1, calibration: str = "none", layer: int = 0,
+         backend: str = "auto") -> QFiltersState:
+    """Empty Q-Filters state: shipped filters (``calibration``, ``layer``) or the online estimate.
+
+    Args:
+        budget: tokens kept per head, sinks and recent tokens included.
+        n_sink: leading tokens never evicted.
+        recent: newest tokens never evicted.
+        calib_tokens: without calibrated filters: the first tokens whose queries (or keys) set
+            the direction.
+        sign: 1 keeps the keys most aligned with the filter; -1 the least (ablation).
+        calibration: shipped filters to load (none: the online estimate; any filters:
+            init_calibrated).
+        layer: layer whose shipped filters to load (make_cache numbers the layers).
+    """
     if calibration != "none":
         table = _artifact(calibration)
         if layer >= len(table) or table.shape[1:] != (kv_heads, head_dim):
@@ -127,8 +120,8 @@ def qfilters_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype =
         filters = mx.broadcast_to(mx.array(table[layer])[None], (batch, kv_heads, head_dim))
     else:
         filters = mx.zeros((batch, kv_heads, head_dim), mx.float32)
-    return QFiltersState(*evict.empty_rows(batch, kv_heads, head_dim, dtype), mx.array(filters),
-                         **p, calibrated=calibration != "none", backend=backend)
+    calibrated = calibration != "none"
+    return evict.empty_state(QFiltersState, locals(), filters=mx.array(filters))
 
 
 def _layer_params(n_layers: int, params: dict[str, Any]) -> list[dict[str, Any]]:
@@ -136,14 +129,14 @@ def _layer_params(n_layers: int, params: dict[str, Any]) -> list[dict[str, Any]]
     return [dict(params, layer=i) for i in range(n_layers)]
 
 
-def qfilters_init_calibrated(filters: Float[Array, "h d"] | Float[np.ndarray, "h d"], batch: int,
-                             kv_heads: int, head_dim: int, **params) -> QFiltersState:
+def init_calibrated(filters: Float[Array, "h d"] | Float[np.ndarray, "h d"], batch: int,
+                    kv_heads: int, head_dim: int, **params) -> QFiltersState:
     """Empty Q-Filters state scoring with calibrated ``filters`` ``[kv_heads, head_dim]``.
 
     ``filters`` come from :func:`qfilters_from_queries` (one layer's); ``params`` are
-    :func:`qfilters_init`'s (``calib_tokens``, ``calibration`` and ``layer`` are unused here).
+    :func:`init`'s (``calib_tokens``, ``calibration`` and ``layer`` are unused here).
     """
-    state = qfilters_init(batch, kv_heads, head_dim, **{**params, "calibration": "none"})
+    state = init(batch, kv_heads, head_dim, **{**params, "calibration": "none"})
     f = mx.array(np.asarray(filters, np.float32)) if not isinstance(filters, mx.array) else filters
     if tuple(f.shape) != (kv_heads, head_dim):
         raise ValueError(f"filters shape {tuple(f.shape)} must be [kv_heads={kv_heads}, head_dim={head_dim}]")
@@ -151,6 +144,9 @@ def qfilters_init_calibrated(filters: Float[Array, "h d"] | Float[np.ndarray, "h
         raise ValueError("filters hold non-finite values")
     f = mx.broadcast_to(f.astype(mx.float32)[None], (batch, kv_heads, head_dim))
     return state._replace(filters=mx.array(f), calibrated=True)
+
+
+qfilters_init_calibrated = init_calibrated  # the name it had before ``init``
 
 
 def _filters(state: QFiltersState, keys, queries) -> mx.array:
@@ -172,28 +168,14 @@ def _scores(state: QFiltersState, filters, keys) -> mx.array:
                           axis=2)[..., 0] * state.sign
 
 
-def _update_mlx(state: QFiltersState, keys, values, queries) -> QFiltersState:
-    n, s = state.keys.shape[2], keys.shape[2]
+def _score(state: QFiltersState, keys, queries, evicting) -> evict.Scored:
+    """The filters after this update (refreshed on every update); when evicting, every
+    candidate's score under them."""
     filters = _filters(state, keys, queries)
-    idx = None
-    if n + s > state.budget:
-        idx = evict.top_budget(_scores(state, filters, keys), state.budget,
-                               evict.protected(n + s, state.n_sink, state.recent))
-    k, v, p = evict.keep_rows((state.keys, state.values, state.positions),
-                              (keys, values, evict.new_positions(state.next_pos, s)), idx)
-    return state._replace(keys=k, values=v, positions=p, filters=filters,
-                          next_pos=state.next_pos + s)
+    return evict.Scored(_scores(state, filters, keys) if evicting else None, {"filters": filters})
 
 
-def _decode_cuda(state: QFiltersState, keys, values, queries) -> QFiltersState:
-    from ..kernels.evict import compact
-    filters = _filters(state, keys, queries)
-    return evict.with_compacted(state._replace(filters=filters), compact(
-        state.keys, state.values, state.positions, keys, values, state.next_pos,
-        by=_scores(state, filters, keys), n_sink=state.n_sink, recent=state.recent))
-
-
-def _update_reference(state: QFiltersState, keys, values, queries) -> QFiltersState:
+def _reference(state: QFiltersState, keys, values, queries) -> QFiltersState:
     c = ref.candidates(state, keys, values, queries)
     b, h, N = c.positions.shape
     s = keys.shape[2]
@@ -218,23 +200,13 @@ def _update_reference(state: QFiltersState, keys, values, queries) -> QFiltersSt
     return ref.keep(state, c, chosen)._replace(filters=new)
 
 
-def qfilters_update(state: QFiltersState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
-                    *, queries: Float[Array, "b q s d"] | None = None) -> QFiltersState:
-    """Append ``s`` tokens; if over budget keep the keys projecting most on the filter."""
-    return dispatch(KEY, state, keys, values, queries, evict.dims(state))
+def _backends(spec) -> dict:
+    """The ``mlx`` and ``cuda`` backends from the score (``cuda``: a decode step at a full cache
+    scores with the ``mlx`` ops, one fused kernel finds the loser and moves the rows); the
+    ``reference`` backend is written out, as it reads each head's own filters."""
+    return {**evict.score_and_keep(_score, None, fields=("filters",))(spec), "reference": _reference}
 
 
-def qfilters_get_kv(state: QFiltersState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
-    """Kept keys and values, in increasing absolute position."""
-    return state.keys, state.values
-
-
-def qfilters_bytes(state: QFiltersState) -> int:
-    """Bytes of every array the state holds (the filters included)."""
-    return state_nbytes(state)
-
-
-register(KEY, state_type=QFiltersState, init=qfilters_init, update=qfilters_update,
-         get_kv=qfilters_get_kv, nbytes=qfilters_bytes, layer_params=_layer_params,
-         backends={"reference": _update_reference, "mlx": _update_mlx,
-                   "cuda": evict.cuda_update(_update_mlx, lambda st: st.budget, _decode_cuda)})
+State = QFiltersState
+method = register("qfilters", QFiltersState, init, _backends, layer_params=_layer_params)
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
