@@ -10,6 +10,28 @@ Protocol facts this class honours:
   ``size()`` is the number of stored tokens.
 * Deferred eviction: ``update_and_fetch`` returns stored + new tokens, and the method's
   update (eviction, quantization) applies after this step's attention.
+* Two modes, one value per cache (:class:`Mode`, ``VeloxCache.mode``), chosen once by
+  :func:`make_cache`:
+
+  - ``Mode.PROXY``: ``update_and_fetch`` runs the update at once, scoring the new tokens
+    with their keys as queries (the key-as-query proxy), and returns stored + new: the
+    one-call shape mlx-lm expects of a cache.
+  - ``Mode.DEFERRED``: ``update_and_fetch`` only takes the new tokens; mlx-lm's
+    ``scaled_dot_product_attention``, wrapped (for velox caches only; other caches take the
+    original path), runs this step's attention (or the method's ``attend`` hook) and then the
+    update with the step's real queries, as one compiled graph at a full bounded cache.
+
+  ``make_cache`` picks ``DEFERRED`` when the method wants queries (``real_queries=True``, or
+  an ``attend`` hook) and the model's attention goes through the wrapped function, else
+  ``PROXY`` (a method with ``attend`` refuses such a model). ``save_cache`` writes the mode;
+  ``load_cache`` checks it against the model, or, loaded without it, a deferred cache learns
+  from its first forward whether the wrapper runs for it (``VeloxCache._settle_route``).
+* Getters never update: ``size()``, ``state``, ``positions()``, ``nbytes`` and
+  ``velox_state`` report what the cache holds. In deferred mode tokens are pending only from
+  ``update_and_fetch`` to the wrapped attention of the same layer (or, when a forward never
+  reached the wrapper, until the next ``update_and_fetch`` completes them with the proxy);
+  meanwhile ``size()`` and ``positions()`` count them, ``state`` and ``nbytes`` include
+  their arrays, and ``velox_state`` is the method's state without them.
 * ``make_mask`` answers ``None`` for one query and ``"causal"`` for a chunk (every kept token
   precedes the chunk, so MLX's causal mask aligned to the last keys is right).
 * No ``bits`` attribute, and ``to_quantized`` raises: mlx-lm can neither route around the
@@ -17,11 +39,6 @@ Protocol facts this class honours:
   and ``max_kv_size`` (which a given prompt cache ignores) are refused at the first step.
 * ``is_trimmable()`` is ``False`` and ``trim`` refuses: an evicting or quantizing state
   cannot forget tokens exactly.
-* Real queries: while velox caches exist, mlx-lm's ``scaled_dot_product_attention`` is
-  wrapped (for velox caches only; other caches take the original path). The wrapper runs the
-  attention (or the method's ``attend`` hook) and then the method's update with this step's
-  real queries. Models whose attention does not go through that function still work: the
-  update then runs at the next call with the key-as-query proxy.
 * Every array of the state is scheduled for evaluation after each update, so lazy graphs
   never accumulate over a long decode.
 * Decode modes (``decode=``): ``"evict"`` runs the method's update at every call, decode
@@ -32,6 +49,8 @@ Protocol facts this class honours:
   multi-token call takes the tail with it the same way: one update of tail + chunk.
 * ``save_cache`` / ``load_cache``: one checksummed ``.safetensors`` file; a loaded cache is
   checked against its method and decodes as the saved one would have.
+* Compiled steps (a steady decode update, the fused attention + update) live in one bounded
+  cache keyed by method, kind of step and backend (``_compiled``).
 """
 
 from __future__ import annotations
@@ -40,9 +59,12 @@ import hashlib
 import json
 import sys
 import warnings
+from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -56,9 +78,9 @@ from velox.backend import BackendUnavailable, resolve_backend
 from velox.registry import Method, get_method
 from velox.spec import validate_params
 
-__all__ = ["VeloxCache", "make_cache", "save_cache", "load_cache", "cache_nbytes",
-           "cache_fp16_bytes", "install_query_capture", "uninstall_query_capture", "tap_queries",
-           "reconstruction_prefill"]
+__all__ = ["VeloxCache", "Mode", "make_cache", "save_cache", "load_cache", "cache_nbytes",
+           "cache_fp16_bytes", "install_query_capture", "uninstall_query_capture",
+           "query_capture", "tap_queries", "reconstruction_prefill"]
 
 
 # --- shared model-level record for cross-layer methods --------------------------------
@@ -71,6 +93,33 @@ class _Model:
     layer_params: list[dict[str, Any]]
     record: tuple | None = None
     n_layers: int = 0
+
+
+# --- modes ----------------------------------------------------------------------------
+
+class Mode(str, Enum):
+    """Where a velox cache runs the method's update during mlx-lm's forward."""
+
+    PROXY = "proxy"        # in update_and_fetch, with the key-as-query proxy
+    DEFERRED = "deferred"  # in the wrapped attention, after it, with the real queries
+
+
+def _check_mode(mode: Any) -> Mode:
+    try:
+        return Mode(mode)
+    except ValueError:
+        raise ValueError(f"mode={mode!r} must be one of "
+                         f"{', '.join(repr(m.value) for m in Mode)}") from None
+
+
+def _choose_mode(m: Method, *, real_queries: bool, routed: bool, model: str | None = None) -> Mode:
+    """The mode for method ``m``: deferred when it wants queries (``real_queries``, or an
+    ``attend`` hook) and the model's attention goes through the wrapper (``routed``), else
+    proxy; a method with ``attend`` refuses a model whose attention does not."""
+    if m.attend is not None and not routed:
+        raise ValueError(f"{m.key} needs a model whose attention calls mlx-lm's "
+                         "scaled_dot_product_attention" + (f"; {model} does not" if model else ""))
+    return Mode.DEFERRED if (real_queries or m.attend is not None) and routed else Mode.PROXY
 
 
 # --- the cache ------------------------------------------------------------------------
@@ -86,41 +135,76 @@ def _check_decode(decode: Any, decode_cap: Any) -> None:
         raise ValueError(f"decode_cap={decode_cap!r} must be an integer >= 1")
 
 
+@dataclass
+class _Step:
+    """Tokens one ``update_and_fetch`` took, before the method's update absorbs them.
+
+    ``keys``/``values`` are what the update absorbs: an append-mode tail taken along
+    (``prefix`` tokens, with ``prefix_q`` their queries, ``None`` for the proxy), then the
+    call's tokens. In deferred mode a step is pending until the wrapped attention completes
+    it; ``keys is None`` then means the call's token joined the tail (the wrapper attends and
+    records its query), ``fused`` that the wrapper runs the compiled attention + update, and
+    ``new_only`` that ``update_and_fetch`` handed out only the call's tokens.
+    """
+
+    keys: mx.array | None = None
+    values: mx.array | None = None
+    prefix: int = 0
+    prefix_q: mx.array | None = None
+    fused: bool = False
+    new_only: bool = False
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else int(self.keys.shape[2])
+
+    def arrays(self) -> list[mx.array]:
+        return [x for x in (self.keys, self.values, self.prefix_q) if x is not None]
+
+
 class VeloxCache(_BaseCache):
-    """mlx-lm cache protocol around one layer's velox state (any registered method)."""
+    """mlx-lm cache protocol around one layer's velox state (any registered method).
+
+    Configuration (fixed at construction): ``method``, ``params``, ``backend``, ``layer``,
+    ``compile``, ``real_queries``, ``decode``, ``decode_cap`` and ``mode``. State: the
+    method's state, the offset, the append-mode tail (and its queries) and, in deferred mode
+    between ``update_and_fetch`` and the wrapped attention, the pending step.
+    ``last_step`` says how the last step ran (``"proxy"``, ``"deferred"``, ``"fused"`` or
+    ``"tail"``); nothing reads it to choose a path.
+    """
 
     def __init__(self, method: str, params: dict[str, Any] | None = None, *,
                  backend: str = "auto", layer: int = 0, model: _Model | None = None,
                  compile: bool = True, real_queries: bool = True, decode: str = "evict",
-                 decode_cap: int = DECODE_CAP):
+                 decode_cap: int = DECODE_CAP, mode: Mode | str = Mode.PROXY):
         _check_decode(decode, decode_cap)
         self.decode = decode
         self.decode_cap = decode_cap
         self.method = get_method(method)
+        self.mode = _check_mode(mode)
+        if self.mode is Mode.PROXY and self.method.attend is not None:
+            raise ValueError(f"{self.method.key} attends through its own hook: it needs "
+                             "mode='deferred' (a model whose attention calls mlx-lm's "
+                             "scaled_dot_product_attention)")
         self.params = dict(params or {})
         self._full_params = validate_params(self.method.spec, self.params)
         self.backend = backend
         self.layer = layer
         self._model = model
-        self._compile = compile
-        self._real_queries = real_queries
-        # Whether the model's attention goes through the wrapper: set by make_cache (and by
-        # load_cache given the model); None (load_cache without it): found at the first step.
-        self._routed: bool | None = False
-        self._fused = False
+        self.compile = compile
+        self.real_queries = real_queries
+        self.last_step: str | None = None
+        # Loaded without its model: the first forward confirms the deferred mode.
+        self._route_unknown = False
         self._state: tuple | None = None
-        self._pending: tuple[mx.array, mx.array] | None = None
+        self._pending: _Step | None = None
         self._offset = 0
-        # Append mode: decoded tokens not yet handed to the method, their queries (None once
-        # a step's query is missing), whether a step awaits the wrapper, and the queries of a
-        # tail merged into the pending update (``_prefix`` tokens of it).
+        # Append mode: decoded tokens not yet handed to the method, and their queries (None
+        # once a step's query is missing).
         self._tail: tuple[mx.array, mx.array] | None = None
         self._tail_q: mx.array | None = None
-        self._tail_waiting = False
-        self._prefix_q: mx.array | None = None
-        self._prefix = 0
 
-    # -- protocol ------------------------------------------------------------------
+    # -- protocol (getters: none of them updates) ----------------------------------
     @property
     def offset(self) -> int:
         """Absolute position of the next token (RoPE offset), never the stored count."""
@@ -131,9 +215,9 @@ class VeloxCache(_BaseCache):
         raise AttributeError("the offset of a velox cache follows the tokens it absorbed")
 
     def size(self) -> int:
-        """Stored tokens (after the last eviction), the append-mode tail included."""
-        self._flush()
-        return self._stored_count() + self._tail_len()
+        """Tokens held: stored (after the last update), the append-mode tail, and the tokens
+        of a pending step (deferred mode, before its attention)."""
+        return self._stored_count() + self._tail_len() + self._pending_len()
 
     def empty(self) -> bool:
         return self._state is None and self._pending is None and self._tail is None
@@ -144,12 +228,12 @@ class VeloxCache(_BaseCache):
         return self._tail
 
     def positions(self) -> mx.array:
-        """Absolute positions ``[b, h, n]`` of what attention reads: stored, then the tail."""
-        self._flush()
+        """Absolute positions ``[b, h, n]`` of what the cache holds: stored, then the tail,
+        then the tokens of a pending step."""
         if self._state is None:
             return mx.zeros((1, 1, 0), mx.int32)
         pos = self.method.positions(self._state)
-        t = self._tail_len()
+        t = self._tail_len() + self._pending_len()
         if not t:
             return pos
         b, h = pos.shape[:2]
@@ -182,17 +266,18 @@ class VeloxCache(_BaseCache):
         """Bytes the velox state really holds, plus new tokens not yet absorbed and the
         append-mode tail (its keys, values and kept queries)."""
         total = 0 if self._state is None else self.method.nbytes(self._state)
-        if self._pending is not None:
-            total += sum(x.nbytes for x in self._pending)
+        if self._pending is not None and self._pending.keys is not None:
+            total += self._pending.keys.nbytes + self._pending.values.nbytes
         return total + sum(x.nbytes for x in self._tail_arrays())
 
     @property
     def state(self) -> list[mx.array]:
-        """Every array of the velox state and of the tail (mlx-lm evaluates these)."""
-        self._flush()
+        """Every array of the velox state, of the tail and of a pending step (mlx-lm
+        evaluates these)."""
         if self._state is None:
             return []
-        return [x for _, x in tree_flatten(self._state) if isinstance(x, mx.array)] + self._tail_arrays()
+        pending = [] if self._pending is None else self._pending.arrays()
+        return _arrays(self._state) + self._tail_arrays() + pending
 
     @state.setter
     def state(self, v) -> None:
@@ -200,95 +285,95 @@ class VeloxCache(_BaseCache):
 
     @property
     def velox_state(self) -> tuple | None:
-        """The method's state record (after absorbing any pending tokens; without the tail)."""
-        self._flush()
+        """The method's state record (without the tail and a pending step's tokens)."""
         return self._state
 
     # -- updates -------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Take this step's keys/values; return what its attention reads (stored + new).
 
-        When the attention wrapper will run for this cache and does the work itself (the
-        method's ``attend`` hook, or the fused compiled decode step), only the new tokens are
-        returned: the wrapper ignores what it is handed. In append mode a single-token step
-        below the cap joins the tail and the method's update does not run.
+        Proxy mode runs the method's update here (after building what it returns). Deferred
+        mode (while the wrapper is installed) leaves the step to the wrapped attention; when
+        the wrapper does the work itself (the method's ``attend`` hook, or the fused compiled
+        decode step) only the new tokens are returned, as the wrapper ignores what it is
+        handed. In append mode a single-token step below the cap joins the tail and the
+        method's update does not run.
         """
         if self.layer == 0:
             _refuse_ignored_generate_args(sys._getframe(1))
-        wants_queries = self._real_queries or self.method.attend is not None
-        if self._routed is None:  # loaded without its model: find out from this forward
-            if not self._waiting():
-                if wants_queries:
-                    install_query_capture()  # the model's module is imported by now
-            else:  # the last forward did not call the wrapper
-                self._routed = self._fused = False
-                if self.method.attend is not None:
-                    raise ValueError(f"{self.method.key} needs a model whose attention calls "
-                                     "mlx-lm's scaled_dot_product_attention")
-        if self._waiting() and self._wrapped_only():
-            raise RuntimeError(
-                f"{self.method.key} attends through mlx-lm's scaled_dot_product_attention, "
-                "but the last forward did not call it for this layer")
-        self._tail_waiting = False
-        deferred = _capture_installed() and wants_queries
+        if self._route_unknown:
+            self._settle_route()
+        self._settle()
+        m = self.method
+        defer = self.mode is Mode.DEFERRED and _capture_installed()
+        # Until the first forward shows the wrapper runs, hand out what attention reads.
+        wrapper_attends = m.attend is not None and not self._route_unknown
         if (self.decode == "append" and keys.shape[2] == 1
                 and self._tail_len() + 1 < self.decode_cap):
             self._append(keys, values)
-            self._fused = False
-            self._tail_waiting = deferred
-            if deferred and self.method.attend is not None and self._routed:
-                return keys, values
-            k, v = self.method.get_kv(self._state)
+            if defer:
+                self._pending = _Step(new_only=wrapper_attends)
+                if wrapper_attends:
+                    return keys, values
+            else:
+                self.last_step = "tail"
+            k, v = m.get_kv(self._state)
             tk, tv = self._tail
             return evict.append_rows(k, tk), evict.append_rows(v, tv)
-        self._accept(keys, values)
-        new_k, new_v = self._pending
-        self._fused = deferred and self._routed is not False and self._steady(new_k)
-        if deferred and (self.method.attend is not None or self._fused) and self._routed:
-            return keys, values
+        step = self._take(keys, values)
+        if defer:
+            step.fused = self._steady(step.keys)
+            step.new_only = wrapper_attends or (step.fused and not self._route_unknown)
+            self._pending = step
+            if step.new_only:
+                return keys, values
         # Stored + new (lazy: never computed if the wrapper attends itself).
-        k, v = self.method.get_kv(self._state)
-        out = evict.append_rows(k, new_k), evict.append_rows(v, new_v)
-        if not deferred:
-            self._absorb(None)
+        k, v = m.get_kv(self._state)
+        out = evict.append_rows(k, step.keys), evict.append_rows(v, step.values)
+        if not defer:
+            self._absorb(step, None)
+            self.last_step = "proxy"
         return out
 
     def attention(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
                   mask, sinks=None) -> mx.array:
-        """This step's attention (plain, fused, or the method's ``attend``), then the update."""
-        if self._routed is None:
-            self._routed = True
-        if self._tail_waiting:  # append mode: a decode step that joined the tail
-            self._tail_waiting = False
-            if self.method.attend is not None:
+        """This step's attention (plain, fused, or the method's ``attend``), then the update
+        of a pending step with the real queries; plain attention when none is pending."""
+        self._route_unknown = False  # the model's attention reaches the wrapper
+        step, self._pending = self._pending, None
+        if step is None:  # proxy mode: the update already ran in update_and_fetch
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
+                                                        mask=mask, sinks=sinks)
+        m = self.method
+        if step.keys is None:  # append mode: a decode step that joined the tail
+            if m.attend is not None:
                 if sinks is not None:
-                    raise ValueError(f"{self.method.key} does not support attention sinks")
+                    raise ValueError(f"{m.key} does not support attention sinks")
                 out = self._attend(queries, *self._tail, mask, scale=scale)
             else:
                 out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                            mask=mask, sinks=sinks)
             self._keep_query(queries)
+            self.last_step = "tail"
             return out
-        if self._pending is None:  # proxy mode: the update already ran in update_and_fetch
-            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
-                                                        mask=mask, sinks=sinks)
-        new_k, new_v = self._pending
-        if self._fused and sinks is None and mask is None:
-            self._pending = None
-            out, self._state = _fused_step(self.method)(self._state, queries, new_k, new_v, scale)
-            mx.async_eval([x for _, x in tree_flatten(self._state) if isinstance(x, mx.array)])
+        if step.fused and sinks is None and mask is None:
+            fused = _compiled(m, "fused", self._state.backend)
+            out, self._state = fused(self._state, queries, step.keys, step.values, scale)
+            mx.async_eval(_arrays(self._state))
+            self.last_step = "fused"
             return out
-        if self.method.attend is not None:
+        if m.attend is not None:
             if sinks is not None:
-                raise ValueError(f"{self.method.key} does not support attention sinks")
-            out = self._attend(queries, new_k, new_v, mask, scale=scale)
+                raise ValueError(f"{m.key} does not support attention sinks")
+            out = self._attend(queries, step.keys, step.values, mask, scale=scale)
         else:
-            if self._fused:  # handed the new tokens only; rebuild what attention reads
-                k, v = self.method.get_kv(self._state)
-                keys, values = evict.append_rows(k, new_k), evict.append_rows(v, new_v)
+            if step.new_only:  # handed the new tokens only; rebuild what attention reads
+                k, v = m.get_kv(self._state)
+                keys, values = evict.append_rows(k, step.keys), evict.append_rows(v, step.values)
             out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                        mask=mask, sinks=sinks)
-        self._absorb(queries)
+        self._absorb(step, queries)
+        self.last_step = "deferred"
         return out
 
     def absorb(self, keys: mx.array, values: mx.array, *, queries: mx.array | None = None) -> None:
@@ -297,25 +382,56 @@ class VeloxCache(_BaseCache):
         For callers that computed a layer's keys/values themselves, e.g. a prefill whose
         scoring queries come from another pass (KVzip's context reconstruction).
         """
-        self._accept(keys, values)
-        self._absorb(queries)
+        self._settle()
+        self._absorb(self._take(keys, values), queries)
 
-    def _accept(self, keys: mx.array, values: mx.array) -> None:
-        """Absorb what is pending, create the state on the first tokens, hold these as pending
-        (after the tail, which they take with them)."""
-        self._flush()
+    def _settle_route(self) -> None:
+        """Loaded without its model, the deferred mode is confirmed by the first forward.
+
+        At its first ``update_and_fetch`` the wrapper is installed (the model's modules are
+        imported by now) and the step hands out what attention reads, so either path works.
+        If the wrapper then runs for this layer, ``attention`` clears ``_route_unknown``:
+        deferred it stays. If the next ``update_and_fetch`` still finds the step pending, the
+        model's attention does not call the wrapper: the cache turns to proxy mode (a method
+        with ``attend`` refuses such a model) and the step is absorbed with the proxy.
+        """
+        if self._pending is None:
+            install_query_capture()
+            return
+        self._route_unknown = False
+        self.mode = _choose_mode(self.method, real_queries=self.real_queries, routed=False)
+
+    def _settle(self) -> None:
+        """Complete a pending step whose attention never reached the wrapper (the last
+        forward did not call mlx-lm's scaled_dot_product_attention for this layer): its
+        tokens are absorbed with the proxy, as proxy mode would have."""
+        step = self._pending
+        if step is None:
+            return
+        if step.new_only:
+            raise RuntimeError(
+                f"{self.method.key} attends through mlx-lm's scaled_dot_product_attention, "
+                "but the last forward did not call it for this layer")
+        self._pending = None
+        if step.keys is not None:
+            self._absorb(step, None)
+
+    def _take(self, keys: mx.array, values: mx.array) -> _Step:
+        """Create the state on the first tokens, advance the offset, and return the step:
+        these tokens after the tail, which they take with them."""
         self._init_state(keys)
         self._offset += keys.shape[2]
+        step = _Step(keys, values)
         if self._tail is not None:
             tk, tv = self._tail
-            self._prefix, self._prefix_q = tk.shape[2], self._full_tail_queries()
-            keys, values = mx.concatenate([tk, keys], axis=2), mx.concatenate([tv, values], axis=2)
+            step.prefix, step.prefix_q = tk.shape[2], self._full_tail_queries()
+            step.keys = mx.concatenate([tk, keys], axis=2)
+            step.values = mx.concatenate([tv, values], axis=2)
             self._tail = self._tail_q = None
-        self._pending = (keys, values)
+        return step
 
     def _append(self, keys: mx.array, values: mx.array) -> None:
         """Append mode: one decoded token joins the tail (the method's state is untouched)."""
-        self._flush()
         self._init_state(keys)
         self._offset += 1
         if self._tail is None:
@@ -334,7 +450,7 @@ class VeloxCache(_BaseCache):
     def _keep_query(self, queries: mx.array) -> None:
         """Record the query of the token that just joined the tail (real-query mode)."""
         t = self._tail_len()
-        if not self._real_queries:
+        if not self.real_queries:
             return
         if t == 1:
             self._tail_q = queries
@@ -362,13 +478,13 @@ class VeloxCache(_BaseCache):
         out = self.method.attend(self._state, padded, keys, values, scale=scale, mask="causal")
         return out[:, :, t - s:]
 
-    def _absorb(self, queries: mx.array | None) -> None:
-        keys, values = self._pending
-        self._pending = None
-        if self._prefix:  # a tail went with these tokens: its queries first, or none at all
-            queries = (None if queries is None or self._prefix_q is None
-                       else mx.concatenate([self._prefix_q, queries], axis=2))
-            self._prefix, self._prefix_q = 0, None
+    def _absorb(self, step: _Step, queries: mx.array | None) -> None:
+        """The method's update of ``step``'s tokens (a tail taken along: its queries first,
+        or none at all)."""
+        keys, values = step.keys, step.values
+        if step.prefix:
+            queries = (None if queries is None or step.prefix_q is None
+                       else mx.concatenate([step.prefix_q, queries], axis=2))
         m = self.method
         if m.layer_update is not None and self._model is not None:
             model = self._model
@@ -376,20 +492,18 @@ class VeloxCache(_BaseCache):
                 model.record = m.model_init(model.layer_params)
             model.record, self._state = m.layer_update(model.record, self.layer, self._state,
                                                        keys, values, queries=queries)
-            mx.async_eval([x for _, x in tree_flatten(model.record) if isinstance(x, mx.array)])
+            mx.async_eval(_arrays(model.record))
+        elif not self._steady(keys):
+            self._state = m.update(self._state, keys, values, queries=queries)
+        elif queries is None:
+            self._state = _compiled(m, "update", self._state.backend)(self._state, keys, values)
         else:
-            update = _compiled_update(m) if self._steady(keys) else _plain_update(m)
+            update = _compiled(m, "update+queries", self._state.backend)
             self._state = update(self._state, keys, values, queries)
-        mx.async_eval([x for _, x in tree_flatten(self._state) if isinstance(x, mx.array)])
+        mx.async_eval(_arrays(self._state))
 
-    def _flush(self) -> None:
-        """Absorb tokens whose attention did not go through the wrapper (proxy queries)."""
-        if self._pending is not None:
-            self._absorb(None)
-
-    def _waiting(self) -> bool:
-        """Whether the last update_and_fetch left work for the attention wrapper."""
-        return self._pending is not None or self._tail_waiting
+    def _pending_len(self) -> int:
+        return 0 if self._pending is None else self._pending.length
 
     def _tail_len(self) -> int:
         return 0 if self._tail is None else int(self._tail[0].shape[2])
@@ -399,14 +513,10 @@ class VeloxCache(_BaseCache):
             return []
         return [*self._tail] + ([] if self._tail_q is None else [self._tail_q])
 
-    def _wrapped_only(self) -> bool:
-        """Whether the last update_and_fetch returned only the new tokens."""
-        return self.method.attend is not None or getattr(self, "_fused", False)
-
     def _steady(self, keys: mx.array) -> bool:
         """A single-token step at a full bounded cache: shapes repeat, so compiling pays."""
         m = self.method
-        if (not self._compile or keys.shape[2] != 1 or self._state.backend == "reference"
+        if (not self.compile or keys.shape[2] != 1 or self._state.backend == "reference"
                 or m.layer_update is not None):
             return False
         contract = m.spec.contract
@@ -418,45 +528,52 @@ class VeloxCache(_BaseCache):
         return 0 if self._state is None else int(self.method.positions(self._state).shape[2])
 
 
-_PLAIN: dict[str, Any] = {}
-_COMPILED: dict[str, Any] = {}
+def _arrays(record: Any) -> list[mx.array]:
+    return [x for _, x in tree_flatten(record) if isinstance(x, mx.array)]
 
 
-def _plain_update(m: Method):
-    fn = _PLAIN.get(m.key)
-    if fn is None:
-        fn = _PLAIN[m.key] = lambda s, k, v, q: m.update(s, k, v, queries=q)
-    return fn
+# --- compiled steps: one bounded cache ------------------------------------------------
+
+def _update_step(m: Method) -> Callable:
+    return lambda s, k, v: m.update(s, k, v)
 
 
-_FUSED: dict[str, Any] = {}
+def _update_step_with_queries(m: Method) -> Callable:
+    return lambda s, k, v, q: m.update(s, k, v, queries=q)
 
 
-def _fused_step(m: Method):
-    """Compiled decode step: this token's attention over stored + new, then the update."""
-    fn = _FUSED.get(m.key)
-    if fn is None:
-        def step(state, queries, keys, values, scale):
-            if m.attend is not None:
-                out = m.attend(state, queries, keys, values, scale=scale, mask=None)
-            else:
-                k, v = m.get_kv(state)
-                out = mx.fast.scaled_dot_product_attention(
-                    queries, evict.append_rows(k, keys), evict.append_rows(v, values), scale=scale)
-            return out, m.update(state, keys, values, queries=queries)
+def _fused_step(m: Method) -> Callable:
+    """A decode step: this token's attention over stored + new, then the update."""
+    def step(state, queries, keys, values, scale):
+        if m.attend is not None:
+            out = m.attend(state, queries, keys, values, scale=scale, mask=None)
+        else:
+            k, v = m.get_kv(state)
+            out = mx.fast.scaled_dot_product_attention(
+                queries, evict.append_rows(k, keys), evict.append_rows(v, values), scale=scale)
+        return out, m.update(state, keys, values, queries=queries)
 
-        fn = _FUSED[m.key] = mx.compile(step)
-    return fn
+    return step
 
 
-def _compiled_update(m: Method):
-    fn = _COMPILED.get(m.key)
-    if fn is None:
-        with_q = mx.compile(lambda s, k, v, q: m.update(s, k, v, queries=q))
-        without_q = mx.compile(lambda s, k, v: m.update(s, k, v))
-        fn = _COMPILED[m.key] = (lambda s, k, v, q: without_q(s, k, v) if q is None
-                                 else with_q(s, k, v, q))
-    return fn
+_STEP_KINDS: dict[str, Callable[[Method], Callable]] = {
+    "update": _update_step, "update+queries": _update_step_with_queries, "fused": _fused_step}
+COMPILED_STEPS_MAX = 64  # compiled functions kept (least recently used dropped first)
+_COMPILED: OrderedDict[tuple[str, str, str], tuple[Method, Callable]] = OrderedDict()
+
+
+def _compiled(m: Method, kind: str, backend: str) -> Callable:
+    """The compiled step ``kind`` (``"update"``, ``"update+queries"``, ``"fused"``) of
+    method ``m`` for states on ``backend``: built once per (method key, kind, backend), kept
+    while that method object is the one registered under its key."""
+    key = (m.key, kind, backend)
+    hit = _COMPILED.get(key)
+    if hit is None or hit[0] is not m:
+        hit = _COMPILED[key] = (m, mx.compile(_STEP_KINDS[kind](m)))
+        while len(_COMPILED) > COMPILED_STEPS_MAX:
+            _COMPILED.popitem(last=False)
+    _COMPILED.move_to_end(key)
+    return hit[1]
 
 
 _KV_BITS = ("kv_bits does not apply to a velox cache: mlx-lm would replace it with its own "
@@ -490,8 +607,9 @@ def _refuse_ignored_generate_args(frame, depth: int = 24) -> None:
 
 _ORIGINAL_SDPA = _mlx_base.scaled_dot_product_attention
 
-
-_QUERY_TAPS: list[list[mx.array]] = []
+_QUERY_TAPS: list[list[mx.array]] = []  # one list per open query_capture() body
+_INSTALLED = False  # install_query_capture() holds the wrapper in place
+_BODIES = 0         # open query_capture() bodies, which hold it too
 
 
 def _velox_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
@@ -506,38 +624,61 @@ def _capture_installed() -> bool:
     return _mlx_base.scaled_dot_product_attention is _velox_sdpa
 
 
-def install_query_capture() -> None:
-    """Route mlx-lm's attention through velox caches (others keep the original path).
-
-    Patches ``scaled_dot_product_attention`` in ``mlx_lm.models.base`` and in every loaded
-    ``mlx_lm.models.*`` module that imported it. Idempotent.
-    """
+def _patch(new, old) -> None:
+    """Set ``scaled_dot_product_attention`` to ``new`` in ``mlx_lm.models.base`` and in every
+    loaded ``mlx_lm.models.*`` module whose copy is ``old``."""
     for name, mod in list(sys.modules.items()):
         if name == "mlx_lm.models.base" or name.startswith("mlx_lm.models."):
-            if getattr(mod, "scaled_dot_product_attention", None) is _ORIGINAL_SDPA:
-                mod.scaled_dot_product_attention = _velox_sdpa
+            if getattr(mod, "scaled_dot_product_attention", None) is old:
+                mod.scaled_dot_product_attention = new
 
 
-class tap_queries:
-    """Context manager recording the queries of every attention call on non-velox caches,
-    in call order (one entry per layer per forward)."""
+def install_query_capture() -> None:
+    """Route mlx-lm's attention through velox caches (others keep the original path), until
+    :func:`uninstall_query_capture`.
 
-    def __enter__(self) -> list[mx.array]:
-        install_query_capture()
-        self.queries: list[mx.array] = []
-        _QUERY_TAPS.append(self.queries)
-        return self.queries
-
-    def __exit__(self, *exc) -> None:
-        _QUERY_TAPS.remove(self.queries)
+    Patches ``scaled_dot_product_attention`` in ``mlx_lm.models.base`` and in every loaded
+    ``mlx_lm.models.*`` module that imported it. Idempotent; :func:`make_cache` calls it for
+    methods that want queries.
+    """
+    global _INSTALLED
+    _INSTALLED = True
+    _patch(_velox_sdpa, _ORIGINAL_SDPA)
 
 
 def uninstall_query_capture() -> None:
-    """Restore mlx-lm's original attention function everywhere it was patched."""
-    for name, mod in list(sys.modules.items()):
-        if name.startswith("mlx_lm.models"):
-            if getattr(mod, "scaled_dot_product_attention", None) is _velox_sdpa:
-                mod.scaled_dot_product_attention = _ORIGINAL_SDPA
+    """Restore mlx-lm's original attention function everywhere it was patched (at the end of
+    the outermost :func:`query_capture` body if one is open). Deferred-mode caches then run
+    their updates as proxy mode does."""
+    global _INSTALLED
+    _INSTALLED = False
+    if not _BODIES:
+        _patch(_ORIGINAL_SDPA, _velox_sdpa)
+
+
+@contextmanager
+def query_capture() -> Iterator[list[mx.array]]:
+    """Install the attention wrapper for the body of a ``with`` block, then restore what was
+    there before (nesting-safe; a global :func:`install_query_capture` made meanwhile stays).
+
+    Yields a list that records, in call order, the queries of every attention call on a
+    non-velox cache in the body (one entry per layer per forward).
+    """
+    global _BODIES
+    _BODIES += 1
+    _patch(_velox_sdpa, _ORIGINAL_SDPA)
+    queries: list[mx.array] = []
+    _QUERY_TAPS.append(queries)
+    try:
+        yield queries
+    finally:
+        _QUERY_TAPS.remove(queries)
+        _BODIES -= 1
+        if not _BODIES and not _INSTALLED:
+            _patch(_ORIGINAL_SDPA, _velox_sdpa)
+
+
+tap_queries = query_capture  # the earlier name
 
 
 # --- construction ---------------------------------------------------------------------
@@ -562,8 +703,8 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
         model: an mlx-lm model.
         method: a registered method key (``velox.method_keys()``).
         backend: ``auto`` or a backend name, resolved per layer at the first token.
-        real_queries: capture the model's real queries (wraps mlx-lm's attention for velox
-            caches); ``False`` uses the key-as-query proxy.
+        real_queries: score with the model's real queries (deferred mode: wraps mlx-lm's
+            attention for velox caches); ``False`` uses the key-as-query proxy.
         compile: compile single-token updates once the cache is full.
         decode: ``"evict"``: every call runs the method's update, decode steps included.
             ``"append"``: multi-token calls are compressed as in ``"evict"``; single-token
@@ -575,7 +716,10 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
             Methods with a schedule (``layer_params``) derive per-layer values themselves.
     Returns:
         A list for ``prompt_cache=`` (layers whose default cache is not a plain ``KVCache``,
-        e.g. recurrent or sliding-window layers, keep their default cache).
+        e.g. recurrent or sliding-window layers, keep their default cache). Every velox
+        cache has the same ``mode``: ``Mode.DEFERRED`` when the method wants queries
+        (``real_queries``, or an ``attend`` hook) and the model's attention calls mlx-lm's
+        ``scaled_dot_product_attention``, else ``Mode.PROXY``.
     """
     _check_decode(decode, decode_cap)
     m = get_method(method)
@@ -590,16 +734,13 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
     shared = _Model(method=m, layer_params=per_layer, n_layers=n) if m.layer_update else None
     if real_queries or m.attend is not None:
         install_query_capture()
-    routed = _routes_attention(model)
-    if m.attend is not None and not routed:
-        raise ValueError(f"{method} needs a model whose attention calls mlx-lm's "
-                         f"scaled_dot_product_attention; {type(model).__name__} does not")
+    mode = _choose_mode(m, real_queries=real_queries, routed=_routes_attention(model),
+                        model=type(model).__name__)
     caches = list(base)
     for layer, slot in enumerate(slots):
         caches[slot] = VeloxCache(method, per_layer[layer], backend=backend, layer=layer,
                                   model=shared, compile=compile, real_queries=real_queries,
-                                  decode=decode, decode_cap=decode_cap)
-        caches[slot]._routed = routed
+                                  decode=decode, decode_cap=decode_cap, mode=mode)
     return caches
 
 
@@ -685,7 +826,10 @@ def save_cache(path: str | Path, caches: list, metadata: dict[str, str] | None =
 
     The file carries a SHA-256 of its array data, checked by :func:`load_cache`, and is laid
     out so that mlx-lm's ``load_prompt_cache`` refuses it with a message naming
-    :func:`load_cache`. Append mode's tail (keys, values, queries) is saved with its layer.
+    :func:`load_cache`. Each layer's entry records its mode (``"proxy"``, ``"deferred"``);
+    append mode's tail (keys, values, queries) is saved with its layer. A step still pending
+    because its forward never reached the attention wrapper is absorbed first, with the
+    key-as-query proxy, as the cache's next call would.
     """
     arrays: dict[str, mx.array] = {}
     layers = []
@@ -693,10 +837,11 @@ def save_cache(path: str | Path, caches: list, metadata: dict[str, str] | None =
     for i, c in enumerate(caches):
         if not isinstance(c, VeloxCache):
             raise ValueError(f"layer {i} holds a {type(c).__name__}; save_cache stores velox caches only")
+        c._settle()  # a step whose forward never reached the wrapper, as the next call would
         st = c.velox_state
         entry = {"method": c.method.key, "params": c.params, "backend": c.backend,
-                 "layer": c.layer, "offset": c.offset, "compile": c._compile,
-                 "real_queries": c._real_queries,
+                 "layer": c.layer, "offset": c.offset, "compile": c.compile,
+                 "real_queries": c.real_queries, "mode": c.mode.value,
                  "state": None if st is None else _save_record(st, str(i), arrays),
                  "decode": c.decode, "decode_cap": c.decode_cap, "tail": _save_tail(c, i, arrays)}
         layers.append(entry)
@@ -732,9 +877,11 @@ def load_cache(path: str | Path, model=None, *,
 
     Args:
         path: a file written by :func:`save_cache`.
-        model: the mlx-lm model the caches will run in (its layer count is checked). Without
-            it, each cache finds out at its first step whether the model's attention goes
-            through velox's wrapper.
+        model: the mlx-lm model the caches will run in (its layer count is checked, and a
+            saved deferred mode kept only if its attention goes through velox's wrapper, as
+            in :func:`make_cache`). Without it, each deferred cache confirms its mode at its
+            first forward (proxy if that forward never calls the wrapper). A file written before
+            modes were saved gets the mode make_cache would choose.
         backend: run the states on this backend (``"auto"``, ``"mlx"``, ...) rather than
             the one they were saved with. Without it, a state saved on a backend this
             machine lacks (``cuda`` on a CPU) raises ``velox.backend.BackendUnavailable``.
@@ -817,6 +964,9 @@ _ENTRY = {"method": str, "params": dict, "backend": str, "layer": int, "offset":
           "compile": bool, "real_queries": bool, "state": (dict, type(None))}
 # Written since decode modes exist; files without all three load as decode="evict".
 _DECODE_ENTRY = {"decode": str, "decode_cap": int, "tail": (dict, type(None))}
+# Written since modes are explicit; a file without it gets the mode make_cache would choose
+# (deferred for a method that wants queries), checked against the model as any mode is.
+_MODE_ENTRY = {"mode": str}
 
 
 def _load_layer(where: str, i: int, entry: Any, arrays: dict[str, mx.array], used: set[str],
@@ -824,10 +974,12 @@ def _load_layer(where: str, i: int, entry: Any, arrays: dict[str, mx.array], use
     fields = dict(_ENTRY)
     if isinstance(entry, dict) and set(_DECODE_ENTRY) & set(entry):
         fields.update(_DECODE_ENTRY)
+    if isinstance(entry, dict) and "mode" in entry:
+        fields.update(_MODE_ENTRY)
     if not isinstance(entry, dict) or set(entry) != set(fields):
         got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
         raise ValueError(f"{where}: the entry must have the fields {', '.join(_ENTRY)} (and "
-                         f"{', '.join(_DECODE_ENTRY)} together); got {got}")
+                         f"{', '.join(_DECODE_ENTRY)} together; mode optional); got {got}")
     for name, kind in fields.items():
         value = entry[name]
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
@@ -840,9 +992,10 @@ def _load_layer(where: str, i: int, entry: Any, arrays: dict[str, mx.array], use
     decode = dict(decode=entry.get("decode", "evict"), decode_cap=entry.get("decode_cap", DECODE_CAP))
     try:
         m = get_method(entry["method"])
+        mode = entry["mode"] if "mode" in entry else _choose_mode(m, real_queries=entry["real_queries"], routed=True)
         c = VeloxCache(entry["method"], entry["params"], backend=backend or entry["backend"],
                        layer=i, compile=entry["compile"], real_queries=entry["real_queries"],
-                       **decode)
+                       mode=mode, **decode)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     desc, tail = entry["state"], entry.get("tail")
@@ -1053,12 +1206,15 @@ def _check_layer_params(where: str, shared: _Model, caches: list) -> None:
 
 
 def _route(where: str, caches: list, model) -> None:
-    """Give loaded caches make_cache's code path: the query wrapper and the fused step."""
-    if any(c._real_queries or c.method.attend is not None for c in caches):
+    """Confirm the loaded caches' modes: a deferred cache stays deferred where the model's
+    attention calls the wrapper (which is installed), and runs as proxy where it does not
+    (a method with ``attend`` refuses such a model); without the model, each deferred cache
+    confirms its mode at its first forward (``VeloxCache._settle_route``)."""
+    if any(c.mode is Mode.DEFERRED for c in caches):
         install_query_capture()
     if model is None:
         for c in caches:
-            c._routed = None  # resolved at the first step
+            c._route_unknown = c.mode is Mode.DEFERRED
         return
     base = make_prompt_cache(model)
     slots = [c for c in base if type(c) is KVCache]
@@ -1067,10 +1223,9 @@ def _route(where: str, caches: list, model) -> None:
                          f"{len(slots)} plain KV layers of {len(base)}")
     routed = _routes_attention(model)
     for c in caches:
-        if c.method.attend is not None and not routed:
-            raise ValueError(f"{c.method.key} needs a model whose attention calls mlx-lm's "
-                             f"scaled_dot_product_attention; {type(model).__name__} does not")
-        c._routed = routed
+        if c.mode is Mode.DEFERRED:
+            c.mode = _choose_mode(c.method, real_queries=c.real_queries, routed=routed,
+                                  model=type(model).__name__)
 
 
 # --- KVzip's context reconstruction pass ----------------------------------------------
@@ -1098,7 +1253,7 @@ def reconstruction_prefill(model, tokens, caches: list, *, prompt_tokens, step: 
     kv = [c.state[:2] for c in plain]
     kv = [(k[:, :, :n], v[:, :, :n]) for k, v in kv]
     mx.eval(kv)
-    with tap_queries() as taps:
+    with query_capture() as taps:
         model(mx.concatenate([prompt, tokens])[None], cache=plain)
         mx.eval(taps)
     velox_layers = [c for c in caches if isinstance(c, VeloxCache)]

@@ -178,8 +178,11 @@ def test_mlx_lm_load_prompt_cache_names_load_cache(model, tmp_path):
         load_prompt_cache(str(tmp_path / "empty.safetensors"))
 
 
-def test_deferred_eviction_returns_stored_plus_new():
-    c = VeloxCache("tova", dict(budget=4, n_sink=1))
+@pytest.mark.parametrize("mode", ["proxy", "deferred"])
+def test_deferred_eviction_returns_stored_plus_new(mode):
+    """Proxy mode, or deferred mode without the wrapper (which then runs as proxy mode)."""
+    c = VeloxCache("tova", dict(budget=4, n_sink=1), mode=mode)
+    assert c.mode == mode
     mlxlm.uninstall_query_capture()
     try:
         k = mx.random.normal((1, 2, 6, 8))
@@ -188,6 +191,7 @@ def test_deferred_eviction_returns_stored_plus_new():
         assert c.size() == 4       # eviction applied after
         keys, values = c.update_and_fetch(k[:, :, :1], k[:, :, :1])
         assert keys.shape[2] == 5 and c.size() == 4 and c.offset == 7
+        assert c.last_step == "proxy"
     finally:
         mlxlm.install_query_capture()
 
@@ -286,10 +290,11 @@ def test_fused_compiled_decode_step_matches_the_plain_path(model):
     """At a full cache, decode runs one compiled graph (attention + update); same result."""
     fused = make_cache(model, "h2o", budget=24, grace=4)
     plain = make_cache(model, "h2o", budget=24, grace=4, compile=False)
-    assert all(c._routed for c in fused)
+    assert all(c.mode is mlxlm.Mode.DEFERRED for c in fused + plain)
     a = greedy(model, fused, n=10)
     b = greedy(model, plain, n=10)
-    assert fused[0]._fused  # the last steps took the fused path
+    assert fused[0].last_step == "fused"  # the last steps took the fused path
+    assert plain[0].last_step == "deferred"
     assert a == b
     for x, y in zip(fused, plain):
         assert np.array_equal(np.array(velox.positions(x.velox_state)),
