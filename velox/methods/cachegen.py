@@ -22,18 +22,6 @@ Shapes: ``keys_scales``/``_zeros [b, h, d, Q/G]``, ``values_scales``/``_zeros [b
 words of every segment), ``_lengths [Q/G]`` (words per segment), ``_packed [Q/G]``,
 ``_model [b, h, c, 2]`` (uint8 mean and scale byte for the next group; ``c = d`` or 1),
 ``residual_* [b, h, r, d]``.
-
-References:
-    Liu, Li, Cheng, Ray, Huang, Zhang, Du, Yao, Lu, Ananthanarayanan, Maire, Hoffmann,
-    Holtzman, Jiang. CacheGen: KV Cache Compression and Streaming for Fast Large Language
-    Model Serving. SIGCOMM 2024. arXiv:2310.07240.
-
-Deviations from the paper:
-    * Deltas are between integer codes of one quantization group (lossless, as in the seed),
-      not between floating-point tensors of a token group and its anchor.
-    * Probability models adapt online (the paper profiles one per channel and layer offline).
-    * No streaming controller (bandwidth adaptation, recomputation fallback).
-    * The range coder runs on the host: the update is not compilable.
 """
 
 from __future__ import annotations
@@ -46,15 +34,14 @@ import numpy as np
 from .. import entropy, nuq, quant
 from .. import reference as ref
 from .._typing import Array, Bool, Float, Int, UInt
-from ..accounting import state_nbytes
-from ..registry import dims_of, dispatch, prepare_init, register
+from ..registry import dims_of, register
 from ..spec import load_spec, validate_params
+from .kvquant import every_position
 
-__all__ = ["CacheGenState", "cachegen_init", "cachegen_update", "cachegen_get_kv",
-           "cachegen_bytes", "layer_bits", "decode_codes", "packed_codes", "coded_nbytes",
+__all__ = ["CacheGenState", "State", "init", "update", "get_kv", "nbytes", "positions",
+           "error_bound", "layer_bits", "decode_codes", "packed_codes", "coded_nbytes",
            "packed_nbytes"]
 
-KEY = "cachegen"
 KINDS = ("keys", "values")
 
 
@@ -90,18 +77,23 @@ def _prior(bits: int, use_delta: bool) -> tuple[int, int]:
     return (0 if use_delta else (levels + 1) // 2), int(entropy.index_of((levels + 1) / 4.0))
 
 
-def cachegen_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-                  bits: int = 4, group_size: int = 32, use_delta: bool = True,
-                  per_channel: bool = True, layer_groups: int = 3,
-                  backend: str = "auto") -> CacheGenState:
-    """Empty CacheGen state (one layer; ``layer_bits`` gives the per-layer schedule)."""
-    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
-                              dict(bits=bits, group_size=group_size, use_delta=use_delta,
-                                   per_channel=per_channel, layer_groups=layer_groups))
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         bits: int = 4, group_size: int = 32, use_delta: bool = True, per_channel: bool = True,
+         layer_groups: int = 3, backend: str = "auto") -> CacheGenState:
+    """Empty CacheGen state (one layer; ``layer_bits`` gives the per-layer schedule).
+
+    Args:
+        bits: bits per code (of the shallowest layers under the per-layer schedule).
+        group_size: tokens per group (keys: one scale and zero per channel and group; values:
+            per token and group_size channels; one coded segment per group).
+        use_delta: code token deltas of the codes (the first token of a group is the anchor).
+        per_channel: one probability model per channel (else one per head).
+        layer_groups: contiguous layer groups of the per-layer schedule (bits, bits - 1, ...).
+    """
     b, h, d = batch, kv_heads, head_dim
-    c = d if p["per_channel"] else 1
-    side_shape = {"keys": (b, h, d, 0), "values": (b, h, 0, d // value_group(d, p["group_size"]))}
-    model = mx.broadcast_to(mx.array(_prior(p["bits"], p["use_delta"]), mx.uint8), (b, h, c, 2))
+    c = d if per_channel else 1
+    side_shape = {"keys": (b, h, d, 0), "values": (b, h, 0, d // value_group(d, group_size))}
+    model = mx.broadcast_to(mx.array(_prior(bits, use_delta), mx.uint8), (b, h, c, 2))
     fields = {}
     for kind in KINDS:
         fields.update({f"{kind}_stream": mx.zeros((0,), mx.uint32),
@@ -112,7 +104,9 @@ def cachegen_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype =
                        f"{kind}_zeros": mx.zeros(side_shape[kind], quant.side_dtype(dtype))})
     return CacheGenState(**fields, residual_keys=mx.zeros((b, h, 0, d), dtype),
                          residual_values=mx.zeros((b, h, 0, d), dtype),
-                         next_pos=mx.zeros((b, h), mx.int32), **p, backend=backend)
+                         next_pos=mx.zeros((b, h), mx.int32), bits=bits, group_size=group_size,
+                         use_delta=use_delta, per_channel=per_channel, layer_groups=layer_groups,
+                         backend=backend)
 
 
 def value_group(head_dim: int, group_size: int) -> int:
@@ -313,17 +307,7 @@ def _update_reference(state: CacheGenState, keys, values, queries) -> CacheGenSt
 
 # --- public functions ----------------------------------------------------------------------------
 
-_dims = dims_of("residual_keys")
-
-
-def cachegen_update(state: CacheGenState, keys: Float[Array, "b h s d"],
-                    values: Float[Array, "b h s d"], *,
-                    queries: Float[Array, "b q s d"] | None = None) -> CacheGenState:
-    """Append ``s`` tokens; each completed group is quantized and range coded."""
-    return dispatch(KEY, state, keys, values, queries, _dims(state))
-
-
-def cachegen_get_kv(state: CacheGenState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+def get_kv(state: CacheGenState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """Decoded, dequantized groups followed by the exact newest tokens."""
     out = []
     for kind in KINDS:
@@ -343,11 +327,6 @@ def cachegen_get_kv(state: CacheGenState) -> tuple[Float[Array, "b h n d"], Floa
     return out[0], out[1]
 
 
-def cachegen_bytes(state: CacheGenState) -> int:
-    """Bytes of every array the state holds: coded streams, scales, zeros, models, tail."""
-    return state_nbytes(state)
-
-
 def coded_nbytes(state: CacheGenState) -> int:
     """Bytes of the coded segments (keys and values)."""
     return int(state.keys_stream.nbytes + state.values_stream.nbytes)
@@ -359,14 +338,11 @@ def packed_nbytes(state: CacheGenState) -> int:
     return 2 * b * h * d * n * state.group_size * state.bits // 8
 
 
-def cachegen_positions(state: CacheGenState) -> Int[Array, "b h n"]:
-    """Absolute positions of the tokens ``cachegen_get_kv`` returns (all tokens, in order)."""
-    b, h = state.next_pos.shape
-    n = quantized_groups(state) * state.group_size + state.residual_keys.shape[2]
-    return mx.broadcast_to(mx.arange(n, dtype=mx.int32), (b, h, n))
+positions = every_position(lambda state: quantized_groups(state) * state.group_size
+                           + state.residual_keys.shape[2])
 
 
-def cachegen_error_bound(
+def error_bound(
         state: CacheGenState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """``scale/2`` plus rounding per element (lossless coding adds nothing); zero in the tail."""
     out = []
@@ -397,13 +373,14 @@ def layer_bits(n_layers: int, bits: int, layer_groups: int) -> list[int]:
     return out
 
 
-def cachegen_layer_params(n_layers: int, params: dict) -> list[dict]:
+def _layer_params(n_layers: int, params: dict) -> list[dict]:
     """Per-layer parameters: ``bits`` from :func:`layer_bits`, the rest unchanged."""
-    full = validate_params(load_spec(KEY), params)
+    full = validate_params(load_spec("cachegen"), params)
     return [dict(params, bits=b) for b in layer_bits(n_layers, full["bits"], full["layer_groups"])]
 
 
-register(KEY, state_type=CacheGenState, init=cachegen_init, update=cachegen_update,
-         get_kv=cachegen_get_kv, nbytes=cachegen_bytes, positions=cachegen_positions,
-         error_bound=cachegen_error_bound, dims=_dims, layer_params=cachegen_layer_params,
-         backends={"reference": _update_reference, "mlx": _update_mlx})
+State = CacheGenState
+method = register("cachegen", CacheGenState, init, {"reference": _update_reference, "mlx": _update_mlx},
+                  get_kv=get_kv, positions=positions, error_bound=error_bound,
+                  dims=dims_of("residual_keys"), layer_params=_layer_params)
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
