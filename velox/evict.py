@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+import inspect
 import math
 import operator
 from typing import Any, NamedTuple
@@ -33,7 +34,7 @@ from .registry import dims_of
 __all__ = ["empty_rows", "new_positions", "protected", "ranked", "top_budget", "row_offsets", "all_but",
            "take_rows", "append_rows", "keep_rows", "dims", "row_sq_norms", "row_norms",
            "cuda_update", "with_compacted", "cached_const", "CONST_BYTES", "score_and_keep", "Scored",
-           "empty_state"]
+           "empty_state", "state_type"]
 
 
 def empty_rows(batch: int, heads: int, head_dim: int, dtype: mx.Dtype):
@@ -485,6 +486,27 @@ def _kernel_step(score, kernel, carry, fields, plan: _Plan) -> Callable:
         return with_compacted(state, out, carried=carry[0] if carry else "scores")
 
     return step
+
+
+_ANNOTATED = {"int": int, "float": float, "bool": bool, "str": str,
+              int: int, float: float, bool: bool, str: str}
+
+
+def state_type(name: str, init: Callable, doc: str, **carried: Any) -> type:
+    """The state record of an eviction method, from its ``init``: ``keys``, ``values``
+    ``[b, h, n, d]``, ``positions [b, h, n]``, the ``carried`` per-token arrays (``name=
+    annotation``, in order), ``next_pos [b, h]``, then every parameter of ``init``'s
+    signature as a static field (its annotation) and ``backend``. The parameters are
+    written once, in the signature."""
+    fields = [("keys", Float[Array, "b h n d"]), ("values", Float[Array, "b h n d"]),
+              ("positions", Int[Array, "b h n"]), *carried.items(), ("next_pos", Int[Array, "b h"])]
+    for q in inspect.signature(init).parameters.values():
+        if q.kind is q.KEYWORD_ONLY and q.name not in ("dtype", "backend"):
+            fields.append((q.name, _ANNOTATED[q.annotation]))
+    record = NamedTuple(name, [*fields, ("backend", str)])
+    record.__doc__ = doc
+    record.__module__ = init.__module__
+    return record
 
 
 def empty_state(state_type: type, args: dict, **arrays: mx.array):

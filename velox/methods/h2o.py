@@ -8,34 +8,17 @@ every other step runs the ``mlx`` ops).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import mlx.core as mx
 import numpy as np
 
 from .. import evict
 from .. import reference as ref
-from .._typing import Array, Float, Int
+from .._typing import Array, Float
 from ..attention import accumulated_scores, candidate_mass, scoring_queries
 from ..registry import register
 
 __all__ = ["H2OState", "State", "init", "update", "get_kv", "nbytes", "heavy_hitter_scores",
            "heavy_hitter_reference", "heavy_hitter_kernel"]
-
-class H2OState(NamedTuple):
-    """Kept rows, their absolute positions and accumulated attention ``scores``."""
-
-    keys: Float[Array, "b h n d"]
-    values: Float[Array, "b h n d"]
-    positions: Int[Array, "b h n"]
-    scores: Float[Array, "b h n"]
-    next_pos: Int[Array, "b h"]
-    budget: int
-    n_sink: int
-    grace: int
-    decay: float
-    backend: str
-
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
          budget: int = 512, n_sink: int = 4, grace: int = 16, decay: float = 0.98,
@@ -49,6 +32,12 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
         decay: multiplier applied to accumulated scores at every token (1 = no decay).
     """
     return evict.empty_state(H2OState, locals())
+
+
+H2OState = evict.state_type(
+    "H2OState", init,
+    "Kept rows, their absolute positions and accumulated attention ``scores``.",
+    scores=Float[Array, "b h n"])
 
 
 def heavy_hitter_scores(state, keys, queries, evicting=True, mass=candidate_mass) -> evict.Scored:

@@ -13,31 +13,14 @@ Backends: ``reference``, ``mlx`` and ``cuda`` (a decode step at a full cache sco
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import mlx.core as mx
 import numpy as np
 
 from .. import evict
 from .. import reference as ref
-from .._typing import Array, Float, Int
 from ..registry import register
 
 __all__ = ["KNormState", "State", "init", "update", "get_kv", "nbytes"]
-
-
-class KNormState(NamedTuple):
-    """Kept rows and their absolute positions; scores are recomputed from the kept keys."""
-
-    keys: Float[Array, "b h n d"]
-    values: Float[Array, "b h n d"]
-    positions: Int[Array, "b h n"]
-    next_pos: Int[Array, "b h"]
-    budget: int
-    n_sink: int
-    recent: int
-    keep: str
-    backend: str
 
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
@@ -53,6 +36,11 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
             the inverted ablation).
     """
     return evict.empty_state(KNormState, locals())
+
+
+KNormState = evict.state_type(
+    "KNormState", init,
+    "Kept rows and their absolute positions; scores are recomputed from the kept keys.")
 
 
 def _score(state: KNormState, keys, queries, evicting):

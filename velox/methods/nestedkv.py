@@ -20,14 +20,12 @@ single token (decode) is appended, never scored. Backends: ``reference`` and ``m
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
-
 import mlx.core as mx
 import numpy as np
 
 from .. import evict
 from .. import reference as ref
-from .._typing import Array, Float, Int
+from .._typing import Array, Float
 from ..registry import register
 
 __all__ = ["NestedKVState", "State", "init", "update", "get_kv", "nbytes", "nestedkv_score",
@@ -38,23 +36,6 @@ _EPS = 1e-12
 # Anomalies lie in [0, 2]: a spread below this is rounding noise (a window of 1 gives the key
 # itself as anchor, cos = 1 up to rounding), so the scale counts as constant (all zeros).
 _FLAT = 1e-5
-
-
-class NestedKVState(NamedTuple):
-    """Kept rows and their absolute positions."""
-
-    keys: Float[Array, "b h n d"]
-    values: Float[Array, "b h n d"]
-    positions: Int[Array, "b h n"]
-    next_pos: Int[Array, "b h"]
-    budget: int
-    n_sink: int
-    window: int
-    beta: float
-    tau: float
-    kappa: float
-    safeguard_alpha: float
-    backend: str
 
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
@@ -74,6 +55,10 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
             uniform budget here, which meets it.
     """
     return evict.empty_state(NestedKVState, locals())
+
+
+NestedKVState = evict.state_type(
+    "NestedKVState", init, "Kept rows and their absolute positions.")
 
 
 def block_size(n: int) -> int:

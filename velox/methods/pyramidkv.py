@@ -19,29 +19,12 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 
 from .. import evict
-from .._typing import Array, Float, Int
 from ..crosslayer import round_to_total
 from ..registry import register
 from ..spec import load_spec, validate_params
 from .snapkv import votes, votes_reference
 
 __all__ = ["PyramidKVState", "State", "init", "update", "get_kv", "nbytes", "pyramid_budgets"]
-
-
-class PyramidKVState(NamedTuple):
-    """Kept rows and their absolute positions (SnapKV's state, with this layer's budget)."""
-
-    keys: Float[Array, "b h n d"]
-    values: Float[Array, "b h n d"]
-    positions: Int[Array, "b h n"]
-    next_pos: Int[Array, "b h"]
-    budget: int
-    obs_window: int
-    n_sink: int
-    kernel_size: int
-    pooling: str
-    beta: float
-    backend: str
 
 
 def pyramid_budgets(n_layers: int, budget: int, beta: float, *, reserved: int = 0) -> list[int]:
@@ -91,6 +74,11 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
             (1 = flat).
     """
     return evict.empty_state(PyramidKVState, locals())
+
+
+PyramidKVState = evict.state_type(
+    "PyramidKVState", init,
+    "Kept rows and their absolute positions (SnapKV's state, with this layer's budget).")
 
 
 # Within a layer the rule is SnapKV's, with the layer's own budget.

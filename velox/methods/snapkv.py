@@ -11,34 +11,17 @@ PyramidKV's layers and of RocketKV's first stage as well. Backends: ``reference`
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import mlx.core as mx
 import numpy as np
 
 from .. import evict
 from .. import reference as ref
-from .._typing import Array, Float, Int
+from .._typing import Array, Float
 from ..attention import candidate_mass, scoring_queries
 from ..registry import register
 
 __all__ = ["SnapKVState", "State", "init", "update", "get_kv", "nbytes", "votes",
            "votes_reference"]
-
-
-class SnapKVState(NamedTuple):
-    """Kept rows and their absolute positions."""
-
-    keys: Float[Array, "b h n d"]
-    values: Float[Array, "b h n d"]
-    positions: Int[Array, "b h n"]
-    next_pos: Int[Array, "b h"]
-    budget: int
-    obs_window: int
-    n_sink: int
-    kernel_size: int
-    pooling: str
-    backend: str
 
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
@@ -54,6 +37,10 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
         pooling: pooling of the votes.
     """
     return evict.empty_state(SnapKVState, locals())
+
+
+SnapKVState = evict.state_type(
+    "SnapKVState", init, "Kept rows and their absolute positions.")
 
 
 def _pool_mlx(x: mx.array, kernel: int, pooling: str) -> mx.array:

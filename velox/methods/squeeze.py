@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import evict
-from .._typing import Array, Float, Int
+from .._typing import Array, Float
 from ..crosslayer import checked_update, layer_params, round_to_total
 from ..registry import get_method, register
 from .h2o import heavy_hitter_kernel, heavy_hitter_reference, heavy_hitter_scores
@@ -36,22 +36,6 @@ __all__ = ["SqueezeState", "SqueezeRecord", "State", "init", "update", "get_kv",
            "squeeze_budgets", "concentration"]
 
 KEY = "squeeze"
-
-
-class SqueezeState(NamedTuple):
-    """One layer: kept rows, positions and accumulated attention ``scores`` (as H2O)."""
-
-    keys: Float[Array, "b h n d"]
-    values: Float[Array, "b h n d"]
-    positions: Int[Array, "b h n"]
-    scores: Float[Array, "b h n"]
-    next_pos: Int[Array, "b h"]
-    budget: int
-    n_sink: int
-    strength: float
-    grace: int
-    decay: float
-    backend: str
 
 
 class SqueezeRecord(NamedTuple):
@@ -80,6 +64,12 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
             the seed, added with h2o's default).
     """
     return evict.empty_state(SqueezeState, locals())
+
+
+SqueezeState = evict.state_type(
+    "SqueezeState", init,
+    "One layer: kept rows, positions and accumulated attention ``scores`` (as H2O).",
+    scores=Float[Array, "b h n"])
 
 
 def concentration(keys: Float[Array, "b h s d"]) -> Float[Array, "b h"]:

@@ -8,27 +8,12 @@ other step runs the ``mlx`` ops).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import mlx.core as mx
 
 from .. import evict
-from .._typing import Array, Float, Int
 from ..registry import register
 
 __all__ = ["StreamingLLMState", "State", "init", "update", "get_kv", "nbytes"]
-
-
-class StreamingLLMState(NamedTuple):
-    """Sinks + recency window. ``positions`` are absolute; ``next_pos`` = tokens seen."""
-
-    keys: Float[Array, "b h n d"]
-    values: Float[Array, "b h n d"]
-    positions: Int[Array, "b h n"]
-    next_pos: Int[Array, "b h"]
-    n_sink: int
-    window_size: int
-    backend: str
 
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
@@ -40,6 +25,11 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
         window_size: most recent tokens kept besides the sinks.
     """
     return evict.empty_state(StreamingLLMState, locals())
+
+
+StreamingLLMState = evict.state_type(
+    "StreamingLLMState", init,
+    "Sinks + recency window. ``positions`` are absolute; ``next_pos`` = tokens seen.")
 
 
 def _kernel(state: StreamingLLMState, keys, queries):

@@ -8,30 +8,14 @@ Backends: ``reference``, ``mlx`` and ``cuda`` (fused kernels for a decode step a
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import mlx.core as mx
 
 from .. import evict
 from .. import reference as ref
-from .._typing import Array, Float, Int
 from ..attention import candidate_weights, scoring_queries
 from ..registry import register
 
 __all__ = ["TovaState", "State", "init", "update", "get_kv", "nbytes"]
-
-
-class TovaState(NamedTuple):
-    """Kept rows and their absolute positions; no score memory."""
-
-    keys: Float[Array, "b h n d"]
-    values: Float[Array, "b h n d"]
-    positions: Int[Array, "b h n"]
-    next_pos: Int[Array, "b h"]
-    budget: int
-    n_sink: int
-    per_head: bool
-    backend: str
 
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
@@ -46,6 +30,10 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
             attention averaged over heads).
     """
     return evict.empty_state(TovaState, locals())
+
+
+TovaState = evict.state_type(
+    "TovaState", init, "Kept rows and their absolute positions; no score memory.")
 
 
 def _score(state: TovaState, keys, queries, evicting):
