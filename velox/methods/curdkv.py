@@ -1,9 +1,5 @@
 """CurDKV: keep the tokens with the largest key-and-value CUR leverage; query-free.
 
-References:
-    Sengupta, Chaudhary, Chakraborty. Value-Guided KV Compression for LLMs via Approximated
-    CUR Decomposition. NeurIPS 2025. arXiv:2509.15038.
-
 Rule: for the candidates (stored + new) of a kv head, with ``X`` their keys ``[N, d]`` and
 ``V_r`` the top ``r = min(rank_cap, d, N)`` right singular vectors of ``X``, a token's key
 leverage is its share of the rank-``r`` energy, ``l_K(i) = ||x_i V_r||^2 / ||X||_F^2``
@@ -24,14 +20,6 @@ the new token.
 Backends: ``reference``, ``mlx`` and ``cuda`` (a decode step at a full cache scores the new
 token with the ``mlx`` ops, then one fused kernel finds the loser and moves the rows and
 scores; every other step runs the ``mlx`` ops).
-
-Deviations from the paper:
-    * Exact rank-capped leverage from the eigendecomposition of the ``d x d`` Gram matrices
-      instead of Gaussian-sketch estimates, and no local-window normalisation.
-    * Every update that overflows the budget re-scores stored + new (the paper compresses a
-      prompt once); decode steps reuse the subspaces fitted at the last multi-token update.
-    * ``n_sink`` protects the first tokens.
-    * The seed's ``rope_base`` is not a parameter: kept keys are never re-rotated.
 """
 
 from __future__ import annotations
@@ -44,13 +32,9 @@ import numpy as np
 from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
-from ..accounting import state_nbytes
-from ..registry import dispatch, prepare_init, register
+from ..registry import register
 
-__all__ = ["CurDKVState", "curdkv_init", "curdkv_update", "curdkv_get_kv", "curdkv_bytes",
-           "curdkv_leverage"]
-
-KEY = "curdkv"
+__all__ = ["CurDKVState", "State", "init", "update", "get_kv", "nbytes", "curdkv_leverage"]
 
 _TINY = 1e-30  # an all-zero block has zero energy: its leverage is 0, not NaN
 
@@ -71,16 +55,19 @@ class CurDKVState(NamedTuple):
     backend: str
 
 
-def curdkv_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-                budget: int = 512, n_sink: int = 4, rank_cap: int = 16,
-                backend: str = "auto") -> CurDKVState:
-    """Empty CurDKV state keeping at most ``budget`` tokens per head (sinks included)."""
-    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
-                              dict(budget=budget, n_sink=n_sink, rank_cap=rank_cap))
-    k, v, pos, nxt = evict.empty_rows(batch, kv_heads, head_dim, dtype)
-    basis = mx.zeros((batch, kv_heads, head_dim, min(p["rank_cap"], head_dim)), mx.float32)
-    scores = mx.zeros((batch, kv_heads, 0), mx.float32)
-    return CurDKVState(k, v, pos, scores, basis, basis, nxt, **p, backend=backend)
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         budget: int = 512, n_sink: int = 4, rank_cap: int = 16,
+         backend: str = "auto") -> CurDKVState:
+    """Empty CurDKV state keeping at most ``budget`` tokens per head.
+
+    Args:
+        budget: tokens kept per head, sinks included.
+        n_sink: leading tokens never evicted.
+        rank_cap: leading singular directions the leverage is measured in (capped by head_dim
+            and the token count).
+    """
+    basis = mx.zeros((batch, kv_heads, head_dim, min(rank_cap, head_dim)), mx.float32)
+    return evict.empty_state(CurDKVState, locals(), key_basis=basis, value_basis=basis)
 
 
 def _fit_basis(x: mx.array, r: int) -> mx.array:
@@ -207,26 +194,10 @@ def _update_reference(state: CurDKVState, keys, values, queries) -> CurDKVState:
     return new._replace(key_basis=ref.to_mx(kb, mx.float32), value_basis=ref.to_mx(vb, mx.float32))
 
 
-def curdkv_update(state: CurDKVState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
-                  *, queries: Float[Array, "b q s d"] | None = None) -> CurDKVState:
-    """Append ``s`` tokens; if over budget keep those with the largest key x value leverage.
-
-    ``queries`` are accepted and unused (the score is query-free).
-    """
-    return dispatch(KEY, state, keys, values, queries, evict.dims(state))
-
-
-def curdkv_get_kv(state: CurDKVState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
-    """Kept keys and values, in increasing absolute position."""
-    return state.keys, state.values
-
-
-def curdkv_bytes(state: CurDKVState) -> int:
-    """Bytes of every array the state holds."""
-    return state_nbytes(state)
-
-
-register(KEY, state_type=CurDKVState, init=curdkv_init, update=curdkv_update,
-         get_kv=curdkv_get_kv, nbytes=curdkv_bytes,
-         backends={"reference": _update_reference, "mlx": _update_mlx,
+# The score reads the new values (a score-and-keep score sees the new keys only) and the
+# reference the head's own subspaces: the backends are written out.
+State = CurDKVState
+method = register("curdkv", CurDKVState, init,
+                  {"reference": _update_reference, "mlx": _update_mlx,
                    "cuda": evict.cuda_update(_update_mlx, lambda st: st.budget, _decode_cuda)})
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
