@@ -2,32 +2,18 @@
 
 Each query adds to every visible token the softmax of its logits perturbed by Gumbel noise,
 ``softmax(z + tau * g)``; scores accumulate (with ``decay``) and the ``budget`` best tokens are
-kept besides the sinks and the ``recent`` newest. ``g`` is a deterministic function of
-``(seed, key position, query position)`` (a counter-based hash, ``velox.noise``), so it is redrawn for every
-query as in the paper, yet independent of the batch layout and of chunking. The temperature
-anneals linearly with the query's absolute position ``p``: ``tau = tau_init + (tau_end -
-tau_init) * min(p, anneal_steps) / anneal_steps`` (``anneal_steps = 0``: constant
-``tau_init``). A multi-token chunk is one selection, each query weighted ``decay**(s-1-i)``
-as in H2O; ``tau = 0`` is H2O exactly (same ``grace = recent`` and ``decay``).
+kept besides the sinks and the ``recent`` newest. ``g`` is a deterministic function of ``(seed,
+key position, query position)`` (a counter-based hash, ``velox.noise``), so it is redrawn for
+every query as in the paper, yet independent of the batch layout and of chunking. The
+temperature anneals linearly with the query's absolute position ``p``: ``tau = tau_init +
+(tau_end - tau_init) * min(p, anneal_steps) / anneal_steps`` (``anneal_steps = 0``: constant
+``tau_init``). A multi-token chunk is one selection, each query weighted ``decay**(s-1-i)`` as
+in H2O; ``tau = 0`` is H2O exactly (same ``grace = recent`` and ``decay``).
 
 Backends: ``reference``, ``mlx`` and ``cuda`` (a decode step at a full cache: H2O's fused
 kernels, the weights kernel drawing the same noise itself (the hash, logs and temperature of
 the ``mlx`` ops) and adding it to the logits, ``velox.kernels.evict``; every other step runs
 the ``mlx`` ops).
-
-References:
-    Adnan, Arunkumar, Jain, Nair, Soloveychik, Kamath. Keyformer: KV Cache Reduction through
-    Key Tokens Selection for Efficient Generative Inference. MLSys 2024. arXiv:2403.09054.
-
-Deviations from the paper:
-    * The temperature scales the noise, ``softmax(z + tau * g)``, instead of dividing the
-      perturbed logits, ``softmax((z + g) / tau)``: equal at the paper's ``tau_init = 1``, and
-      ``tau = 0`` is plain H2O. The schedule counts absolute positions, the prompt included.
-    * Noise is shared by the heads (it depends on positions only), so each head's selection
-      depends on its own inputs alone.
-    * ``n_sink`` protects the first tokens; ``decay`` fades old scores (1 = the paper).
-    * Kept keys keep their original rotation (no RoPE re-indexing: positions stay absolute).
-    * Without real queries the new keys are their own queries (key-as-query proxy).
 """
 
 from __future__ import annotations
@@ -40,16 +26,13 @@ import numpy as np
 from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
-from ..accounting import state_nbytes
 from ..attention import candidate_logits, softmax
 from ..noise import hash_uniform, hash_uniform_np
-from ..registry import dispatch, prepare_init, register
-from .h2o import heavy_hitters, heavy_hitters_step
+from ..registry import register
+from .h2o import heavy_hitter_kernel, heavy_hitter_scores
 
-__all__ = ["KeyformerState", "keyformer_init", "keyformer_update", "keyformer_get_kv",
-           "keyformer_bytes"]
+__all__ = ["KeyformerState", "State", "init", "update", "get_kv", "nbytes"]
 
-KEY = "keyformer"
 
 class KeyformerState(NamedTuple):
     """Kept rows, their absolute positions and accumulated perturbed attention ``scores``."""
@@ -70,17 +53,25 @@ class KeyformerState(NamedTuple):
     backend: str
 
 
-def keyformer_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-                   budget: int = 512, n_sink: int = 4, recent: int = 32, tau_init: float = 1.0,
-                   tau_end: float = 1.0, anneal_steps: int = 0, decay: float = 1.0, seed: int = 0,
-                   backend: str = "auto") -> KeyformerState:
-    """Empty Keyformer state keeping at most ``budget`` tokens per head (sinks included)."""
-    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
-                              dict(budget=budget, n_sink=n_sink, recent=recent, tau_init=tau_init,
-                                   tau_end=tau_end, anneal_steps=anneal_steps, decay=decay, seed=seed))
-    k, v, pos, nxt = evict.empty_rows(batch, kv_heads, head_dim, dtype)
-    return KeyformerState(k, v, pos, mx.zeros((batch, kv_heads, 0), mx.float32), nxt, **p,
-                          backend=backend)
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         budget: int = 512, n_sink: int = 4, recent: int = 32, tau_init: float = 1.0,
+         tau_end: float = 1.0, anneal_steps: int = 0, decay: float = 1.0, seed: int = 0,
+         backend: str = "auto") -> KeyformerState:
+    """Empty Keyformer state keeping at most ``budget`` tokens per head.
+
+    Args:
+        budget: tokens kept per head, sinks and recent window included.
+        n_sink: leading tokens never evicted.
+        recent: newest tokens never evicted (the paper's recent window; h2o's grace).
+        tau_init: noise temperature at position 0 (0 = no noise: h2o).
+        tau_end: noise temperature from position anneal_steps on (the paper uses 2).
+        anneal_steps: positions over which the temperature goes linearly from tau_init to
+            tau_end (0 = constant tau_init).
+        decay: multiplier applied to accumulated scores at every token (1 = the paper; not in
+            the seed).
+        seed: seed of the Gumbel noise.
+    """
+    return evict.empty_state(KeyformerState, locals())
 
 
 def _tau(state: KeyformerState, qpos):
@@ -126,64 +117,38 @@ def _gumbel_mass(state: KeyformerState, queries, keys, coef, block: int = 256) -
     return total
 
 
-def _update_mlx(state: KeyformerState, keys, values, queries) -> KeyformerState:
-    stored, fresh, idx = heavy_hitters(
-        state, keys, values, queries, state.recent,
-        mass=lambda q, _stored, new_k, coef: _gumbel_mass(state, q, new_k, coef))
-    k, v, p, sc = evict.keep_rows(stored, fresh, idx)
-    return state._replace(keys=k, values=v, positions=p, scores=sc,
-                          next_pos=state.next_pos + keys.shape[2])
+def _score(state: KeyformerState, keys, queries, evicting) -> evict.Scored:
+    """H2O's accumulated scores with the Gumbel-perturbed attention mass, carried as ``scores``."""
+    def mass(q, _stored, new_keys, coef):
+        return _gumbel_mass(state, q, new_keys, coef)
+    return heavy_hitter_scores(state, keys, queries, evicting, mass=mass)
 
 
-def _decode_cuda(state: KeyformerState, keys, values, queries) -> KeyformerState:
+def _score_reference(state: KeyformerState, head: ref.Head) -> tuple:
+    """One head, token by token: decay, then add the query's perturbed attention (the mean
+    over the kv head's query heads)."""
+    N, s, pos = len(head.positions), head.s, head.positions
+    d = head.probes.shape[-1]
+    acc = np.zeros(N)
+    acc[: N - s] = head.carried["scores"]
+    for t in range(s):
+        p = pos[N - s + t]
+        g = -np.log(-np.log(hash_uniform_np(state.seed, pos, np.full(N, p))))
+        logits = head.probes[:, t] @ head.keys.astype(np.float64).T / np.sqrt(d)  # [g, N]
+        logits = np.where(pos <= p, logits + _tau(state, np.float64(p)) * g, -np.inf)
+        acc = acc * state.decay + ref.softmax(logits).mean(0)
+    return acc, {"scores": acc}
+
+
+def _kernel(state: KeyformerState, keys, queries) -> dict:
+    """H2O's fused decode step, the weights kernel drawing the same noise itself."""
     gumbel = dict(seed=state.seed, tau_init=state.tau_init, tau_end=state.tau_end,
                   anneal_steps=state.anneal_steps, positions=state.positions,
                   next_pos=state.next_pos)
-    return heavy_hitters_step(state, keys, values, queries, state.recent, gumbel=gumbel)
+    return heavy_hitter_kernel(state, keys, queries, gumbel=gumbel)
 
 
-def _update_reference(state: KeyformerState, keys, values, queries) -> KeyformerState:
-    c = ref.candidates(state, keys, values, queries)
-    b, h, N = c.positions.shape
-    s = keys.shape[2]
-    q = ref.scoring_queries(c.new_keys, c.queries)
-    d = q.shape[-1]
-    acc = np.zeros((b, h, N))
-    acc[:, :, : N - s] = ref.to_np(state.scores)
-    chosen = []
-    for i in range(b):
-        chosen.append([])
-        for j in range(h):
-            pos = c.positions[i, j]
-            for t in range(s):  # token by token: decay, then add this query's perturbed attention
-                p = pos[N - s + t]
-                g = -np.log(-np.log(hash_uniform_np(state.seed, pos, np.full(N, p))))
-                logits = q[i, j, :, t] @ c.keys[i, j].astype(np.float64).T / np.sqrt(d)  # [g, N]
-                logits = np.where(pos <= p, logits + _tau(state, np.float64(p)) * g, -np.inf)
-                acc[i, j] = acc[i, j] * state.decay + ref.softmax(logits).mean(0)
-            keep = ref.protected(pos, c.total[i, j], state.n_sink, state.recent)
-            chosen[i].append(ref.top_budget(acc[i, j], state.budget, keep))
-    return ref.keep(state, c, chosen, scores=acc)
-
-
-def keyformer_update(state: KeyformerState, keys: Float[Array, "b h s d"],
-                     values: Float[Array, "b h s d"], *,
-                     queries: Float[Array, "b q s d"] | None = None) -> KeyformerState:
-    """Append ``s`` tokens, accumulate their perturbed attention, keep the ``budget`` best."""
-    return dispatch(KEY, state, keys, values, queries, evict.dims(state))
-
-
-def keyformer_get_kv(state: KeyformerState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
-    """Kept keys and values, in increasing absolute position."""
-    return state.keys, state.values
-
-
-def keyformer_bytes(state: KeyformerState) -> int:
-    """Bytes of every array the state holds (scores included)."""
-    return state_nbytes(state)
-
-
-register(KEY, state_type=KeyformerState, init=keyformer_init, update=keyformer_update,
-         get_kv=keyformer_get_kv, nbytes=keyformer_bytes,
-         backends={"reference": _update_reference, "mlx": _update_mlx,
-                   "cuda": evict.cuda_update(_update_mlx, lambda st: st.budget, _decode_cuda)})
+State = KeyformerState
+method = register("keyformer", KeyformerState, init,
+                  evict.score_and_keep(_score, _score_reference, kernel=_kernel, carry=("scores",)))
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
