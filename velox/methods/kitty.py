@@ -12,18 +12,6 @@ Storage (``G`` groups, ``Q = G * group_size`` tokens, ``c`` boosted channels): b
 group ``i`` is the group's ``j``-th boosted, resp. plain, channel), the boosted channel
 indices ``[b, h, G, c]``, key scales and zeros ``[b, h, G, d]``, value codes packed along the
 token axis ``[b, h, d, Q * lo_bit / 32]`` with per-token scales and zeros ``[b, h, Q]``.
-
-References:
-    Xia, Wu, Li, Wu, Wang, Wang, Li, Singhal, Shah, Ariyak, Zhuang, Zhou, Athiwaratkun, Zheng,
-    Song. Kitty: Accurate and Efficient 2-bit KV Cache Quantization with Dynamic Channel-wise
-    Precision Boost. MLSys 2026. arXiv:2511.18643.
-
-Deviations from the paper:
-    * Channels are ranked by mean ``|key|`` over each group (the authors' code's sensitivity
-      score), with groups of ``group_size`` tokens instead of 128-token pages.
-    * No full-precision initial tokens (the paper keeps 32): compose with a sink wrapper.
-    * Codes are stored as two packed tensors (boosted, plain) instead of the paper's dense
-      2-bit tensor plus sparse high bits; the bit count is the same.
 """
 
 from __future__ import annotations
@@ -36,12 +24,12 @@ import numpy as np
 from .. import nuq, quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
-from ..accounting import state_nbytes
-from ..registry import dims_of, dispatch, prepare_init, register
+from ..registry import dims_of, register
+from .kvquant import every_position
+from .zipcache import chosen_first_inverse, chosen_mask
 
-__all__ = ["KittyState", "kitty_init", "kitty_update", "kitty_get_kv", "kitty_bytes"]
-
-KEY = "kitty"
+__all__ = ["KittyState", "State", "init", "update", "get_kv", "nbytes", "positions",
+           "error_bound", "boosted_channels"]
 
 
 class KittyState(NamedTuple):
@@ -65,15 +53,19 @@ class KittyState(NamedTuple):
     backend: str
 
 
-def kitty_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-               hi_fraction: float = 0.25, hi_bit: int = 4, lo_bit: int = 2, group_size: int = 32,
-               backend: str = "auto") -> KittyState:
-    """Empty Kitty state."""
-    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
-                              dict(hi_fraction=hi_fraction, hi_bit=hi_bit, lo_bit=lo_bit,
-                                   group_size=group_size))
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         hi_fraction: float = 0.25, hi_bit: int = 4, lo_bit: int = 2, group_size: int = 32,
+         backend: str = "auto") -> KittyState:
+    """Empty Kitty state.
+
+    Args:
+        hi_fraction: fraction of key channels per group boosted to hi_bit (rounded half up).
+        hi_bit: bits of the boosted key channels.
+        lo_bit: bits of the other key channels and of the values.
+        group_size: tokens per quantization group (keys per channel, values per token).
+    """
     b, h, d = batch, kv_heads, head_dim
-    c = boosted_channels(p["hi_fraction"], d)
+    c = boosted_channels(hi_fraction, d)
     sd = quant.side_dtype(dtype)
     return KittyState(
         key_hi_codes=mx.zeros((b, h, c, 0), mx.uint32), key_lo_codes=mx.zeros((b, h, d - c, 0), mx.uint32),
@@ -82,15 +74,13 @@ def kitty_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx
         value_codes=mx.zeros((b, h, d, 0), mx.uint32), value_scales=mx.zeros((b, h, 0), sd),
         value_zeros=mx.zeros((b, h, 0), sd), buffer_keys=mx.zeros((b, h, 0, d), dtype),
         buffer_values=mx.zeros((b, h, 0, d), dtype), next_pos=mx.zeros((b, h), mx.int32),
-        **p, backend=backend)
+        hi_fraction=hi_fraction, hi_bit=hi_bit, lo_bit=lo_bit, group_size=group_size,
+        backend=backend)
 
 
 def boosted_channels(hi_fraction: float, head_dim: int) -> int:
     """Channels per group at ``hi_bit``: ``hi_fraction * head_dim`` rounded half up."""
     return nuq.round_count(hi_fraction, head_dim)
-
-
-_dims = dims_of("buffer_keys")
 
 
 def _split(state: KittyState, keys, values, cat):
@@ -186,20 +176,7 @@ def _update_reference(state: KittyState, keys, values, queries) -> KittyState:
     return state._replace(**fields)
 
 
-def kitty_update(state: KittyState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
-                 *, queries: Float[Array, "b q s d"] | None = None) -> KittyState:
-    """Append ``s`` tokens; every completed group of ``group_size`` tokens is quantized."""
-    return dispatch(KEY, state, keys, values, queries, _dims(state))
-
-
-def _boost_mask(state: KittyState) -> mx.array:
-    """``[b, h, G, d]``: whether each channel of each group is boosted."""
-    d = state.key_scales.shape[-1]
-    chans = state.key_hi_channels.astype(mx.int32)
-    return (chans[..., :, None] == mx.arange(d)).any(axis=-2)
-
-
-def kitty_get_kv(state: KittyState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+def get_kv(state: KittyState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """Dequantized groups followed by the exact buffer."""
     b, h, n_g, d = state.key_scales.shape
     if n_g == 0:
@@ -211,8 +188,7 @@ def kitty_get_kv(state: KittyState) -> tuple[Float[Array, "b h n d"], Float[Arra
         if rows:
             parts.append(quant.unpack(codes, bits).reshape(b, h, rows, n_g, g).swapaxes(2, 3))
     q = mx.concatenate(parts, axis=3) if len(parts) > 1 else parts[0]  # [b, h, G, d, g], boosted first
-    i = mx.arange(d, dtype=mx.int32)
-    inv = mx.argsort(mx.argsort(mx.where(_boost_mask(state), i, d + i), axis=-1), axis=-1)
+    inv = chosen_first_inverse(chosen_mask(state.key_hi_channels, d))
     q = mx.take_along_axis(q, inv[..., None], axis=3).astype(mx.float32)
     k = q * state.key_scales.astype(mx.float32)[..., None] + state.key_zeros.astype(mx.float32)[..., None]
     k = k.astype(dtype).swapaxes(3, 4).reshape(b, h, n_g * g, d)
@@ -223,31 +199,25 @@ def kitty_get_kv(state: KittyState) -> tuple[Float[Array, "b h n d"], Float[Arra
             mx.concatenate([v, state.buffer_values], axis=2))
 
 
-def kitty_bytes(state: KittyState) -> int:
-    """Bytes of every array the state holds: codes, channel indices, scales, zeros, buffer."""
-    return state_nbytes(state)
+positions = every_position(lambda state: state.value_scales.shape[2] + state.buffer_keys.shape[2])
 
 
-def kitty_positions(state: KittyState) -> Int[Array, "b h n"]:
-    """Absolute positions of the tokens ``kitty_get_kv`` returns (all tokens, in order)."""
-    b, h = state.next_pos.shape
-    n = state.value_scales.shape[2] + state.buffer_keys.shape[2]
-    return mx.broadcast_to(mx.arange(n, dtype=mx.int32), (b, h, n))
-
-
-def kitty_error_bound(state: KittyState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+def error_bound(state: KittyState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """Per-element bound on ``|get_kv - input|``: each channel's group bound at its bit-width."""
     b, h, n_g, d = state.key_scales.shape
     g = state.group_size
     hi = quant.error_bound(state.key_scales, state.key_zeros, state.hi_bit, 1)
     lo = quant.error_bound(state.key_scales, state.key_zeros, state.lo_bit, 1)
-    kb = mx.broadcast_to(mx.where(_boost_mask(state), hi, lo)[:, :, :, None], (b, h, n_g, g, d))
+    boosted = chosen_mask(state.key_hi_channels, d)
+    kb = mx.broadcast_to(mx.where(boosted, hi, lo)[:, :, :, None], (b, h, n_g, g, d))
     vb = quant.error_bound(state.value_scales, state.value_zeros, state.lo_bit, 1)
     vb = mx.broadcast_to(vb[..., None], (b, h, n_g * g, d))
     r = mx.zeros(state.buffer_keys.shape, mx.float32)
     return (mx.concatenate([kb.reshape(b, h, n_g * g, d), r], axis=2), mx.concatenate([vb, r], axis=2))
 
 
-register(KEY, state_type=KittyState, init=kitty_init, update=kitty_update, get_kv=kitty_get_kv,
-         nbytes=kitty_bytes, positions=kitty_positions, error_bound=kitty_error_bound,
-         dims=_dims, backends={"reference": _update_reference, "mlx": _update_mlx})
+State = KittyState
+method = register("kitty", KittyState, init, {"reference": _update_reference, "mlx": _update_mlx},
+                  get_kv=get_kv, positions=positions, error_bound=error_bound,
+                  dims=dims_of("buffer_keys"))
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
