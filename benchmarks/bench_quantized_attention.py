@@ -1,7 +1,7 @@
 """Decode attention over a KIVI cache: packed codes (``mx.quantized_matmul``) vs dequantize + SDPA.
 
 For each context length, one query token attends to a KIVI state (2 and 4 bits, group 32,
-residual 128) plus one new token, two ways: ``kivi_attend`` (scores and outputs on the packed
+residual 128) plus one new token, two ways: ``kivi.attend`` (scores and outputs on the packed
 codes) and ``kivi_get_kv`` (dequantize everything) followed by
 ``mx.fast.scaled_dot_product_attention``. Prints median times and the ratio.
 
@@ -17,7 +17,7 @@ import time
 import mlx.core as mx
 
 import velox
-from velox.methods.kivi import kivi_attend
+from velox.methods import kivi
 
 
 def _median_us(fn, reps: int) -> float:
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
             scale = d ** -0.5
 
             def packed():
-                mx.eval(kivi_attend(st, q, k, k, scale=scale))
+                mx.eval(kivi.attend(st, q, k, k, scale=scale))
 
             def dense():
                 kk, vv = velox.kivi_get_kv(st)

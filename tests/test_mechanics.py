@@ -57,8 +57,8 @@ def test_pack_roundtrip_and_mlx_layout(bits, seed, units):
     assert words.dtype == mx.uint32 and words.shape == (2, m * bits // 32)
     assert np.array_equal(np.array(quant.unpack(words, bits)), codes)
     # The NumPy reference packs with np.packbits; both layouts must agree.
-    from velox.methods.kivi import _np_pack
-    assert np.array_equal(np.array(words), _np_pack(codes, bits))
+    from velox.reference import pack_codes
+    assert np.array_equal(np.array(words), pack_codes(codes, bits))
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])

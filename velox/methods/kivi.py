@@ -1,9 +1,5 @@
 """KIVI: asymmetric 2/4-bit cache, keys per channel and values per token, newest tokens exact.
 
-References:
-    Liu, Yuan, Jin, Zhong, Xu, Braverman, Chen, Hu. KIVI: A Tuning-Free Asymmetric 2bit
-    Quantization for KV Cache. ICML 2024. arXiv:2402.02750.
-
 Storage: after ``T`` tokens, the oldest ``Q = group_size * floor(max(T - residual_length, 0) /
 group_size)`` are quantized and the rest (``residual_length`` to ``residual_length +
 group_size - 1`` tokens) stay exact. Keys are quantized per channel in groups of
@@ -15,11 +11,6 @@ absorbed in one chunk or token by token yields bit-identical states.
 Scales and zeros are float16 (``velox.quant.side_dtype``) and the residual window is held
 in ``residual_dtype`` (default float16, what an fp16 cache holds), whatever the model's
 dtype; ``get_kv`` returns the model's dtype.
-
-Deviations from the paper:
-    * Keys and values share one residual window flushed in whole key groups; the paper's code
-      flushes values one token at a time (per-token quantization makes the two equal in
-      content, only the moment a value leaves the window differs).
 """
 
 from __future__ import annotations
@@ -33,13 +24,12 @@ import numpy as np
 from .. import quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
-from ..accounting import state_nbytes
 from ..qattention import Affine, Dense, attend_segments
-from ..registry import dispatch, prepare_init, register
+from ..registry import register
+from .kvquant import every_position
 
-__all__ = ["KiviState", "kivi_init", "kivi_update", "kivi_get_kv", "kivi_bytes"]
-
-KEY = "kivi"
+__all__ = ["KiviState", "State", "init", "update", "get_kv", "nbytes", "positions", "error_bound",
+           "attend", "dims", "extended_state", "quantized_tokens", "flush_count"]
 
 
 class KiviState(NamedTuple):
@@ -79,23 +69,30 @@ def extended_state(name: str, doc: str, arrays: Sequence[tuple[str, Any]],
     return record
 
 
-def kivi_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-              bits: int = 2, group_size: int = 32, residual_length: int = 128,
-              residual_dtype: str = "float16", backend: str = "auto") -> KiviState:
-    """Empty KIVI state."""
-    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
-                              dict(bits=bits, group_size=group_size, residual_length=residual_length,
-                                   residual_dtype=residual_dtype))
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         bits: int = 2, group_size: int = 32, residual_length: int = 128,
+         residual_dtype: str = "float16", backend: str = "auto") -> KiviState:
+    """Empty KIVI state.
+
+    Args:
+        bits: bits per quantized element.
+        group_size: tokens per key group (per channel) and channels per value group (per
+            token).
+        residual_length: newest tokens kept exact (between this and this + group_size - 1).
+        residual_dtype: dtype of the rows held exact ("model": the cache dtype); scales and
+            zeros are float16 (bfloat16 for a bfloat16 cache).
+    """
     b, h, d = batch, kv_heads, head_dim
-    vw, vg = d * p["bits"] // 32, d // p["group_size"]
-    sd, rd = quant.side_dtype(dtype), quant.exact_dtype(p["residual_dtype"], dtype)
+    vw, vg = d * bits // 32, d // group_size
+    sd, rd = quant.side_dtype(dtype), quant.exact_dtype(residual_dtype, dtype)
     return KiviState(
         key_codes=mx.zeros((b, h, d, 0), mx.uint32), key_scales=mx.zeros((b, h, d, 0), sd),
         key_zeros=mx.zeros((b, h, d, 0), sd), value_codes=mx.zeros((b, h, 0, vw), mx.uint32),
         value_scales=mx.zeros((b, h, 0, vg), sd), value_zeros=mx.zeros((b, h, 0, vg), sd),
         residual_keys=mx.zeros((b, h, 0, d), rd), residual_values=mx.zeros((b, h, 0, d), rd),
-        next_pos=mx.zeros((b, h), mx.int32), **p, cache_dtype=quant.dtype_name(dtype),
-        backend=backend)
+        next_pos=mx.zeros((b, h), mx.int32), bits=bits, group_size=group_size,
+        residual_length=residual_length, residual_dtype=residual_dtype,
+        cache_dtype=quant.dtype_name(dtype), backend=backend)
 
 
 def quantized_tokens(state: KiviState) -> int:
@@ -134,9 +131,6 @@ def _update_mlx(state: KiviState, keys, values, queries) -> KiviState:
 
 # --- reference: NumPy group quantization (velox.reference) ------------------------------
 
-_np_pack = ref.pack_codes
-_np_quantize = ref.quantize
-
 
 def _update_reference(state: KiviState, keys, values, queries) -> KiviState:
     dtype = state.residual_keys.dtype
@@ -149,8 +143,8 @@ def _update_reference(state: KiviState, keys, values, queries) -> KiviState:
     fields = dict(residual_keys=ref.to_mx(rk[:, :, f:], dtype),
                   residual_values=ref.to_mx(rv[:, :, f:], dtype), next_pos=state.next_pos + s)
     if f:
-        kc, ks, kz = _np_quantize(np.swapaxes(rk[:, :, :f], 2, 3), state.bits, state.group_size, sd)
-        vc, vs, vz = _np_quantize(rv[:, :, :f], state.bits, state.group_size, sd)
+        kc, ks, kz = ref.quantize(np.swapaxes(rk[:, :, :f], 2, 3), state.bits, state.group_size, sd)
+        vc, vs, vz = ref.quantize(rv[:, :, :f], state.bits, state.group_size, sd)
         fields.update(
             key_codes=mx.concatenate([state.key_codes, mx.array(kc)], axis=3),
             key_scales=mx.concatenate([state.key_scales, ref.to_mx(ks, sd)], axis=3),
@@ -161,19 +155,14 @@ def _update_reference(state: KiviState, keys, values, queries) -> KiviState:
     return state._replace(**fields)
 
 
-def _dims(state: KiviState) -> tuple[int, int, int, mx.Dtype]:
-    """``(batch, kv_heads, head_dim, dtype)``: the model's dtype, not the residual's."""
+def dims(state) -> tuple[int, int, int, mx.Dtype]:
+    """``(batch, kv_heads, head_dim, dtype)`` of a state holding exact keys ``residual_keys [b,
+    h, r, d]`` and the model's dtype in ``cache_dtype``: the model's dtype, not the residual's."""
     b, h, _, d = state.residual_keys.shape
     return b, h, d, quant.dtype_of(state.cache_dtype)
 
 
-def kivi_update(state: KiviState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
-                *, queries: Float[Array, "b q s d"] | None = None) -> KiviState:
-    """Append ``s`` tokens; whole groups leaving the residual window are quantized."""
-    return dispatch(KEY, state, keys, values, queries, _dims(state))
-
-
-def kivi_get_kv(state: KiviState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+def get_kv(state: KiviState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """Dequantized keys and values followed by the exact residual window (model dtype)."""
     cd = quant.dtype_of(state.cache_dtype)
     k = quant.dequantize(state.key_codes, state.key_scales, state.key_zeros, state.bits,
@@ -184,12 +173,7 @@ def kivi_get_kv(state: KiviState) -> tuple[Float[Array, "b h n d"], Float[Array,
             mx.concatenate([v, state.residual_values.astype(cd)], axis=2))
 
 
-def kivi_bytes(state: KiviState) -> int:
-    """Bytes of every array the state holds: codes, scales, zeros, residual window."""
-    return state_nbytes(state)
-
-
-def kivi_attend(state: KiviState, queries: Float[Array, "b q s d"], keys: Float[Array, "b h s d"],
+def attend(state: KiviState, queries: Float[Array, "b q s d"], keys: Float[Array, "b h s d"],
                 values: Float[Array, "b h s d"], *, scale: float, mask=None) -> Float[Array, "b q s d"]:
     """Attention over the packed codes (``mx.quantized_matmul``), the residual window and ``s``
     new tokens, without dequantizing the cache."""
@@ -199,15 +183,11 @@ def kivi_attend(state: KiviState, queries: Float[Array, "b q s d"], keys: Float[
                            keys, values, scale=scale, mask=mask)
 
 
-def kivi_positions(state: KiviState) -> Int[Array, "b h n"]:
-    """Absolute positions of the tokens ``kivi_get_kv`` returns (all tokens, in order)."""
-    b, h = state.next_pos.shape
-    n = quantized_tokens(state) + state.residual_keys.shape[2]
-    return mx.broadcast_to(mx.arange(n, dtype=mx.int32), (b, h, n))
+positions = every_position(lambda state: quantized_tokens(state) + state.residual_keys.shape[2])
 
 
-def kivi_error_bound(state: KiviState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
-    """Per-element reconstruction error bound of ``kivi_get_kv`` (in the residual window: its
+def error_bound(state: KiviState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+    """Per-element reconstruction error bound of ``get_kv`` (in the residual window: its
     rounding to ``residual_dtype``)."""
     cd = quant.dtype_of(state.cache_dtype)
     kb = quant.error_bound(state.key_scales, state.key_zeros, state.bits, state.group_size)
@@ -217,7 +197,8 @@ def kivi_error_bound(state: KiviState) -> tuple[Float[Array, "b h n d"], Float[A
     return (mx.concatenate([kb.swapaxes(2, 3), rk], axis=2), mx.concatenate([vb, rv], axis=2))
 
 
-register(KEY, state_type=KiviState, init=kivi_init, update=kivi_update, get_kv=kivi_get_kv,
-         nbytes=kivi_bytes, positions=kivi_positions, error_bound=kivi_error_bound,
-         dims=_dims, attend=kivi_attend,
-         backends={"reference": _update_reference, "mlx": _update_mlx})
+State = KiviState
+method = register("kivi", KiviState, init, {"reference": _update_reference, "mlx": _update_mlx},
+                  get_kv=get_kv, positions=positions, error_bound=error_bound, dims=dims,
+                  attend=attend)
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes

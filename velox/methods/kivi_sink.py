@@ -39,9 +39,8 @@ from .. import reference as ref
 from .._typing import Array, Float, Int
 from ..accounting import state_nbytes
 from ..registry import dispatch, prepare_init, register
-from .kivi import _dims as kivi_dims
-from .kivi import (KiviState, extended_state, flush_count, kivi_error_bound, kivi_get_kv, kivi_init,
-                   kivi_positions, kivi_update)
+from . import kivi
+from .kivi import KiviState, extended_state, flush_count
 
 __all__ = ["KiviSinkState", "kivi_sink_init", "kivi_sink_update", "kivi_sink_get_kv", "kivi_sink_bytes"]
 
@@ -72,7 +71,7 @@ def kivi_sink_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype 
     p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
                               dict(bits=bits, group_size=group_size, residual_length=residual_length,
                                    n_sink_tokens=n_sink_tokens, residual_dtype=residual_dtype))
-    inner = kivi_init(batch, kv_heads, head_dim, dtype=dtype, bits=p["bits"], group_size=p["group_size"],
+    inner = kivi.init(batch, kv_heads, head_dim, dtype=dtype, bits=p["bits"], group_size=p["group_size"],
                       residual_length=p["residual_length"], residual_dtype=p["residual_dtype"],
                       backend=backend)
     b, h, d = batch, kv_heads, head_dim
@@ -83,7 +82,7 @@ def kivi_sink_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype 
 
 
 def _dims(state: KiviSinkState) -> tuple[int, int, int, mx.Dtype]:
-    return kivi_dims(_kivi(state))
+    return kivi.dims(_kivi(state))
 
 
 def _first_flush(state: KiviSinkState, s: int) -> int:
@@ -96,7 +95,7 @@ def _first_flush(state: KiviSinkState, s: int) -> int:
 def _update_mlx(state: KiviSinkState, keys, values, queries) -> KiviSinkState:
     f = _first_flush(state, keys.shape[2])
     if not f:
-        return _with(state, kivi_update(_kivi(state), keys, values))
+        return _with(state, kivi.update(_kivi(state), keys, values))
     r, g, n = state.residual_keys.shape[2], state.group_size, min(state.n_sink_tokens, f)
     rd = state.residual_keys.dtype
     ck = mx.concatenate([state.residual_keys, keys.astype(rd)], axis=2)
@@ -117,7 +116,7 @@ def _update_mlx(state: KiviSinkState, keys, values, queries) -> KiviSinkState:
     src = src.reshape(b, 1, f, 1)
     mk = mx.concatenate([rows(ck, src), ck[:, :, f:]], axis=2)
     mv = mx.concatenate([rows(cv, src), cv[:, :, f:]], axis=2)
-    inner = kivi_update(_kivi(state)._replace(residual_keys=mk[:, :, :r], residual_values=mv[:, :, :r]),
+    inner = kivi.update(_kivi(state)._replace(residual_keys=mk[:, :, :r], residual_values=mv[:, :, :r]),
                         mk[:, :, r:].astype(keys.dtype), mv[:, :, r:].astype(keys.dtype))
     return _with(state, inner, sink_keys=rows(ck, pos[..., None]), sink_values=rows(cv, pos[..., None]),
                  sink_positions=pos.astype(mx.int32))
@@ -126,7 +125,7 @@ def _update_mlx(state: KiviSinkState, keys, values, queries) -> KiviSinkState:
 def _update_reference(state: KiviSinkState, keys, values, queries) -> KiviSinkState:
     f = _first_flush(state, keys.shape[2])
     if not f:
-        return _with(state, kivi_update(_kivi(state), keys, values))
+        return _with(state, kivi.update(_kivi(state), keys, values))
     dtype = state.residual_keys.dtype
     r, g, n = state.residual_keys.shape[2], state.group_size, min(state.n_sink_tokens, f)
     new = lambda x: ref.round_to(ref.to_np(x, np.float32), dtype)  # noqa: E731  (held in dtype)
@@ -147,7 +146,7 @@ def _update_reference(state: KiviSinkState, keys, values, queries) -> KiviSinkSt
     pos = np.broadcast_to(sinks[:, None, :], (b, h, n))
     sk = np.take_along_axis(ck, pos[..., None], axis=2)
     sv = np.take_along_axis(cv, pos[..., None], axis=2)
-    inner = kivi_update(_kivi(state)._replace(residual_keys=ref.to_mx(mk[:, :, :r], dtype),
+    inner = kivi.update(_kivi(state)._replace(residual_keys=ref.to_mx(mk[:, :, :r], dtype),
                                               residual_values=ref.to_mx(mv[:, :, :r], dtype)),
                         ref.to_mx(mk[:, :, r:], keys.dtype), ref.to_mx(mv[:, :, r:], keys.dtype))
     return _with(state, inner, sink_keys=ref.to_mx(sk, dtype), sink_values=ref.to_mx(sv, dtype),
@@ -168,7 +167,7 @@ def _put_rows(x, positions, rows):
 
 def kivi_sink_get_kv(state: KiviSinkState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """KIVI's dequantized keys and values with the exact sink rows in place."""
-    k, v = kivi_get_kv(_kivi(state))
+    k, v = kivi.get_kv(_kivi(state))
     return (_put_rows(k, state.sink_positions, state.sink_keys.astype(k.dtype)),
             _put_rows(v, state.sink_positions, state.sink_values.astype(v.dtype)))
 
@@ -180,12 +179,12 @@ def kivi_sink_bytes(state: KiviSinkState) -> int:
 
 def kivi_sink_positions(state: KiviSinkState) -> Int[Array, "b h n"]:
     """Absolute positions of the tokens ``kivi_sink_get_kv`` returns (all tokens, in order)."""
-    return kivi_positions(_kivi(state))
+    return kivi.positions(_kivi(state))
 
 
 def kivi_sink_error_bound(state: KiviSinkState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """KIVI's bound; on the exact sink rows, their rounding to ``residual_dtype``."""
-    kb, vb = kivi_error_bound(_kivi(state))
+    kb, vb = kivi.error_bound(_kivi(state))
     cd = quant.dtype_of(state.cache_dtype)
     return (_put_rows(kb, state.sink_positions, quant.rounding_bound(state.sink_keys, cd)),
             _put_rows(vb, state.sink_positions, quant.rounding_bound(state.sink_values, cd)))
