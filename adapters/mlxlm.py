@@ -25,7 +25,7 @@ Protocol facts this class honours:
   an ``attend`` hook) and the model's attention goes through the wrapped function, else
   ``PROXY`` (a method with ``attend`` refuses such a model). ``save_cache`` writes the mode;
   ``load_cache`` checks it against the model, or, loaded without it, a deferred cache learns
-  from its first forward whether the wrapper runs for it (``VeloxCache._settle_route``).
+  from its first forward whether the wrapper runs for it (``VeloxCache._settle``).
 * Getters never update: ``size()``, ``state``, ``positions()``, ``nbytes`` and
   ``velox_state`` report what the cache holds. In deferred mode tokens are pending only from
   ``update_and_fetch`` to the wrapped attention of the same layer (or, when a forward never
@@ -301,8 +301,8 @@ class VeloxCache(_BaseCache):
         """
         if self.layer == 0:
             _refuse_ignored_generate_args(sys._getframe(1))
-        if self._route_unknown:
-            self._settle_route()
+        if self._route_unknown and self._pending is None:
+            install_query_capture()  # loaded without its model: its modules are imported now
         self._settle()
         m = self.method
         defer = self.mode is Mode.DEFERRED and _capture_installed()
@@ -385,29 +385,23 @@ class VeloxCache(_BaseCache):
         self._settle()
         self._absorb(self._take(keys, values), queries)
 
-    def _settle_route(self) -> None:
-        """Loaded without its model, the deferred mode is confirmed by the first forward.
-
-        At its first ``update_and_fetch`` the wrapper is installed (the model's modules are
-        imported by now) and the step hands out what attention reads, so either path works.
-        If the wrapper then runs for this layer, ``attention`` clears ``_route_unknown``:
-        deferred it stays. If the next ``update_and_fetch`` still finds the step pending, the
-        model's attention does not call the wrapper: the cache turns to proxy mode (a method
-        with ``attend`` refuses such a model) and the step is absorbed with the proxy.
-        """
-        if self._pending is None:
-            install_query_capture()
-            return
-        self._route_unknown = False
-        self.mode = _choose_mode(self.method, real_queries=self.real_queries, routed=False)
-
     def _settle(self) -> None:
         """Complete a pending step whose attention never reached the wrapper (the last
         forward did not call mlx-lm's scaled_dot_product_attention for this layer): its
-        tokens are absorbed with the proxy, as proxy mode would have."""
+        tokens are absorbed with the proxy, as proxy mode would have.
+
+        This is also where a cache loaded without its model settles its mode. Until its first
+        forward shows the wrapper runs (``attention`` clears ``_route_unknown``), a step hands
+        out what attention reads, so either path works; a step still pending here shows the
+        model's attention does not call the wrapper: the cache turns to proxy mode (a method
+        with ``attend`` refuses such a model).
+        """
         step = self._pending
         if step is None:
             return
+        if self._route_unknown:
+            self._route_unknown = False
+            self.mode = _choose_mode(self.method, real_queries=self.real_queries, routed=False)
         if step.new_only:
             raise RuntimeError(
                 f"{self.method.key} attends through mlx-lm's scaled_dot_product_attention, "
@@ -1209,7 +1203,7 @@ def _route(where: str, caches: list, model) -> None:
     """Confirm the loaded caches' modes: a deferred cache stays deferred where the model's
     attention calls the wrapper (which is installed), and runs as proxy where it does not
     (a method with ``attend`` refuses such a model); without the model, each deferred cache
-    confirms its mode at its first forward (``VeloxCache._settle_route``)."""
+    confirms its mode at its first forward (``VeloxCache._settle``)."""
     if any(c.mode is Mode.DEFERRED for c in caches):
         install_query_capture()
     if model is None:

@@ -302,7 +302,7 @@ def test_files_from_before_decode_modes_load_as_evict(saved, tmp_path, model):
     save_cache(tmp_path / "e.safetensors", src)
 
     def strip(e, a):
-        for k in ("decode", "decode_cap", "tail"):
+        for k in ("decode", "decode_cap", "tail", "mode"):
             e.pop(k)
 
     arrays_, raw = mx.load(str(tmp_path / "e.safetensors"), return_metadata=True)
