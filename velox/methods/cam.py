@@ -27,17 +27,6 @@ Backends: ``reference``, ``mlx`` and ``cuda`` (a decode step at a full cache: H2
 weights kernel, then one kernel that plans the merge (loser, target, weight, gate, merged key
 norms) and one that moves the rows with the targets merged, ``velox.kernels.merge``; every
 other step runs the ``mlx`` ops).
-
-References:
-    Zhang, Du, Luo, Zhong, Zhang, Liu, Ji. CaM: Cache Merging for Memory-efficient LLMs
-    Inference. ICML 2024 (PMLR 235:58840-58850).
-
-Deviations from the paper:
-    * ``sim_weighted`` and ``mean`` (the seed's rules, a convex weighted mean here) merge into
-      one similar token; the paper's ``window`` rule adds to the following tokens.
-    * Scores move with a merge (the seed's conservation rule); the paper keeps them.
-    * The gate is a deterministic hash draw, shared by the heads, not ``torch.bernoulli``.
-    * H2O's deviations for the eviction choice (grace, decay, sinks, chunk rule, proxy queries).
 """
 
 from __future__ import annotations
@@ -50,14 +39,11 @@ import numpy as np
 from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
-from ..accounting import state_nbytes
 from ..noise import hash_uniform, hash_uniform_np
-from ..registry import dispatch, prepare_init, register
-from .h2o import heavy_hitters
+from ..registry import register
+from .h2o import heavy_hitter_kernel, heavy_hitter_reference, heavy_hitter_scores
 
-__all__ = ["CaMState", "cam_init", "cam_update", "cam_get_kv", "cam_bytes"]
-
-KEY = "cam"
+__all__ = ["CaMState", "State", "init", "update", "get_kv", "nbytes"]
 
 
 class CaMState(NamedTuple):
@@ -82,18 +68,28 @@ class CaMState(NamedTuple):
     backend: str
 
 
-def cam_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-             budget: int = 512, n_sink: int = 4, merge: str = "sim_weighted", merge_keys: bool = False,
-             merge_gate: bool = True, merge_window: int = 32, grace: int = 16, decay: float = 0.98,
-             seed: int = 42, backend: str = "auto") -> CaMState:
-    """Empty CaM state holding at most ``budget`` tokens per head (sinks included)."""
-    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
-                              dict(budget=budget, n_sink=n_sink, merge=merge, merge_keys=merge_keys,
-                                   merge_gate=merge_gate, merge_window=merge_window, grace=grace,
-                                   decay=decay, seed=seed))
-    k, v, pos, nxt = evict.empty_rows(batch, kv_heads, head_dim, dtype)
-    empty = mx.zeros((batch, kv_heads, 0), mx.float32)
-    return CaMState(k, v, pos, empty, empty, nxt, **p, backend=backend)
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         budget: int = 512, n_sink: int = 4, merge: str = "sim_weighted", merge_keys: bool = False,
+         merge_gate: bool = True, merge_window: int = 32, grace: int = 16, decay: float = 0.98,
+         seed: int = 42, backend: str = "auto") -> CaMState:
+    """Empty CaM state holding at most ``budget`` tokens per head.
+
+    Args:
+        budget: tokens held per head, sinks included.
+        n_sink: leading tokens never evicted and never merged into.
+        merge: how a loser merges: into its most similar kept token (cosine-weighted or plain
+            mean), into the following kept tokens (the paper), or not at all (h2o).
+        merge_keys: merge keys as well as values.
+        merge_gate: the paper's Bernoulli merge gate (false merges every loser).
+        merge_window: kept tokens after a loser that share it with merge='window' (the
+            authors' merge budget; not in the seed).
+        grace: newest tokens never evicted (h2o's grace; not in the seed, added with h2o's
+            default).
+        decay: multiplier applied to accumulated scores at every token (h2o's decay; not in
+            the seed, added with h2o's default).
+        seed: seed of the merge gate's draws.
+    """
+    return evict.empty_state(CaMState, locals())
 
 
 def _rowwise() -> bool:
@@ -230,21 +226,24 @@ def _merge_mlx(state: CaMState, stored: tuple, fresh: tuple, idx: mx.array) -> t
 
 
 def _update_mlx(state: CaMState, keys, values, queries) -> CaMState:
-    stored, fresh, idx = heavy_hitters(state, keys, values, queries, state.grace)
-    stored, fresh = stored + (state.key_norms,), fresh + (evict.row_norms(keys),)
+    n, s = state.keys.shape[2], keys.shape[2]
+    scored = heavy_hitter_scores(state, keys, queries)  # H2O's choice of the losers
+    old, new = scored.updates["scores"]
+    idx = evict.top_budget(scored.scores, state.budget,
+                           evict.protected(n + s, state.n_sink, state.grace))
+    stored = (state.keys, state.values, state.positions, old, state.key_norms)
+    fresh = (keys, values, evict.new_positions(state.next_pos, s), new, evict.row_norms(keys))
     if idx is None or state.merge == "drop":
         k, v, p, sc, kn = evict.keep_rows(stored, fresh, idx)
     else:
         k, v, p, sc, kn = _merge_mlx(state, stored, fresh, idx)
     return state._replace(keys=k, values=v, positions=p, scores=sc, key_norms=kn,
-                          next_pos=state.next_pos + keys.shape[2])
+                          next_pos=state.next_pos + s)
 
 
 def _decode_cuda(state: CaMState, keys, values, queries) -> CaMState:
-    from ..kernels.evict import weights
     from ..kernels.merge import merge_step
-    _, scores = weights(queries, state.keys, keys, old=state.scores, accumulate="decay",
-                        decay=state.decay)
+    scores = heavy_hitter_kernel(state, keys, queries)["by"]  # H2O's fused weights kernel
     k, v, p, nxt, sc, kn = merge_step(
         state.keys, state.values, state.positions, keys, values, state.next_pos, scores,
         state.key_norms, merge=state.merge, merge_keys=state.merge_keys,
@@ -300,18 +299,15 @@ def _merge_reference(state: CaMState, keys, values, pos, acc, chosen):
 def _update_reference(state: CaMState, keys, values, queries) -> CaMState:
     c = ref.candidates(state, keys, values, queries)
     b, h, N = c.positions.shape
-    s = keys.shape[2]
-    q = ref.scoring_queries(c.new_keys, c.queries)
+    old = ref.to_np(state.scores)
     acc = np.zeros((b, h, N))
-    acc[:, :, : N - s] = ref.to_np(state.scores)
     chosen = [[None] * h for _ in range(b)]
     merged_k, merged_v = c.keys.astype(np.float64), c.values.astype(np.float64)
     for i in range(b):
         for j in range(h):
             pos = c.positions[i, j]
-            for t in range(s):  # token by token: decay, then add this query's attention
-                w = ref.attention_weights(q[i, j, :, t:t + 1], c.keys[i, j], pos, pos[N - s + t:][:1])
-                acc[i, j] = acc[i, j] * state.decay + w[:, 0].mean(0)
+            head = ref.head(c, i, j, {"scores": old[i, j]}, N > state.budget)
+            acc[i, j] = heavy_hitter_reference(state, head)[0]  # H2O's accumulated attention
             keep = ref.protected(pos, c.total[i, j], state.n_sink, state.grace)
             chosen[i][j] = ref.top_budget(acc[i, j], state.budget, keep)
             if chosen[i][j] is not None and state.merge != "drop":
@@ -323,23 +319,8 @@ def _update_reference(state: CaMState, keys, values, queries) -> CaMState:
                     key_norms=np.linalg.norm(stored_k, axis=-1))
 
 
-def cam_update(state: CaMState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
-               *, queries: Float[Array, "b q s d"] | None = None) -> CaMState:
-    """Append ``s`` tokens; evict as H2O down to ``budget``, merging the losers into survivors."""
-    return dispatch(KEY, state, keys, values, queries, evict.dims(state))
-
-
-def cam_get_kv(state: CaMState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
-    """Kept (merged) keys and values, in increasing absolute position."""
-    return state.keys, state.values
-
-
-def cam_bytes(state: CaMState) -> int:
-    """Bytes of every array the state holds (scores and key norms included)."""
-    return state_nbytes(state)
-
-
-register(KEY, state_type=CaMState, init=cam_init, update=cam_update, get_kv=cam_get_kv,
-         nbytes=cam_bytes, backends={"reference": _update_reference, "mlx": _update_mlx,
-                                     "cuda": evict.cuda_update(_update_mlx, lambda st: st.budget,
-                                                               _decode_cuda)})
+State = CaMState
+method = register("cam", CaMState, init, {
+    "reference": _update_reference, "mlx": _update_mlx,
+    "cuda": evict.cuda_update(_update_mlx, lambda st: st.budget, _decode_cuda)})
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
