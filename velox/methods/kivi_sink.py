@@ -1,6 +1,8 @@
 """KIVI with KVSink: predicted attention-sink tokens kept exact and out of the group ranges.
 
-A KIVI cache (``velox.methods.kivi``; the state holds its fields) plus up to
+A KIVI cache (``velox.methods.kivi``: Liu, Yuan, Jin, Zhong, Xu, Braverman, Chen, Hu. KIVI: A
+Tuning-Free Asymmetric 2bit Quantization for KV Cache. ICML 2024. arXiv:2402.02750; the state
+holds its fields) plus up to
 ``n_sink_tokens`` sink rows held exact. The sinks are chosen once, by the update that
 quantizes the first group: among the tokens it quantizes, the ``n_sink_tokens`` (at most all)
 of largest key norm, summed over the kv heads (one set per sequence; ties: the earlier token).
@@ -15,18 +17,6 @@ the same codes, scales and zeros, the same bytes (the sink arrays are empty).
 
 Storage: KIVI's arrays, the sink rows ``[b, h, S, d]`` (keys and values) and their positions
 ``[b, h, S]``. Each sink also leaves a placeholder code row in its group (the static layout).
-
-References:
-    Su, Yuan. KVSink: Understanding and Enhancing the Preservation of Attention Sinks in KV
-    Cache Quantization for LLMs. COLM 2025. arXiv:2508.04257.
-    Liu, Yuan, Jin, Zhong, Xu, Braverman, Chen, Hu. KIVI: A Tuning-Free Asymmetric 2bit
-    Quantization for KV Cache. ICML 2024. arXiv:2402.02750.
-
-Deviations from the paper:
-    * Sinks are predicted by key norm (the cache cannot see the hidden-state outliers the
-      paper tracks at the layer where they emerge).
-    * The prediction runs per layer on the tokens of the first quantizing update, not once
-      per model from the prefill's hidden states.
 """
 
 from __future__ import annotations
@@ -37,15 +27,12 @@ import numpy as np
 from .. import nuq, quant
 from .. import reference as ref
 from .._typing import Array, Float, Int
-from ..accounting import state_nbytes
-from ..registry import dispatch, prepare_init, register
+from ..registry import register
 from . import kivi
 from .kivi import KiviState, extended_state, flush_count
 
-__all__ = ["KiviSinkState", "kivi_sink_init", "kivi_sink_update", "kivi_sink_get_kv", "kivi_sink_bytes"]
-
-KEY = "kivi_sink"
-
+__all__ = ["KiviSinkState", "State", "init", "update", "get_kv", "nbytes", "positions",
+           "error_bound"]
 
 KiviSinkState = extended_state(
     "KiviSinkState", "KIVI's fields (see ``KiviState``) plus the exact sink rows and their positions.",
@@ -63,26 +50,28 @@ def _with(state: KiviSinkState, inner: KiviState, **fields) -> KiviSinkState:
     return state._replace(**inner._asdict(), **fields)
 
 
-def kivi_sink_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-                   bits: int = 2, group_size: int = 32, residual_length: int = 128,
-                   n_sink_tokens: int = 5, residual_dtype: str = "float16",
-                   backend: str = "auto") -> KiviSinkState:
-    """Empty KIVI-with-sinks state (sink rows held in ``residual_dtype`` too)."""
-    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
-                              dict(bits=bits, group_size=group_size, residual_length=residual_length,
-                                   n_sink_tokens=n_sink_tokens, residual_dtype=residual_dtype))
-    inner = kivi.init(batch, kv_heads, head_dim, dtype=dtype, bits=p["bits"], group_size=p["group_size"],
-                      residual_length=p["residual_length"], residual_dtype=p["residual_dtype"],
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         bits: int = 2, group_size: int = 32, residual_length: int = 128, n_sink_tokens: int = 5,
+         residual_dtype: str = "float16", backend: str = "auto") -> KiviSinkState:
+    """Empty KIVI-with-sinks state (sink rows held in ``residual_dtype`` too).
+
+    Args:
+        bits: bits per quantized element.
+        group_size: tokens per key group (per channel) and channels per value group (per
+            token).
+        residual_length: newest tokens kept exact (between this and this + group_size - 1).
+        n_sink_tokens: predicted sink tokens kept exact (0 = KIVI).
+        residual_dtype: dtype of the rows held exact ("model": the cache dtype); scales and
+            zeros are float16 (bfloat16 for a bfloat16 cache).
+    """
+    inner = kivi.init(batch, kv_heads, head_dim, dtype=dtype, bits=bits, group_size=group_size,
+                      residual_length=residual_length, residual_dtype=residual_dtype,
                       backend=backend)
     b, h, d = batch, kv_heads, head_dim
     rd = inner.residual_keys.dtype
     return KiviSinkState(**inner._asdict(), sink_keys=mx.zeros((b, h, 0, d), rd),
                          sink_values=mx.zeros((b, h, 0, d), rd),
-                         sink_positions=mx.zeros((b, h, 0), mx.int32), n_sink_tokens=p["n_sink_tokens"])
-
-
-def _dims(state: KiviSinkState) -> tuple[int, int, int, mx.Dtype]:
-    return kivi.dims(_kivi(state))
+                         sink_positions=mx.zeros((b, h, 0), mx.int32), n_sink_tokens=n_sink_tokens)
 
 
 def _first_flush(state: KiviSinkState, s: int) -> int:
@@ -153,36 +142,20 @@ def _update_reference(state: KiviSinkState, keys, values, queries) -> KiviSinkSt
                  sink_positions=mx.array(pos, mx.int32))
 
 
-def kivi_sink_update(state: KiviSinkState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
-                     *, queries: Float[Array, "b q s d"] | None = None) -> KiviSinkState:
-    """Append ``s`` tokens; the first quantizing update picks the sinks; then KIVI."""
-    return dispatch(KEY, state, keys, values, queries, _dims(state))
-
-
 def _put_rows(x, positions, rows):
     """``x [b, h, n, d]`` with rows ``rows [b, h, S, d]`` written at ``positions [b, h, S]``."""
     idx = mx.broadcast_to(positions[..., None], rows.shape)
     return mx.put_along_axis(x, idx, rows, axis=2) if rows.shape[2] else x
 
 
-def kivi_sink_get_kv(state: KiviSinkState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+def get_kv(state: KiviSinkState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """KIVI's dequantized keys and values with the exact sink rows in place."""
     k, v = kivi.get_kv(_kivi(state))
     return (_put_rows(k, state.sink_positions, state.sink_keys.astype(k.dtype)),
             _put_rows(v, state.sink_positions, state.sink_values.astype(v.dtype)))
 
 
-def kivi_sink_bytes(state: KiviSinkState) -> int:
-    """Bytes of every array the state holds: KIVI's, the sink rows and their positions."""
-    return state_nbytes(state)
-
-
-def kivi_sink_positions(state: KiviSinkState) -> Int[Array, "b h n"]:
-    """Absolute positions of the tokens ``kivi_sink_get_kv`` returns (all tokens, in order)."""
-    return kivi.positions(_kivi(state))
-
-
-def kivi_sink_error_bound(state: KiviSinkState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+def error_bound(state: KiviSinkState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """KIVI's bound; on the exact sink rows, their rounding to ``residual_dtype``."""
     kb, vb = kivi.error_bound(_kivi(state))
     cd = quant.dtype_of(state.cache_dtype)
@@ -190,7 +163,13 @@ def kivi_sink_error_bound(state: KiviSinkState) -> tuple[Float[Array, "b h n d"]
             _put_rows(vb, state.sink_positions, quant.rounding_bound(state.sink_values, cd)))
 
 
-register(KEY, state_type=KiviSinkState, init=kivi_sink_init, update=kivi_sink_update,
-         get_kv=kivi_sink_get_kv, nbytes=kivi_sink_bytes, positions=kivi_sink_positions,
-         error_bound=kivi_sink_error_bound, dims=_dims,
-         backends={"reference": _update_reference, "mlx": _update_mlx})
+def positions(state: KiviSinkState) -> Int[Array, "b h n"]:
+    """Absolute positions of the tokens ``get_kv`` returns (KIVI's: all tokens, in order)."""
+    return kivi.positions(_kivi(state))
+
+
+State = KiviSinkState
+method = register("kivi_sink", KiviSinkState, init,
+                  {"reference": _update_reference, "mlx": _update_mlx}, get_kv=get_kv,
+                  positions=positions, error_bound=error_bound, dims=kivi.dims)
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
