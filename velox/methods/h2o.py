@@ -70,39 +70,6 @@ def heavy_hitter_kernel(state, keys, queries, gumbel=None) -> dict:
     return dict(by=scores, carry=scores)
 
 
-def heavy_hitters(state, keys, values, queries, recent: int, mass=candidate_mass) -> tuple:
-    """H2O's selection on any state with its fields (``keys``, ``values``, ``positions``,
-    ``scores``, ``next_pos``, ``budget``, ``n_sink``, ``decay``): accumulate the chunk's
-    attention mass (``mass`` as in :func:`accumulated_scores`), protect the sinks and the
-    ``recent`` newest candidates, keep the ``budget`` heaviest.
-
-    Returns ``(stored, fresh, idx)``: the stored and the new ``(keys, values, positions,
-    scores)`` and the kept candidate indices (``None`` keeps all), for :func:`evict.keep_rows`
-    or a merge.
-    """
-    n, s = state.keys.shape[2], keys.shape[2]
-    old, new = accumulated_scores(state.scores, scoring_queries(keys, queries), state.keys, keys,
-                                  state.decay, mass=mass)
-    idx = evict.top_budget(mx.concatenate([old, new], axis=2), state.budget,
-                           evict.protected(n + s, state.n_sink, recent))
-    return ((state.keys, state.values, state.positions, old),
-            (keys, values, evict.new_positions(state.next_pos, s), new), idx)
-
-
-def heavy_hitters_step(state, keys, values, queries, recent: int, gumbel=None):
-    """H2O's decode step at a full cache in the fused kernels (``velox.kernels.evict``), on any
-    state with :func:`heavy_hitters`' fields: accumulate the step's attention (with
-    ``gumbel``, Keyformer's noise added to its logits, see ``weights``), protect the sinks
-    and the ``recent`` newest candidates, drop the lightest and compact the rows and scores.
-    Returns the new state."""
-    from ..kernels.evict import compact, weights
-    _, scores = weights(queries, state.keys, keys,
-                        old=state.scores, accumulate="decay", decay=state.decay, gumbel=gumbel)
-    return evict.with_compacted(state, compact(
-        state.keys, state.values, state.positions, keys, values, state.next_pos, by=scores,
-        carry=scores, n_sink=state.n_sink, recent=recent))
-
-
 State = H2OState
 method = register("h2o", H2OState, init,
                   evict.score_and_keep(heavy_hitter_scores, heavy_hitter_reference,
