@@ -74,7 +74,7 @@ def test_gear_recovers_error_over_quantization_alone(bits):
     assert full < min(sparse, lowrank) and max(sparse, lowrank) < base
     assert recovered > 0.7
     # The honest bound holds: quantization bound plus the size of the correction.
-    bound = np.array(velox.methods.gear.gear_error_bound(st)[0])
+    bound = np.array(gear_mod.error_bound(st)[0])
     assert (np.abs(np.array(velox.gear_get_kv(st)[0]) - x) <= bound).all()
 
 

@@ -16,19 +16,6 @@ Shapes: ``keys_codes [b, h, d, Q*bits/32]``, ``keys_scales``/``_zeros [b, h, d, 
 ``*_left [b, h, Q, r]``, ``*_right [b, h, Q/G, r, d]``, ``*_outliers`` and
 ``*_outlier_index [b, h, Q/G, 2k]`` (offsets in the block's ``G*d`` entries),
 ``residual_* [b, h, n, d]``.
-
-References:
-    Kang, Zhang, Kundu, Jeong, Liu, Krishna, Zhao. GEAR: An Efficient KV Cache Compression
-    Recipe for Near-Lossless Generative Inference of LLM. arXiv:2403.05527.
-
-Deviations from the paper:
-    * Low-rank and sparse terms per head and block of ``group_size`` tokens (the paper: over
-      the whole prompt at prefill, then per streaming buffer).
-    * An exact truncated SVD (the paper: a few power iterations).
-    * Outliers are left out of the quantization ranges and restored exactly (the paper
-      quantizes ``X - S``, zeros in their place, and adds ``S`` back).
-    * ``rank`` is a fixed width; ``energy_threshold`` only zeroes components within it (the
-      seed's default picks an unbounded rank by energy: data-dependent shapes).
 """
 
 from __future__ import annotations
@@ -41,14 +28,13 @@ import numpy as np
 from .. import quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
-from ..accounting import state_nbytes
 from ..ordering import order_key, order_key_np
-from ..registry import dims_of, dispatch, prepare_init, register
+from ..registry import dims_of, register
+from .kvquant import every_position
 
-__all__ = ["GearState", "gear_init", "gear_update", "gear_get_kv", "gear_bytes",
-           "outlier_count", "base_reconstruction"]
+__all__ = ["GearState", "State", "init", "update", "get_kv", "nbytes", "positions",
+           "error_bound", "outlier_count", "base_reconstruction"]
 
-KEY = "gear"
 _FIELDS = ("codes", "scales", "zeros", "left", "right", "outliers", "outlier_index")
 
 
@@ -90,17 +76,24 @@ def _index_dtype(group_size: int, head_dim: int) -> mx.Dtype:
     return mx.uint16 if group_size * head_dim <= 1 << 16 else mx.uint32
 
 
-def gear_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-              bits: int = 2, rank: int = 2, energy_threshold: float = 0.9,
-              sparse_fraction: float = 0.01, group_size: int = 32, quantize_values: bool = True,
-              backend: str = "auto") -> GearState:
-    """Empty GEAR state."""
-    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
-                              dict(bits=bits, rank=rank, energy_threshold=energy_threshold,
-                                   sparse_fraction=sparse_fraction, group_size=group_size,
-                                   quantize_values=quantize_values))
-    b, h, d, g, r = batch, kv_heads, head_dim, p["group_size"], p["rank"]
-    k = outlier_count(p["sparse_fraction"], g, d)
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         bits: int = 2, rank: int = 2, energy_threshold: float = 0.9,
+         sparse_fraction: float = 0.01, group_size: int = 32, quantize_values: bool = True,
+         backend: str = "auto") -> GearState:
+    """Empty GEAR state.
+
+    Args:
+        bits: bits per quantized element.
+        rank: width of the low-rank residual factors per head and block (0: no low-rank term).
+        energy_threshold: components after the first ones holding this fraction of the
+            residual's energy are zeroed.
+        sparse_fraction: fraction of each block's entries kept exact (half the largest, half
+            the smallest).
+        group_size: tokens per block (and per key group); channels per value group.
+        quantize_values: compress values too (else they are stored exact).
+    """
+    b, h, d, g, r = batch, kv_heads, head_dim, group_size, rank
+    k = outlier_count(sparse_fraction, g, d)
     idx = _index_dtype(g, d)
     sd = quant.side_dtype(dtype)
     z = lambda *shape, t=sd: mx.zeros(shape, t)  # noqa: E731
@@ -108,11 +101,13 @@ def gear_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.
         keys_codes=z(b, h, d, 0, t=mx.uint32), keys_scales=z(b, h, d, 0), keys_zeros=z(b, h, d, 0),
         keys_left=z(b, h, 0, r), keys_right=z(b, h, 0, r, d), keys_outliers=z(b, h, 0, k, t=dtype),
         keys_outlier_index=z(b, h, 0, k, t=idx),
-        values_codes=z(b, h, 0, d * p["bits"] // 32, t=mx.uint32), values_scales=z(b, h, 0, d // g),
+        values_codes=z(b, h, 0, d * bits // 32, t=mx.uint32), values_scales=z(b, h, 0, d // g),
         values_zeros=z(b, h, 0, d // g), values_left=z(b, h, 0, r), values_right=z(b, h, 0, r, d),
         values_outliers=z(b, h, 0, k, t=dtype), values_outlier_index=z(b, h, 0, k, t=idx),
         residual_keys=z(b, h, 0, d, t=dtype), residual_values=z(b, h, 0, d, t=dtype),
-        next_pos=z(b, h, t=mx.int32), **p, backend=backend)
+        next_pos=z(b, h, t=mx.int32), bits=bits, rank=rank, energy_threshold=energy_threshold,
+        sparse_fraction=sparse_fraction, group_size=group_size, quantize_values=quantize_values,
+        backend=backend)
 
 
 def quantized_blocks(state: GearState) -> int:
@@ -301,15 +296,6 @@ def _update_reference(state: GearState, keys, values, queries) -> GearState:
 
 # --- public functions ---------------------------------------------------------------------------
 
-_dims = dims_of("residual_keys")
-
-
-def gear_update(state: GearState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
-                *, queries: Float[Array, "b q s d"] | None = None) -> GearState:
-    """Append ``s`` tokens; each completed block is quantized, corrected and its outliers kept."""
-    return dispatch(KEY, state, keys, values, queries, _dims(state))
-
-
 def base_reconstruction(state: GearState, kind: str) -> Float[Array, "b h q d"]:
     """The quantized part ``D`` of the compressed blocks (float32, no correction, no outliers)."""
     b, h, _, d = state.residual_keys.shape
@@ -331,7 +317,7 @@ def _blocks(state: GearState, kind: str) -> tuple:
     return base + corr, corr
 
 
-def gear_get_kv(state: GearState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+def get_kv(state: GearState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """``D + L Rt`` with exact outliers per compressed block, then the exact newest tokens."""
     b, h, _, d = state.residual_keys.shape
     g, n = state.group_size, quantized_blocks(state)
@@ -351,20 +337,11 @@ def gear_get_kv(state: GearState) -> tuple[Float[Array, "b h n d"], Float[Array,
     return out[0], out[1]
 
 
-def gear_bytes(state: GearState) -> int:
-    """Bytes of every array the state holds: codes, scales, zeros, factors, outliers, tail."""
-    return state_nbytes(state)
+positions = every_position(lambda state: state.residual_values.shape[2] + (
+    quantized_blocks(state) * state.group_size if state.quantize_values else 0))
 
 
-def gear_positions(state: GearState) -> Int[Array, "b h n"]:
-    """Absolute positions of the tokens ``gear_get_kv`` returns (all tokens, in order)."""
-    b, h = state.next_pos.shape
-    n = state.residual_values.shape[2] + (quantized_blocks(state) * state.group_size
-                                          if state.quantize_values else 0)
-    return mx.broadcast_to(mx.arange(n, dtype=mx.int32), (b, h, n))
-
-
-def gear_error_bound(state: GearState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+def error_bound(state: GearState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """Quantization bound plus the size of the low-rank correction at each element.
 
     ``|x - D| <= scale/2 + rounding`` (``quant.error_bound``) holds for the inliers; adding
@@ -393,6 +370,8 @@ def gear_error_bound(state: GearState) -> tuple[Float[Array, "b h n d"], Float[A
     return out[0], out[1]
 
 
-register(KEY, state_type=GearState, init=gear_init, update=gear_update, get_kv=gear_get_kv,
-         nbytes=gear_bytes, positions=gear_positions, error_bound=gear_error_bound, dims=_dims,
-         backends={"reference": _update_reference, "mlx": _update_mlx})
+State = GearState
+method = register("gear", GearState, init, {"reference": _update_reference, "mlx": _update_mlx},
+                  get_kv=get_kv, positions=positions, error_bound=error_bound,
+                  dims=dims_of("residual_keys"))
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
