@@ -18,39 +18,18 @@ the ``mlx`` ops).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import mlx.core as mx
 import numpy as np
 
 from .. import evict
 from .. import reference as ref
-from .._typing import Array, Float, Int
+from .._typing import Array, Float
 from ..attention import candidate_logits, softmax
 from ..noise import hash_uniform, hash_uniform_np
 from ..registry import register
 from .h2o import heavy_hitter_kernel, heavy_hitter_scores
 
 __all__ = ["KeyformerState", "State", "init", "update", "get_kv", "nbytes"]
-
-
-class KeyformerState(NamedTuple):
-    """Kept rows, their absolute positions and accumulated perturbed attention ``scores``."""
-
-    keys: Float[Array, "b h n d"]
-    values: Float[Array, "b h n d"]
-    positions: Int[Array, "b h n"]
-    scores: Float[Array, "b h n"]
-    next_pos: Int[Array, "b h"]
-    budget: int
-    n_sink: int
-    recent: int
-    tau_init: float
-    tau_end: float
-    anneal_steps: int
-    decay: float
-    seed: int
-    backend: str
 
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
@@ -72,6 +51,12 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
         seed: seed of the Gumbel noise.
     """
     return evict.empty_state(KeyformerState, locals())
+
+
+KeyformerState = evict.state_type(
+    "KeyformerState", init,
+    "Kept rows, their absolute positions and accumulated perturbed attention ``scores``.",
+    scores=Float[Array, "b h n"])
 
 
 def _tau(state: KeyformerState, qpos):
