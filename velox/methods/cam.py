@@ -31,41 +31,17 @@ other step runs the ``mlx`` ops).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import mlx.core as mx
 import numpy as np
 
 from .. import evict
 from .. import reference as ref
-from .._typing import Array, Float, Int
+from .._typing import Array, Float
 from ..noise import hash_uniform, hash_uniform_np
 from ..registry import register
 from .h2o import heavy_hitter_kernel, heavy_hitter_reference, heavy_hitter_scores
 
 __all__ = ["CaMState", "State", "init", "update", "get_kv", "nbytes"]
-
-
-class CaMState(NamedTuple):
-    """Kept (possibly merged) rows, their absolute positions, accumulated ``scores`` and the
-    L2 norms of the stored keys."""
-
-    keys: Float[Array, "b h n d"]
-    values: Float[Array, "b h n d"]
-    positions: Int[Array, "b h n"]
-    scores: Float[Array, "b h n"]
-    key_norms: Float[Array, "b h n"]
-    next_pos: Int[Array, "b h"]
-    budget: int
-    n_sink: int
-    merge: str
-    merge_keys: bool
-    merge_gate: bool
-    merge_window: int
-    grace: int
-    decay: float
-    seed: int
-    backend: str
 
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
@@ -90,6 +66,13 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
         seed: seed of the merge gate's draws.
     """
     return evict.empty_state(CaMState, locals())
+
+
+CaMState = evict.state_type(
+    "CaMState", init,
+    "Kept (possibly merged) rows, their absolute positions, accumulated ``scores`` and the "
+    "L2 norms of the stored keys.",
+    scores=Float[Array, "b h n"], key_norms=Float[Array, "b h n"])
 
 
 def _rowwise() -> bool:
