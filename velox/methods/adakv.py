@@ -16,20 +16,6 @@ Shapes: heads sit in slots sorted by rank, so each width holds a static number o
 ``<lo|mid|hi>_codes [b, n_width, d, Q*bits/32]``, ``_scales``/``_zeros [b, n_width, d,
 Q/G]``, ``head_slot [b, h, Q/G]``, ``stats [b, h, k]``, ``residual_keys [b, h, r, d]``,
 ``values [b, h, n, d]``.
-
-References:
-    Feng, Lv, Cao, Xie, Zhou. Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget
-    Allocation for Efficient LLM Inference. arXiv:2407.11550.
-
-Deviations from the paper:
-    * Ada-KV allocates an eviction budget (tokens) from observation-window attention; here,
-      as in the seed, the budget is bits per key element, from key statistics.
-    * ``attention_entropy`` uses keys as proxy queries inside each group; real queries are
-      not used.
-    * Ties in importance go to the lower head index (the seed averages tied ranks): the
-      number of heads at each width stays a static function of ``kv_heads``.
-    * Statistics and allocation are per batch row (the seed pools the batch);
-      ``update_interval`` counts quantized groups (the seed: calls, and ignores it).
 """
 
 from __future__ import annotations
@@ -44,14 +30,14 @@ import numpy as np
 from .. import quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
-from ..accounting import state_nbytes
 from ..ordering import order_key
-from ..registry import dispatch, prepare_init, register
+from ..registry import register
+from . import kivi
+from .kvquant import every_position
 
-__all__ = ["AdaKVState", "adakv_init", "adakv_update", "adakv_get_kv", "adakv_bytes",
-           "bits_by_rank"]
+__all__ = ["AdaKVState", "State", "init", "update", "get_kv", "nbytes", "positions",
+           "error_bound", "bits_by_rank", "level_counts", "head_bits"]
 
-KEY = "adakv"
 LEVELS = ("lo", "mid", "hi")
 _PARTS = ("codes", "scales", "zeros")
 
@@ -144,31 +130,44 @@ def level_bits(state: AdaKVState) -> dict[str, int]:
     return {"lo": state.lo_bit, "mid": state.mid_bit, "hi": state.hi_bit}
 
 
-def adakv_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-               target_avg_bits: float = 2.5, lo_bit: int = 2, mid_bit: int = 3, hi_bit: int = 4,
-               group_size: int = 32, update_interval: int = 1,
-               importance: str = "norm_variance", obs_window: int = 32,
-               residual_dtype: str = "float16", backend: str = "auto") -> AdaKVState:
-    """Empty AdaKV state."""
-    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
-                              dict(target_avg_bits=target_avg_bits, lo_bit=lo_bit, mid_bit=mid_bit,
-                                   hi_bit=hi_bit, group_size=group_size,
-                                   update_interval=update_interval, importance=importance,
-                                   obs_window=obs_window, residual_dtype=residual_dtype))
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         target_avg_bits: float = 2.5, lo_bit: int = 2, mid_bit: int = 3, hi_bit: int = 4,
+         group_size: int = 32, update_interval: int = 1, importance: str = "norm_variance",
+         obs_window: int = 32, residual_dtype: str = "float16",
+         backend: str = "auto") -> AdaKVState:
+    """Empty AdaKV state.
+
+    Args:
+        target_avg_bits: mean key bits over the heads of a row (adaptive only strictly between
+            lo_bit and hi_bit).
+        lo_bit: bits of the least important heads.
+        mid_bit: bits of middle heads.
+        hi_bit: bits of the most important heads.
+        group_size: tokens per key group (one scale and zero per channel and group).
+        update_interval: quantized groups between two allocations.
+        importance: head importance: variance of key norms, or proxy attention entropy (Ada-KV's
+            sign).
+        obs_window: proxy queries per group for attention_entropy (at most group_size).
+        residual_dtype: dtype of the rows held exact ("model": the cache dtype); scales and
+            zeros are float16 (bfloat16 for a bfloat16 cache).
+    """
     b, h, d = batch, kv_heads, head_dim
-    sd, rd = quant.side_dtype(dtype), quant.exact_dtype(p["residual_dtype"], dtype)
-    counts = level_counts(h, p["target_avg_bits"], p["lo_bit"], p["mid_bit"], p["hi_bit"])
+    sd, rd = quant.side_dtype(dtype), quant.exact_dtype(residual_dtype, dtype)
+    counts = level_counts(h, target_avg_bits, lo_bit, mid_bit, hi_bit)
     levels = {}
     for lvl in LEVELS:
         levels[f"{lvl}_codes"] = mx.zeros((b, counts[lvl], d, 0), mx.uint32)
         levels[f"{lvl}_scales"] = mx.zeros((b, counts[lvl], d, 0), sd)
         levels[f"{lvl}_zeros"] = mx.zeros((b, counts[lvl], d, 0), sd)
-    k = 2 if p["importance"] == "norm_variance" else 1
+    k = 2 if importance == "norm_variance" else 1
     return AdaKVState(**levels, head_slot=mx.zeros((b, h, 0), _slot_dtype(h)),
                       stats=mx.zeros((b, h, k), mx.float32),
                       residual_keys=mx.zeros((b, h, 0, d), rd), values=mx.zeros((b, h, 0, d), rd),
-                      next_pos=mx.zeros((b, h), mx.int32), **p, cache_dtype=quant.dtype_name(dtype),
-                      backend=backend)
+                      next_pos=mx.zeros((b, h), mx.int32), target_avg_bits=target_avg_bits,
+                      lo_bit=lo_bit, mid_bit=mid_bit, hi_bit=hi_bit, group_size=group_size,
+                      update_interval=update_interval, importance=importance,
+                      obs_window=obs_window, residual_dtype=residual_dtype,
+                      cache_dtype=quant.dtype_name(dtype), backend=backend)
 
 
 def _slot_dtype(heads: int) -> mx.Dtype:
@@ -331,18 +330,6 @@ def _update_reference(state: AdaKVState, keys, values, queries) -> AdaKVState:
 
 # --- public functions ---------------------------------------------------------------------------
 
-def _dims(state: AdaKVState) -> tuple[int, int, int, mx.Dtype]:
-    """``(batch, kv_heads, head_dim, dtype)``: the model's dtype, not the exact rows'."""
-    b, h, _, d = state.residual_keys.shape
-    return b, h, d, quant.dtype_of(state.cache_dtype)
-
-
-def adakv_update(state: AdaKVState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
-                 *, queries: Float[Array, "b q s d"] | None = None) -> AdaKVState:
-    """Append ``s`` tokens; each completed key group is quantized at its head's allocated width."""
-    return dispatch(KEY, state, keys, values, queries, _dims(state))
-
-
 def _by_head(state: AdaKVState, per_slot: Float[Array, "b h d q"]) -> Float[Array, "b h q d"]:
     """Slot-ordered ``[b, slot, d, Q]`` to head order ``[b, h, Q, d]`` (group by group)."""
     b, h, d, q = per_slot.shape
@@ -353,7 +340,7 @@ def _by_head(state: AdaKVState, per_slot: Float[Array, "b h d q"]) -> Float[Arra
     return out.reshape(b, h, d, q).swapaxes(2, 3)
 
 
-def adakv_get_kv(state: AdaKVState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+def get_kv(state: AdaKVState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """Dequantized key groups (each head at its width) and the exact newest keys; exact values."""
     bits, cd = level_bits(state), quant.dtype_of(state.cache_dtype)
     parts = [quant.dequantize(*(getattr(state, f"{lvl}_{p}") for p in _PARTS), bits[lvl],
@@ -362,19 +349,10 @@ def adakv_get_kv(state: AdaKVState) -> tuple[Float[Array, "b h n d"], Float[Arra
     return mx.concatenate([k, state.residual_keys.astype(cd)], axis=2), state.values.astype(cd)
 
 
-def adakv_bytes(state: AdaKVState) -> int:
-    """Bytes of every array the state holds."""
-    return state_nbytes(state)
+positions = every_position(lambda state: state.values.shape[2])
 
 
-def adakv_positions(state: AdaKVState) -> Int[Array, "b h n"]:
-    """Absolute positions of the tokens ``adakv_get_kv`` returns (all tokens, in order)."""
-    b, h = state.next_pos.shape
-    n = state.values.shape[2]
-    return mx.broadcast_to(mx.arange(n, dtype=mx.int32), (b, h, n))
-
-
-def adakv_error_bound(state: AdaKVState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+def error_bound(state: AdaKVState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """``scale/2`` plus rounding per key element (each head at its width); exact rows: their
     rounding to ``residual_dtype``."""
     bits = level_bits(state)
@@ -394,6 +372,8 @@ def head_bits(state: AdaKVState) -> Int[Array, "b h g"]:
     return table[state.head_slot.astype(mx.int32)]
 
 
-register(KEY, state_type=AdaKVState, init=adakv_init, update=adakv_update, get_kv=adakv_get_kv,
-         nbytes=adakv_bytes, positions=adakv_positions, error_bound=adakv_error_bound, dims=_dims,
-         backends={"reference": _update_reference, "mlx": _update_mlx})
+State = AdaKVState
+method = register("adakv", AdaKVState, init, {"reference": _update_reference, "mlx": _update_mlx},
+                  get_kv=get_kv, positions=positions, error_bound=error_bound,
+                  dims=kivi.dims)  # residual_keys' shape, the model's dtype
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
