@@ -19,21 +19,6 @@ Scales and zeros are float16 (``velox.quant.side_dtype``); High rows keep the mo
 Shapes: ``high_<keys|values> [b, h, nH, d]``; ``<mid|low>_<keys|values>_codes [b, h, n, w]``
 (kept channels, padded to whole words), ``_scales``/``_zeros [b, h, n, ceil(r/G)]``;
 ``<tier>_positions [b, h, n]``; ``<keys|values>_order [b, h, d]``; ``saliency_window [b, h, m]``.
-
-References:
-    Hu, Yuan, Hu, Yin, Li, Suchter. Adaptive Model Compression (AMC): Saliency-Driven
-    Resource Allocation for Ultra-Low-Power Transformer Inference. arXiv:2607.10109, as
-    cited by the seed library. Not found in any searched index: unverified. This module
-    follows the seed's parameters and behaviour, not the paper.
-
-Deviations from the seed:
-    * The channel order is calibrated on the first chunk, by mean square (the seed
-      documents an offline pass ordering channels by variance, which its cache does not
-      apply: it drops channels in stored order).
-    * ``k_high = 0`` (or ``k_mid = 0``) gives an empty tier (the seed forces one token).
-    * Mid and Low hold packed 8- and 4-bit codes (the seed stores fp16, counts nominal bytes).
-    * Closed-loop thresholds would make tier sizes, hence shapes, data-dependent: tracked
-      only, as in the seed. ``calib_variance = 0`` stands for the seed's ``None``.
 """
 
 from __future__ import annotations
@@ -47,14 +32,13 @@ import numpy as np
 from .. import quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
-from ..accounting import state_nbytes
 from ..ordering import order_key
-from ..registry import dims_of, dispatch, prepare_init, register
+from ..registry import dims_of, register
+from .kvquant import every_position
 
-__all__ = ["AMCState", "amc_init", "amc_update", "amc_get_kv", "amc_bytes", "tier_ranks",
-           "tier_sizes", "TIER_BITS"]
+__all__ = ["AMCState", "State", "init", "update", "get_kv", "nbytes", "positions", "tier_ranks",
+           "tier_sizes", "token_tiers", "TIER_BITS"]
 
-KEY = "amc"
 TIER_BITS = {"mid": 8, "low": 4}
 _PAPER_RANKS = {"mid": 43, "low": 8}  # of 128 channels (Algorithm 1's golden model, per the seed)
 _QUANT = ("mid", "low")
@@ -121,35 +105,48 @@ def _groups(rank: int, group_size: int) -> int:
     return -(-rank // group_size)
 
 
-def amc_init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-             k_high: float = 0.2, k_mid: float = 0.3, use_query_saliency: bool = False,
-             query_alpha: float = 0.5, adaptive_thresholds: bool = False,
-             threshold_window: int = 64, gamma: float = 0.1, calib_variance: float = 0.0,
-             group_size: int = 32, backend: str = "auto") -> AMCState:
-    """Empty AMC state."""
-    p, backend = prepare_init(KEY, batch, kv_heads, head_dim, dtype, backend,
-                              dict(k_high=k_high, k_mid=k_mid, use_query_saliency=use_query_saliency,
-                                   query_alpha=query_alpha, adaptive_thresholds=adaptive_thresholds,
-                                   threshold_window=threshold_window, gamma=gamma,
-                                   calib_variance=calib_variance, group_size=group_size))
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         k_high: float = 0.2, k_mid: float = 0.3, use_query_saliency: bool = False,
+         query_alpha: float = 0.5, adaptive_thresholds: bool = False,
+         threshold_window: int = 64, gamma: float = 0.1, calib_variance: float = 0.0,
+         group_size: int = 32, backend: str = "auto") -> AMCState:
+    """Empty AMC state.
+
+    Args:
+        k_high: fraction of each chunk's tokens stored exact (High tier).
+        k_mid: fraction of each chunk's tokens in the Mid tier (43/128 of the channels, 8 bits).
+        use_query_saliency: blend key magnitude with key-query cosine similarity.
+        query_alpha: weight of the magnitude term in the blend.
+        adaptive_thresholds: track the closed-loop thresholds (observability; tiers stay
+            percentiles).
+        threshold_window: saliencies in the trailing window of the closed loop.
+        gamma: attenuation of the closed loop.
+        calib_variance: calibration saliency variance of the closed loop (0: unset).
+        group_size: channels per quantization group of a token's kept prefix (the last may be
+            shorter).
+    """
     b, h, d = batch, kv_heads, head_dim
     ranks = tier_ranks(d)
     fields = dict(high_keys=mx.zeros((b, h, 0, d), dtype), high_values=mx.zeros((b, h, 0, d), dtype),
                   high_positions=mx.zeros((b, h, 0), mx.int32))
     for tier in _QUANT:
-        w, g = _words(ranks[tier], TIER_BITS[tier]), _groups(ranks[tier], p["group_size"])
+        w, g = _words(ranks[tier], TIER_BITS[tier]), _groups(ranks[tier], group_size)
         for kind in ("keys", "values"):
             fields[f"{tier}_{kind}_codes"] = mx.zeros((b, h, 0, w), mx.uint32)
             fields[f"{tier}_{kind}_scales"] = mx.zeros((b, h, 0, g), quant.side_dtype(dtype))
             fields[f"{tier}_{kind}_zeros"] = mx.zeros((b, h, 0, g), quant.side_dtype(dtype))
         fields[f"{tier}_positions"] = mx.zeros((b, h, 0), mx.int32)
     order = mx.broadcast_to(mx.arange(d).astype(_order_dtype(d)), (b, h, d))
-    base_high, base_low = _base_thresholds(p["k_high"], p["k_mid"])
+    base_high, base_low = _base_thresholds(k_high, k_mid)
     return AMCState(**fields, keys_order=mx.array(order), values_order=mx.array(order),
                     saliency_window=mx.zeros((b, h, 0), mx.float32),
                     tau_high=mx.full((b, h), base_high, mx.float32),
                     tau_low=mx.full((b, h), base_low, mx.float32),
-                    next_pos=mx.zeros((b, h), mx.int32), **p, backend=backend)
+                    next_pos=mx.zeros((b, h), mx.int32), k_high=k_high, k_mid=k_mid,
+                    use_query_saliency=use_query_saliency, query_alpha=query_alpha,
+                    adaptive_thresholds=adaptive_thresholds, threshold_window=threshold_window,
+                    gamma=gamma, calib_variance=calib_variance, group_size=group_size,
+                    backend=backend)
 
 
 def _order_dtype(head_dim: int) -> mx.Dtype:
@@ -368,16 +365,7 @@ def _update_reference(state: AMCState, keys, values, queries) -> AMCState:
 
 # --- public functions -----------------------------------------------------------------------------
 
-_dims = dims_of("high_keys")
-
-
-def amc_update(state: AMCState, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
-               *, queries: Float[Array, "b q s d"] | None = None) -> AMCState:
-    """Append ``s`` tokens, each stored at the rank and precision of its saliency tier."""
-    return dispatch(KEY, state, keys, values, queries, _dims(state))
-
-
-def amc_get_kv(state: AMCState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
+def get_kv(state: AMCState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """Every token in position order: exact, or its dequantized prefix with zeros after it."""
     b, h, _, d = state.high_keys.shape
     n = stored_tokens(state)
@@ -404,16 +392,7 @@ def amc_get_kv(state: AMCState) -> tuple[Float[Array, "b h n d"], Float[Array, "
     return out[0], out[1]
 
 
-def amc_bytes(state: AMCState) -> int:
-    """Bytes of every array the state holds."""
-    return state_nbytes(state)
-
-
-def amc_positions(state: AMCState) -> Int[Array, "b h n"]:
-    """Absolute positions of the tokens ``amc_get_kv`` returns (all tokens, in order)."""
-    b, h = state.next_pos.shape
-    n = stored_tokens(state)
-    return mx.broadcast_to(mx.arange(n, dtype=mx.int32), (b, h, n))
+positions = every_position(stored_tokens)
 
 
 def token_tiers(state: AMCState) -> Int[Array, "b h n"]:
@@ -426,6 +405,7 @@ def token_tiers(state: AMCState) -> Int[Array, "b h n"]:
     return out
 
 
-register(KEY, state_type=AMCState, init=amc_init, update=amc_update, get_kv=amc_get_kv,
-         nbytes=amc_bytes, positions=amc_positions, dims=_dims,
-         backends={"reference": _update_reference, "mlx": _update_mlx})
+State = AMCState
+method = register("amc", AMCState, init, {"reference": _update_reference, "mlx": _update_mlx},
+                  get_kv=get_kv, positions=positions, dims=dims_of("high_keys"))
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
