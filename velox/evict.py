@@ -358,17 +358,18 @@ def score_and_keep(score: Callable | None, reference: Callable | None, *,
     ``next_pos``, the append and the gather are written here, once.
 
     Args:
-        score: the ``mlx`` score, ``score(state, keys, queries, evicting) -> scores
+        score: the ``mlx`` score, ``score(state, keys, values, queries, evicting) -> scores
             [b, h, n + s]`` (vectorised MLX) or ``(scores, updates)`` (see :class:`Scored`).
             Called when the update evicts, and on every update when the method carries or
             refreshes fields. ``None``: the protected slots alone are kept (a fixed index).
         reference: the ``reference`` score of one head, ``reference(state, head) -> scores
             [N]`` or ``(scores, updates)`` (NumPy, float64: the executable spec; ``head`` is a
-            :class:`velox.reference.Head`). Called on the same updates as ``score``; its
-            updates are per head (``[N, ...]`` for carried fields, the field's per-head
+            :class:`velox.reference.Head`, whose ``carried`` holds the head's values of the
+            ``carry`` and ``fields`` fields, float64). Called on the same updates as ``score``;
+            its updates are per head (``[N, ...]`` for carried fields, the field's per-head
             shape for the others). ``None`` with ``score=None``.
         kernel: the ``cuda`` backend's input for a decode step at a full cache,
-            ``kernel(state, keys, queries) -> dict`` of ``velox.kernels.evict.compact``'s
+            ``kernel(state, keys, values, queries) -> dict`` of ``velox.kernels.evict.compact``'s
             loser arguments (``by=`` scores or ``drop=``, ``carry=``, ``profiles=``); the
             protection and sharing are added here. Default (when the spec lists ``cuda``):
             ``by`` the ``mlx`` score. Every other call runs the ``mlx`` backend on the GPU.
@@ -402,7 +403,7 @@ def _mlx_backend(score, carry, fields, plan: _Plan) -> Callable:
         evicting = _evicting(plan, state, n, s)
         scored = Scored(None, {})
         if score is not None and (evicting or carry or fields):
-            scored = _scored(score(state, keys, queries, evicting))
+            scored = _scored(score(state, keys, values, queries, evicting))
         idx = None
         if evicting:
             b, h = state.positions.shape[:2]
@@ -444,7 +445,7 @@ def _reference_backend(reference, carry, fields, plan: _Plan) -> Callable:
         scores = np.zeros((b, h, N))
         per_head: dict[str, list] = {name: [[None] * h for _ in range(b)] for name in (*carry, *fields)}
         if reference is not None and (evicting or carry or fields):
-            old = {name: ref.to_np(getattr(state, name)) for name in carry}
+            old = {name: ref.to_np(getattr(state, name)) for name in (*carry, *fields)}
             for i in range(b):
                 for j in range(h):
                     head = ref.head(c, i, j, {k: v[i, j] for k, v in old.items()}, evicting)
@@ -473,11 +474,11 @@ def _kernel_step(score, kernel, carry, fields, plan: _Plan) -> Callable:
     def step(state, keys, values, queries):
         from .kernels.evict import compact
         if kernel is None:
-            scored = _scored(score(state, keys, queries, True))
+            scored = _scored(score(state, keys, values, queries, True))
             args = dict(by=scored.scores)
             state = state._replace(**{name: scored.updates[name] for name in fields})
         else:
-            args = kernel(state, keys, queries)
+            args = kernel(state, keys, values, queries)
         if "by" in args:
             args.update(shared=plan.shared(state), n_sink=plan.sinks(state),
                         recent=plan.recent(state))

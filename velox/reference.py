@@ -108,7 +108,8 @@ class Head(NamedTuple):
     positions: np.ndarray  # [N] int64, absolute
     total: int             # tokens seen, the new ones included
     probes: np.ndarray     # [g, s, d] float64: the new tokens' real queries, or their keys
-    carried: dict          # the rule's carried fields of the n stored rows, float64 [n, ...]
+    carried: dict          # this head's values of the rule's carried fields (the n stored
+                           # rows, [n, ...]) and refreshed fields, as float64
     evicting: bool         # whether this update evicts
     s: int                 # new tokens
 

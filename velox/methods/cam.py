@@ -210,7 +210,7 @@ def _merge_mlx(state: CaMState, stored: tuple, fresh: tuple, idx: mx.array) -> t
 
 def _update_mlx(state: CaMState, keys, values, queries) -> CaMState:
     n, s = state.keys.shape[2], keys.shape[2]
-    scored = heavy_hitter_scores(state, keys, queries)  # H2O's choice of the losers
+    scored = heavy_hitter_scores(state, keys, values, queries)  # H2O's choice of the losers
     old, new = scored.updates["scores"]
     idx = evict.top_budget(scored.scores, state.budget,
                            evict.protected(n + s, state.n_sink, state.grace))
@@ -226,7 +226,7 @@ def _update_mlx(state: CaMState, keys, values, queries) -> CaMState:
 
 def _decode_cuda(state: CaMState, keys, values, queries) -> CaMState:
     from ..kernels.merge import merge_step
-    scores = heavy_hitter_kernel(state, keys, queries)["by"]  # H2O's fused weights kernel
+    scores = heavy_hitter_kernel(state, keys, values, queries)["by"]  # H2O's fused weights kernel
     k, v, p, nxt, sc, kn = merge_step(
         state.keys, state.values, state.positions, keys, values, state.next_pos, scores,
         state.key_norms, merge=state.merge, merge_keys=state.merge_keys,

@@ -114,18 +114,18 @@ def _chunk_mean_mlx(scores: mx.array, positions: mx.array, size: int) -> mx.arra
     return (sums[flat] / counts[flat]).reshape(b, h, N)
 
 
-def _token_scores(state: ChunkKVState, keys, queries) -> evict.Scored:
+def _token_scores(state: ChunkKVState, keys, values, queries) -> evict.Scored:
     """Every candidate's token score (stored ++ new) and the new carried ``scores``: H2O's
     accumulated attention, or the stored norms with the new keys' norms."""
     if state.score == "attn_mass":
-        return heavy_hitter_scores(state, keys, queries)
+        return heavy_hitter_scores(state, keys, values, queries)
     old, new = state.scores, evict.row_norms(keys)
     return evict.Scored(mx.concatenate([old, new], axis=2), {"scores": (old, new)})
 
 
 def _select_mlx(state: ChunkKVState, keys, values, queries) -> tuple[ChunkKVState, mx.array | None]:
     n, s = state.keys.shape[2], keys.shape[2]
-    tokens = _token_scores(state, keys, queries)
+    tokens = _token_scores(state, keys, values, queries)
     old, new = tokens.updates["scores"]
     new_pos = evict.new_positions(state.next_pos, s)
     idx = None
@@ -148,7 +148,7 @@ def _update_mlx(state: ChunkKVState, keys, values, queries) -> ChunkKVState:
 def _decode_cuda(state: ChunkKVState, keys, values, queries) -> ChunkKVState:
     from ..kernels.evict import compact
     if state.score == "attn_mass":  # H2O's fused weights kernel accumulates the step
-        args = heavy_hitter_kernel(state, keys, queries)
+        args = heavy_hitter_kernel(state, keys, values, queries)
     else:
         scores = (state.scores, evict.row_norms(keys))
         args = dict(by=scores, carry=scores)

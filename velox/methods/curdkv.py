@@ -122,31 +122,25 @@ def curdkv_leverage(x: Float[Array, "b h n d"], rank_cap: int) -> Float[Array, "
     return _leverage(x, _fit_basis(x, r))
 
 
-def _update_mlx(state: CurDKVState, keys, values, queries) -> CurDKVState:
+def _score(state: CurDKVState, keys, values, queries, evicting) -> evict.Scored:
+    """Key energy times value energy in the subspaces, carried as ``scores``; a chunk that
+    overflows refits both subspaces (and rescores the stored rows) first."""
     n, s = state.keys.shape[2], keys.shape[2]
     kb, vb, stored = state.key_basis, state.value_basis, state.scores
-    if s > 1 and n + s > state.budget:  # a chunk that overflows refits the subspaces
+    if s > 1 and evicting:
         r = kb.shape[-1]
         kb = _fit_basis(mx.concatenate([state.keys, keys], axis=2), r)
         vb = _fit_basis(mx.concatenate([state.values, values], axis=2), r)
         stored = _energy_in(state.keys, kb) * _energy_in(state.values, vb) if n else stored
     fresh = _energy_in(keys, kb) * _energy_in(values, vb)
-    idx = None
-    if n + s > state.budget:
-        idx = evict.top_budget(mx.concatenate([stored, fresh], axis=2), state.budget,
-                               evict.protected(n + s, state.n_sink))
-    k, v, p, sc = evict.keep_rows((state.keys, state.values, state.positions, stored),
-                                  (keys, values, evict.new_positions(state.next_pos, s), fresh), idx)
-    return state._replace(keys=k, values=v, positions=p, scores=sc, key_basis=kb, value_basis=vb,
-                          next_pos=state.next_pos + s)
+    scores = mx.concatenate([stored, fresh], axis=2) if evicting else None
+    return evict.Scored(scores, {"scores": (stored, fresh), "key_basis": kb, "value_basis": vb})
 
 
-def _decode_cuda(state: CurDKVState, keys, values, queries) -> CurDKVState:
-    from ..kernels.evict import compact
+def _kernel(state: CurDKVState, keys, values, queries) -> dict:
+    # a decode step never refits: the stored scores stand, the new token is scored
     scores = (state.scores, _energy_in(keys, state.key_basis) * _energy_in(values, state.value_basis))
-    return evict.with_compacted(state, compact(
-        state.keys, state.values, state.positions, keys, values, state.next_pos, by=scores,
-        carry=scores, n_sink=state.n_sink))
+    return dict(by=scores, carry=scores)
 
 
 def _fit_reference(x: np.ndarray, r: int) -> np.ndarray:
@@ -173,31 +167,17 @@ def _energy_reference(x: np.ndarray, basis: np.ndarray) -> np.ndarray:
     return (proj * proj).sum(axis=1)
 
 
-def _update_reference(state: CurDKVState, keys, values, queries) -> CurDKVState:
-    c = ref.candidates(state, keys, values, queries)
-    b, h, N = c.positions.shape
-    s = keys.shape[2]
-    kb = ref.to_np(state.key_basis)
-    vb = ref.to_np(state.value_basis)
-    score = np.zeros((b, h, N))
-    chosen = []
-    for i in range(b):
-        chosen.append([])
-        for j in range(h):
-            x, y = c.keys[i, j].astype(np.float64), c.values[i, j].astype(np.float64)
-            if s > 1 and N > state.budget:  # a chunk that overflows refits the subspaces
-                kb[i, j], vb[i, j] = _fit_reference(x, kb.shape[-1]), _fit_reference(y, vb.shape[-1])
-            score[i, j] = _energy_reference(x, kb[i, j]) * _energy_reference(y, vb[i, j])
-            chosen[i].append(None if N <= state.budget else
-                             ref.top_budget(score[i, j], state.budget, c.positions[i, j] < state.n_sink))
-    new = ref.keep(state, c, chosen, scores=score)
-    return new._replace(key_basis=ref.to_mx(kb, mx.float32), value_basis=ref.to_mx(vb, mx.float32))
+def _score_reference(state: CurDKVState, head: ref.Head) -> evict.Scored:
+    kb, vb = head.carried["key_basis"], head.carried["value_basis"]
+    x, y = head.keys.astype(np.float64), head.values.astype(np.float64)
+    if head.s > 1 and head.evicting:  # a chunk that overflows refits the subspaces
+        kb, vb = _fit_reference(x, kb.shape[-1]), _fit_reference(y, vb.shape[-1])
+    score = _energy_reference(x, kb) * _energy_reference(y, vb)
+    return evict.Scored(score, {"scores": score, "key_basis": kb, "value_basis": vb})
 
 
-# The score reads the new values (a score-and-keep score sees the new keys only) and the
-# reference the head's own subspaces: the backends are written out.
 State = CurDKVState
 method = register("curdkv", CurDKVState, init,
-                  {"reference": _update_reference, "mlx": _update_mlx,
-                   "cuda": evict.cuda_update(_update_mlx, lambda st: st.budget, _decode_cuda)})
+                  evict.score_and_keep(_score, _score_reference, kernel=_kernel, carry=("scores",),
+                                       fields=("key_basis", "value_basis")))
 init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes

@@ -40,7 +40,7 @@ H2OState = evict.state_type(
     scores=Float[Array, "b h n"])
 
 
-def heavy_hitter_scores(state, keys, queries, evicting=True, mass=candidate_mass) -> evict.Scored:
+def heavy_hitter_scores(state, keys, values, queries, evicting=True, mass=candidate_mass) -> evict.Scored:
     """H2O's score on any state with ``keys``, ``scores`` and ``decay`` fields: the stored
     scores decayed plus the chunk's attention mass (``mass`` as in
     :func:`velox.attention.accumulated_scores`), carried as the new ``scores``."""
@@ -61,7 +61,7 @@ def heavy_hitter_reference(state, head: ref.Head) -> tuple:
     return acc, {"scores": acc}
 
 
-def heavy_hitter_kernel(state, keys, queries, gumbel=None) -> dict:
+def heavy_hitter_kernel(state, keys, values, queries, gumbel=None) -> dict:
     """The fused decode step's input (``velox.kernels.evict``): the step's attention
     accumulated into the scores (with ``gumbel``, Keyformer's noise added to its logits)."""
     from ..kernels.evict import weights

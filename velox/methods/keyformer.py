@@ -102,11 +102,11 @@ def _gumbel_mass(state: KeyformerState, queries, keys, coef, block: int = 256) -
     return total
 
 
-def _score(state: KeyformerState, keys, queries, evicting) -> evict.Scored:
+def _score(state: KeyformerState, keys, values, queries, evicting) -> evict.Scored:
     """H2O's accumulated scores with the Gumbel-perturbed attention mass, carried as ``scores``."""
     def mass(q, _stored, new_keys, coef):
         return _gumbel_mass(state, q, new_keys, coef)
-    return heavy_hitter_scores(state, keys, queries, evicting, mass=mass)
+    return heavy_hitter_scores(state, keys, values, queries, evicting, mass=mass)
 
 
 def _score_reference(state: KeyformerState, head: ref.Head) -> tuple:
@@ -125,12 +125,12 @@ def _score_reference(state: KeyformerState, head: ref.Head) -> tuple:
     return acc, {"scores": acc}
 
 
-def _kernel(state: KeyformerState, keys, queries) -> dict:
+def _kernel(state: KeyformerState, keys, values, queries) -> dict:
     """H2O's fused decode step, the weights kernel drawing the same noise itself."""
     gumbel = dict(seed=state.seed, tau_init=state.tau_init, tau_end=state.tau_end,
                   anneal_steps=state.anneal_steps, positions=state.positions,
                   next_pos=state.next_pos)
-    return heavy_hitter_kernel(state, keys, queries, gumbel=gumbel)
+    return heavy_hitter_kernel(state, keys, values, queries, gumbel=gumbel)
 
 
 State = KeyformerState

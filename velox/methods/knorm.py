@@ -43,7 +43,7 @@ KNormState = evict.state_type(
     "Kept rows and their absolute positions; scores are recomputed from the kept keys.")
 
 
-def _score(state: KNormState, keys, queries, evicting):
+def _score(state: KNormState, keys, values, queries, evicting):
     """Every candidate's score (stored ++ new): its key norm, negated for ``keep='low'``."""
     norms = mx.concatenate([evict.row_norms(state.keys), evict.row_norms(keys)], axis=2)
     return -norms if state.keep == "low" else norms

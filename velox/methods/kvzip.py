@@ -85,7 +85,7 @@ def kvzip_importance(probes: Float[Array, "b h g m d"], stored: Float[Array, "b 
     return best
 
 
-def _score(state: KVzipState, keys, queries, evicting) -> evict.Scored:
+def _score(state: KVzipState, keys, values, queries, evicting) -> evict.Scored:
     """This update's probe attention (``current``) folded into the running maximum; the
     score is ``current`` with ``probe="latest"``, else the importance."""
     s = keys.shape[2]
@@ -112,7 +112,7 @@ def _score_reference(state: KVzipState, head: ref.Head) -> evict.Scored:
                         {"importance": importance})
 
 
-def _kernel(state: KVzipState, keys, queries) -> dict:
+def _kernel(state: KVzipState, keys, values, queries) -> dict:
     """The fused decode step's input: the probe's weights (mean over the group with
     ``probe="latest"``, else the max) and the running maximum."""
     from ..kernels.evict import weights

@@ -79,7 +79,7 @@ def _vote(state: MorphKVState, votes):
     return votes.sum(axis=-1) if state.aggregate == "sum" else votes.max(axis=-1)
 
 
-def _score(state: MorphKVState, keys, queries, evicting) -> evict.Scored:
+def _score(state: MorphKVState, keys, values, queries, evicting) -> evict.Scored:
     """The voters' profiles over the candidates (the stored ones, then this update's newest
     queries', one column each); the score, when evicting, combines the newest ``window``."""
     n, s = state.keys.shape[2], keys.shape[2]
@@ -106,7 +106,7 @@ def _score_reference(state: MorphKVState, head: ref.Head) -> evict.Scored:
     return evict.Scored(score, {"profiles": prof[:, m:]})
 
 
-def _kernel(state: MorphKVState, keys, queries) -> dict:
+def _kernel(state: MorphKVState, keys, values, queries) -> dict:
     """The fused decode step's input: the new query's profile and every candidate's votes
     (window 1: TOVA's step, no stored profiles)."""
     from ..kernels.evict import weights

@@ -116,7 +116,7 @@ def nestedkv_score(keys: Float[Array, "b h n d"], *, window: int = 64, beta: flo
     return mx.where(bad[..., 0], -mx.inf, (1.0 - gate) * blend + gate * a.max(axis=2))
 
 
-def _score(state: NestedKVState, keys, queries, evicting):
+def _score(state: NestedKVState, keys, values, queries, evicting):
     """The candidates' score (stored ++ new); ``queries`` are unused (the score reads keys)."""
     cand = mx.concatenate([state.keys, keys], axis=2) if state.keys.shape[2] else keys
     return nestedkv_score(cand, window=state.window, beta=state.beta, tau=state.tau,

@@ -168,45 +168,27 @@ def _scores(state: QFiltersState, filters, keys) -> mx.array:
                           axis=2)[..., 0] * state.sign
 
 
-def _score(state: QFiltersState, keys, queries, evicting) -> evict.Scored:
+def _score(state: QFiltersState, keys, values, queries, evicting) -> evict.Scored:
     """The filters after this update (refreshed on every update); when evicting, every
     candidate's score under them."""
     filters = _filters(state, keys, queries)
     return evict.Scored(_scores(state, filters, keys) if evicting else None, {"filters": filters})
 
 
-def _reference(state: QFiltersState, keys, values, queries) -> QFiltersState:
-    c = ref.candidates(state, keys, values, queries)
-    b, h, N = c.positions.shape
-    s = keys.shape[2]
-    filters = ref.to_np(state.filters, np.float32)
+def _score_reference(state: QFiltersState, head: ref.Head) -> evict.Scored:
+    filters = head.carried["filters"].astype(np.float32)
     if not state.calibrated:
-        q = ref.scoring_queries(c.new_keys, c.queries).astype(np.float32)
-        for i in range(b):
-            for j in range(h):
-                for t in range(s):  # token by token, while the calibration lasts
-                    if c.positions[i, j, N - s + t] < state.calib_tokens:
-                        filters[i, j] += q[i, j, :, t].sum(axis=0)
-    new = ref.to_mx(filters, mx.float32)
-    if N <= state.budget:
-        return ref.keep(state, c, [[None] * h for _ in range(b)])._replace(filters=new)
-    chosen = []
-    for i in range(b):
-        chosen.append([])
-        for j in range(h):
-            score = state.sign * (c.keys[i, j].astype(np.float64) @ filters[i, j].astype(np.float64))
-            keep = ref.protected(c.positions[i, j], c.total[i, j], state.n_sink, state.recent)
-            chosen[i].append(ref.top_budget(score, state.budget, keep))
-    return ref.keep(state, c, chosen)._replace(filters=new)
-
-
-def _backends(spec) -> dict:
-    """The ``mlx`` and ``cuda`` backends from the score (``cuda``: a decode step at a full cache
-    scores with the ``mlx`` ops, one fused kernel finds the loser and moves the rows); the
-    ``reference`` backend is written out, as it reads each head's own filters."""
-    return {**evict.score_and_keep(_score, None, fields=("filters",))(spec), "reference": _reference}
+        q = head.probes.astype(np.float32)
+        N = len(head.positions)
+        for t in range(head.s):  # token by token, while the calibration lasts
+            if head.positions[N - head.s + t] < state.calib_tokens:
+                filters += q[:, t].sum(axis=0)
+    score = state.sign * (head.keys.astype(np.float64) @ filters.astype(np.float64))
+    return evict.Scored(score, {"filters": filters})
 
 
 State = QFiltersState
-method = register("qfilters", QFiltersState, init, _backends, layer_params=_layer_params)
+method = register("qfilters", QFiltersState, init,
+                  evict.score_and_keep(_score, _score_reference, fields=("filters",)),
+                  layer_params=_layer_params)
 init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes

@@ -125,7 +125,7 @@ def _update_mlx(state: RocketKVState, keys, values, queries) -> RocketKVState:
     n, s = state.keys.shape[2], keys.shape[2]
     idx = None
     if s > 1 and n + s > state.budget:  # stage 1: SnapKV's selection, max-pooled
-        idx = evict.top_budget(votes(state, keys, queries, pooling="maxpool"), state.budget,
+        idx = evict.top_budget(votes(state, keys, values, queries, pooling="maxpool"), state.budget,
                                evict.protected(n + s, state.n_sink, state.obs_window))
     k, v, p = evict.keep_rows((state.keys, state.values, state.positions),
                               (keys, values, evict.new_positions(state.next_pos, s)), idx)

@@ -81,8 +81,9 @@ def _pool_reference(x: np.ndarray, kernel: int, pooling: str) -> np.ndarray:
     return out
 
 
-def votes(state, keys: Float[Array, "b h s d"], queries: Float[Array, "b q s d"] | None,
-          evicting: bool = True, *, pooling: str | None = None) -> Float[Array, "b h ns"]:
+def votes(state, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
+          queries: Float[Array, "b q s d"] | None, evicting: bool = True, *,
+          pooling: str | None = None) -> Float[Array, "b h ns"]:
     """SnapKV's score of the ``n + s`` candidates, on any state with ``keys``, ``obs_window``,
     ``kernel_size`` (and ``pooling``, unless given): the attention the chunk's last
     ``min(obs_window, s)`` queries pay each candidate (summed over those queries, averaged over
@@ -91,10 +92,10 @@ def votes(state, keys: Float[Array, "b h s d"], queries: Float[Array, "b q s d"]
     window itself, always kept, keeps its own votes)."""
     n, s = state.keys.shape[2], keys.shape[2]
     w = min(state.obs_window, s)
-    v = candidate_mass(scoring_queries(keys, queries)[:, :, :, s - w:], state.keys, keys)
+    mass = candidate_mass(scoring_queries(keys, queries)[:, :, :, s - w:], state.keys, keys)
     prefix = max(0, n + s - state.obs_window)
-    pooled = _pool_mlx(v[:, :, :prefix], state.kernel_size, pooling or state.pooling)
-    return mx.concatenate([pooled, v[:, :, prefix:]], axis=2)
+    pooled = _pool_mlx(mass[:, :, :prefix], state.kernel_size, pooling or state.pooling)
+    return mx.concatenate([pooled, mass[:, :, prefix:]], axis=2)
 
 
 def votes_reference(state, head: ref.Head, *, pooling: str | None = None) -> np.ndarray:

@@ -32,7 +32,7 @@ StreamingLLMState = evict.state_type(
     "Sinks + recency window. ``positions`` are absolute; ``next_pos`` = tokens seen.")
 
 
-def _kernel(state: StreamingLLMState, keys, queries):
+def _kernel(state: StreamingLLMState, keys, values, queries):
     # the loser is the oldest non-sink token, or the new one when there is no window
     return dict(drop=state.n_sink if state.window_size else state.keys.shape[2])
 

@@ -36,7 +36,7 @@ TovaState = evict.state_type(
     "TovaState", init, "Kept rows and their absolute positions; no score memory.")
 
 
-def _score(state: TovaState, keys, queries, evicting):
+def _score(state: TovaState, keys, values, queries, evicting):
     last = scoring_queries(keys, queries)[:, :, :, -1:]
     return candidate_weights(last, state.keys, keys)[:, :, :, 0].mean(axis=2)
 
@@ -46,7 +46,7 @@ def _score_reference(state: TovaState, head: ref.Head):
     return ref.attention_weights(head.probes[:, -1:], head.keys, pos, pos[-1:])[:, 0].mean(0)
 
 
-def _kernel(state: TovaState, keys, queries):
+def _kernel(state: TovaState, keys, values, queries):
     from ..kernels.evict import weights
     return dict(by=weights(queries, state.keys, keys)[0])
 
