@@ -34,25 +34,6 @@ from .h2o import heavy_hitter_kernel, heavy_hitter_reference, heavy_hitter_score
 __all__ = ["ChunkKVState", "ChunkKVRecord", "State", "init", "update", "get_kv", "nbytes"]
 
 
-class ChunkKVState(NamedTuple):
-    """Kept rows, their absolute positions and per-token ``scores`` (attention mass or key norm)."""
-
-    keys: Float[Array, "b h n d"]
-    values: Float[Array, "b h n d"]
-    positions: Int[Array, "b h n"]
-    scores: Float[Array, "b h n"]
-    next_pos: Int[Array, "b h"]
-    budget: int
-    chunk_size: int
-    n_sink: int
-    score: str
-    reuse_layers: int
-    grace: int
-    decay: float
-    per_head: bool
-    backend: str
-
-
 class ChunkKVRecord(NamedTuple):
     """Model-level record: the latest leader layer's selection, reused by its followers."""
 
@@ -83,6 +64,12 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
             layer).
     """
     return evict.empty_state(ChunkKVState, locals())
+
+
+ChunkKVState = evict.state_type(
+    "ChunkKVState", init,
+    "Kept rows, their absolute positions and per-token ``scores`` (attention mass or key norm).",
+    scores=Float[Array, "b h n"])
 
 
 def _chunk_mean_mlx(scores: mx.array, positions: mx.array, size: int) -> mx.array:
@@ -167,7 +154,6 @@ def _chunk_mean_reference(scores: np.ndarray, positions: np.ndarray, size: int) 
 def _select_reference(state: ChunkKVState, keys, values, queries):
     c = ref.candidates(state, keys, values, queries)
     b, h, N = c.positions.shape
-    s = keys.shape[2]
     old = ref.to_np(state.scores)
     tokens = np.zeros((b, h, N))
     for i in range(b):

@@ -24,35 +24,18 @@ scores; every other step runs the ``mlx`` ops).
 
 from __future__ import annotations
 
-from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
 from .. import evict
 from .. import reference as ref
-from .._typing import Array, Float, Int
+from .._typing import Array, Float
 from ..registry import register
 
 __all__ = ["CurDKVState", "State", "init", "update", "get_kv", "nbytes", "curdkv_leverage"]
 
 _TINY = 1e-30  # an all-zero block has zero energy: its leverage is 0, not NaN
-
-
-class CurDKVState(NamedTuple):
-    """Kept rows, their absolute positions, the fitted subspaces and each row's score in them."""
-
-    keys: Float[Array, "b h n d"]
-    values: Float[Array, "b h n d"]
-    positions: Int[Array, "b h n"]
-    scores: Float[Array, "b h n"]  # ||x V_r||^2 * ||y W_r||^2 in the stored subspaces
-    key_basis: Float[Array, "b h d r"]
-    value_basis: Float[Array, "b h d r"]
-    next_pos: Int[Array, "b h"]
-    budget: int
-    n_sink: int
-    rank_cap: int
-    backend: str
 
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
@@ -68,6 +51,13 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
     """
     basis = mx.zeros((batch, kv_heads, head_dim, min(rank_cap, head_dim)), mx.float32)
     return evict.empty_state(CurDKVState, locals(), key_basis=basis, value_basis=basis)
+
+
+CurDKVState = evict.state_type(
+    "CurDKVState", init,
+    "Kept rows, their absolute positions, the fitted subspaces and each row's score in them.",
+    scores=Float[Array, "b h n"],  # ||x V_r||^2 * ||y W_r||^2 in the stored subspaces
+    key_basis=Float[Array, "b h d r"], value_basis=Float[Array, "b h d r"])
 
 
 def _fit_basis(x: mx.array, r: int) -> mx.array:

@@ -19,33 +19,17 @@ finds the loser and moves the rows and importance; every other step runs the ``m
 
 from __future__ import annotations
 
-from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
 from .. import evict
 from .. import reference as ref
-from .._typing import Array, Float, Int
+from .._typing import Array, Float
 from ..attention import candidate_weights, scoring_queries, softmax
 from ..registry import register
 
 __all__ = ["KVzipState", "State", "init", "update", "get_kv", "nbytes", "kvzip_importance"]
-
-
-class KVzipState(NamedTuple):
-    """Kept rows, their absolute positions and the best probe attention each has received."""
-
-    keys: Float[Array, "b h n d"]
-    values: Float[Array, "b h n d"]
-    positions: Int[Array, "b h n"]
-    importance: Float[Array, "b h n"]
-    next_pos: Int[Array, "b h"]
-    budget: int
-    n_sink: int
-    probe: str
-    per_head: bool
-    backend: str
 
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
@@ -62,6 +46,12 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
             averaged over heads).
     """
     return evict.empty_state(KVzipState, locals())
+
+
+KVzipState = evict.state_type(
+    "KVzipState", init,
+    "Kept rows, their absolute positions and the best probe attention each has received.",
+    importance=Float[Array, "b h n"])
 
 
 def kvzip_importance(probes: Float[Array, "b h g m d"], stored: Float[Array, "b h n d"],
