@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -199,10 +200,13 @@ def _document(m: Method, module: str) -> None:
     spec, parts = m.spec, []
     if spec.title:
         where = ", ".join(x for x in (spec.venue, f"arXiv:{spec.arxiv}" if spec.arxiv else "") if x)
-        parts.append(f"Reference:\n    {spec.title}. {where}.")
+        who = f"{spec.authors}. " if spec.authors else ""
+        parts.append("Reference:\n" + textwrap.fill(f"{who}{spec.title}. {where}.", 96,
+                                                     initial_indent="    ", subsequent_indent="    "))
     if spec.deviations:
-        parts.append("Deviations from the paper (the spec's ``deviations``):\n"
-                     + "\n".join(f"    * {d}" for d in spec.deviations))
+        parts.append("Deviations from the paper (the spec's ``deviations``):\n" + "\n".join(
+            textwrap.fill(d, 96, initial_indent="    * ", subsequent_indent="      ")
+            for d in spec.deviations))
     if parts:
         mod.__doc__ = (mod.__doc__ or "").rstrip() + "\n\n" + "\n\n".join(parts) + "\n"
 

@@ -136,6 +136,7 @@ class Spec:
     deviations: tuple[str, ...]
     backends: tuple[str, ...] = field(default=("reference", "mlx"))
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    authors: str = ""
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -336,6 +337,7 @@ def parse_spec(data: Mapping[str, Any], init: Callable | None = None) -> Spec:
         tolerance=dict(data.get("tolerance", {})), deviations=tuple(data.get("deviations", ())),
         backends=tuple(data.get("backends", ("reference", "mlx"))),
         presets={k: dict(v) for k, v in data.get("presets", {}).items()},
+        authors=paper.get("authors", ""),
     )
 
 
