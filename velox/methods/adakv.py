@@ -27,7 +27,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from .. import quant
+from .. import nuq, quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..ordering import order_key
@@ -160,7 +160,7 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
         levels[f"{lvl}_scales"] = mx.zeros((b, counts[lvl], d, 0), sd)
         levels[f"{lvl}_zeros"] = mx.zeros((b, counts[lvl], d, 0), sd)
     k = 2 if importance == "norm_variance" else 1
-    return AdaKVState(**levels, head_slot=mx.zeros((b, h, 0), _slot_dtype(h)),
+    return AdaKVState(**levels, head_slot=mx.zeros((b, h, 0), nuq.index_dtype(h)),
                       stats=mx.zeros((b, h, k), mx.float32),
                       residual_keys=mx.zeros((b, h, 0, d), rd), values=mx.zeros((b, h, 0, d), rd),
                       next_pos=mx.zeros((b, h), mx.int32), target_avg_bits=target_avg_bits,
@@ -168,10 +168,6 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
                       update_interval=update_interval, importance=importance,
                       obs_window=obs_window, residual_dtype=residual_dtype,
                       cache_dtype=quant.dtype_name(dtype), backend=backend)
-
-
-def _slot_dtype(heads: int) -> mx.Dtype:
-    return mx.uint8 if heads <= 256 else mx.uint16
 
 
 def quantized_groups(state: AdaKVState) -> int:

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from .. import quant
+from .. import nuq, quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..ordering import order_key
@@ -136,7 +136,7 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
             fields[f"{tier}_{kind}_scales"] = mx.zeros((b, h, 0, g), quant.side_dtype(dtype))
             fields[f"{tier}_{kind}_zeros"] = mx.zeros((b, h, 0, g), quant.side_dtype(dtype))
         fields[f"{tier}_positions"] = mx.zeros((b, h, 0), mx.int32)
-    order = mx.broadcast_to(mx.arange(d).astype(_order_dtype(d)), (b, h, d))
+    order = mx.broadcast_to(mx.arange(d).astype(nuq.index_dtype(d)), (b, h, d))
     base_high, base_low = _base_thresholds(k_high, k_mid)
     return AMCState(**fields, keys_order=mx.array(order), values_order=mx.array(order),
                     saliency_window=mx.zeros((b, h, 0), mx.float32),
@@ -147,10 +147,6 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
                     adaptive_thresholds=adaptive_thresholds, threshold_window=threshold_window,
                     gamma=gamma, calib_variance=calib_variance, group_size=group_size,
                     backend=backend)
-
-
-def _order_dtype(head_dim: int) -> mx.Dtype:
-    return mx.uint8 if head_dim <= 256 else mx.uint16
 
 
 def _base_thresholds(k_high: float, k_mid: float) -> tuple[float, float]:
