@@ -986,7 +986,8 @@ def _load_layer(where: str, i: int, entry: Any, arrays: dict[str, mx.array], use
     decode = dict(decode=entry.get("decode", "evict"), decode_cap=entry.get("decode_cap", DECODE_CAP))
     try:
         m = get_method(entry["method"])
-        mode = entry["mode"] if "mode" in entry else _choose_mode(m, real_queries=entry["real_queries"], routed=True)
+        mode = (entry["mode"] if "mode" in entry  # else as make_cache would, checked later
+                else _choose_mode(m, real_queries=entry["real_queries"], routed=True))
         c = VeloxCache(entry["method"], entry["params"], backend=backend or entry["backend"],
                        layer=i, compile=entry["compile"], real_queries=entry["real_queries"],
                        mode=mode, **decode)

@@ -221,7 +221,8 @@ def test_a_bad_saved_mode_is_refused(saved, tmp_path, mode, match):
 
 def test_a_proxy_mode_for_a_method_with_its_own_attention_is_refused(saved, tmp_path):
     p = _rewrite(saved / "kivi.safetensors", tmp_path / "x.safetensors", lambda e: e.update(mode="proxy"))
-    with pytest.raises(ValueError, match="layer 0: kivi attends through its own hook: it needs mode='deferred'"):
+    with pytest.raises(ValueError, match="layer 0: kivi attends through its own hook: it needs "
+                                         "mode='deferred'"):
         load_cache(p)
 
 
