@@ -784,6 +784,8 @@ def _split(value: Any, name: str, arrays: dict[str, mx.array]) -> Any:
         return {"__array__": name}
     if isinstance(value, dict):
         return {"__dict__": {k: _split(v, f"{name}.{k}", arrays) for k, v in value.items()}}
+    if hasattr(value, "_fields"):  # a nested record (a composed method's policy state)
+        return {"__record__": {k: _split(v, f"{name}.{k}", arrays) for k, v in value._asdict().items()}}
     return value
 
 
@@ -1084,20 +1086,25 @@ def _build(where: str, record_type: type, desc: dict, arrays: dict[str, mx.array
         raise ValueError(f"{where}: {record_type.__name__} fields missing: {', '.join(missing) or '-'}; "
                          f"unknown: {', '.join(extra) or '-'}")
 
-    def join(d: Any, name: str) -> Any:
+    def join(d: Any, name: str, kind: Any = None) -> Any:
         if isinstance(d, dict) and "__array__" in d:
             key = d["__array__"]
             if key not in arrays:
                 raise ValueError(f"{where}: array {key!r} ({name}) is missing from the file")
             used.add(key)
             return arrays[key]
+        nested = hasattr(kind, "_fields")  # the field holds a record
+        if isinstance(d, dict) and ("__record__" in d or "__dict__" in d) and nested:
+            # (files saved before nested records were: the record's fields as a dict)
+            return _build(f"{where}: {name}", kind, d.get("__record__", d.get("__dict__")), arrays, used)
         if isinstance(d, dict) and "__dict__" in d:
             return {k: join(v, f"{name}.{k}") for k, v in d["__dict__"].items()}
         if isinstance(d, dict):
             raise ValueError(f"{where}: {name} is an unknown description {d!r}")
         return tuple(d) if isinstance(d, list) else d
 
-    return record_type(**{k: join(v, k) for k, v in desc.items()})
+    kinds = getattr(record_type, "__annotations__", {})
+    return record_type(**{k: join(v, k, kinds.get(k)) for k, v in desc.items()})
 
 
 def _dtype_name(dtype: mx.Dtype) -> str:
@@ -1108,6 +1115,8 @@ def _leaves(record: tuple) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     def walk(name: str, v: Any) -> None:
+        if hasattr(v, "_fields"):
+            v = v._asdict()
         if isinstance(v, dict):
             for k, x in v.items():
                 walk(f"{name}.{k}", x)

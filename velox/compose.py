@@ -13,6 +13,7 @@ Per-token groups make rows independent, so dropping a token never touches anothe
 
 from __future__ import annotations
 
+import typing
 from typing import Any, NamedTuple
 
 import mlx.core as mx
@@ -20,10 +21,9 @@ import numpy as np
 
 from . import evict, quant
 from . import reference as ref
-from .accounting import state_nbytes
 from .qattention import AffineRows, attend_segments
-from .registry import Method, dispatch, get_method, method_keys, register
-from .spec import Param, Spec, validate_params
+from .registry import Method, get_method, method_keys, register
+from .spec import Param, Spec
 
 __all__ = ["evict_then_store"]
 
@@ -105,26 +105,28 @@ def evict_then_store(policy: str) -> Method:
         raise ValueError(f"{policy} does not store keys and values rows; it cannot be composed")
     spec = _spec(P.spec, key)
     pure = bool(P.spec.contract.get("exact_rows", False))
-    aux_fields = tuple(f for f in P.state_type._fields if f not in ("keys", "values", "next_pos"))
+    hints = typing.get_type_hints(P.state_type)
+    # The policy's own bookkeeping: its state's fields but the rows the codec holds.
+    Policy = NamedTuple(f"{P.state_type.__name__}Policy",
+                        [(f, hints[f]) for f in P.state_type._fields if f not in ("keys", "values", "next_pos")])
     State = NamedTuple(f"{P.state_type.__name__}Affine",
-                       [("policy", dict)] + [(f, mx.array) for f in _CODEC_FIELDS]
+                       [("policy", Policy)] + [(f, mx.array) for f in _CODEC_FIELDS]
                        + [("next_pos", mx.array), ("bits", int), ("group_size", int),
                           ("cache_dtype", str), ("backend", str)])
 
     def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
              backend: str = "auto", **params: Any):
-        """Empty composed state; ``params`` are the policy's plus ``bits`` and ``group_size``."""
-        full = validate_params(spec, params, dims=dict(batch=batch, kv_heads=kv_heads,
-                                                       head_dim=head_dim))
-        bits, group = full.pop("bits"), full.pop("group_size")
-        pstate = P.init(batch, kv_heads, head_dim, dtype=dtype, backend=backend, **full)
+        """Empty composed state; ``params`` are the policy's plus ``bits`` and ``group_size``
+        (checked by the registry's wrapper before this runs)."""
+        bits, group = params.pop("bits"), params.pop("group_size")
+        pstate = P.init(batch, kv_heads, head_dim, dtype=dtype, backend=backend, **params)
         empty = mx.zeros((batch, kv_heads, 0, head_dim), dtype)
         codec = _encode(empty, empty, bits, group, "mlx")
-        return State({f: getattr(pstate, f) for f in aux_fields}, *codec, pstate.next_pos, bits,
-                     group, quant.dtype_name(dtype), pstate.backend)
+        return State(Policy(*(getattr(pstate, f) for f in Policy._fields)), *codec, pstate.next_pos,
+                     bits, group, quant.dtype_name(dtype), pstate.backend)
 
     def _policy_state(state, k_hat, v_hat):
-        return P.state_type(**state.policy, keys=k_hat, values=v_hat, next_pos=state.next_pos)
+        return P.state_type(**state.policy._asdict(), keys=k_hat, values=v_hat, next_pos=state.next_pos)
 
     def _update(state, keys, values, queries):
         k_hat, v_hat = _decode(state)
@@ -143,12 +145,8 @@ def evict_then_store(policy: str) -> Method:
             codec = evict.keep_rows(old, fresh, idx)
         else:
             codec = _encode(new.keys, new.values, state.bits, state.group_size, state.backend)
-        return State({f: getattr(new, f) for f in aux_fields}, *codec, new.next_pos,
+        return State(Policy(*(getattr(new, f) for f in Policy._fields)), *codec, new.next_pos,
                      state.bits, state.group_size, state.cache_dtype, state.backend)
-
-    def update(state, keys, values, *, queries=None):
-        """The policy's update on dequantized candidates; survivors kept as codes."""
-        return dispatch(key, state, keys, values, queries, dims(state))
 
     def get_kv(state):
         """Dequantized survivors, in increasing absolute position."""
@@ -168,9 +166,7 @@ def evict_then_store(policy: str) -> Method:
         seg = AffineRows(*(getattr(state, f) for f in _CODEC_FIELDS), state.bits, state.group_size)
         return attend_segments(queries, [seg], keys, values, scale=scale, mask=mask)
 
-    m = register(key, state_type=State, init=init, update=update, get_kv=get_kv,
-                 nbytes=state_nbytes, positions=lambda st: st.policy["positions"],
-                 error_bound=error_bound, dims=dims, attend=attend,
-                 backends={b: _update for b in P.backends})
-    m.spec_override = spec
+    m = register(key, State, init, {b: _update for b in P.backends}, get_kv=get_kv,
+                 positions=lambda st: st.policy.positions, error_bound=error_bound, dims=dims,
+                 attend=attend, spec=spec)
     return m
