@@ -1,9 +1,11 @@
 """velox: functional KV-cache compression for MLX.
 
-Every method ``m`` is a state record ``MState`` plus pure functions ``m_init``, ``m_update``,
-``m_get_kv`` and ``m_bytes``, vectorised over batch and kv heads. The registry maps each
-method key to its functions and spec; :func:`init`, :func:`update`, :func:`get_kv` and
-:func:`nbytes` dispatch on it.
+Every method is a namespace, ``velox.<key>``, holding its state record ``State`` and pure
+functions ``init``, ``update``, ``get_kv`` and ``nbytes``, vectorised over batch and kv heads
+(``velox.tova.update(state, keys, values)``); the same functions are ``velox.<key>_init``,
+``velox.<key>_update``, ``velox.<key>_get_kv`` and ``velox.<key>_bytes``, the state type
+``velox.<Key>State``. The registry maps each method key to its functions and spec;
+:func:`init`, :func:`update`, :func:`get_kv` and :func:`nbytes` dispatch on it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from . import _blas  # noqa: F401  (first: OpenBLAS must load before mlx.core)
 
 import mlx.core as mx
 
-from . import methods as _methods  # noqa: F401  (registers every method)
 from . import compose
 from .accounting import fp16_bytes, state_nbytes
 from .backend import BACKENDS, BackendUnavailable
@@ -68,17 +69,147 @@ __all__ = [
 ]
 
 
-def _export_methods() -> None:
-    """Expose each method's ``<key>_init/_update/_get_kv/_bytes`` and state type here."""
-    for key in method_keys():
-        if not key.isidentifier():  # compositions such as "tova+affine": use velox.init(key)
-            continue
-        m = get_method(key)
-        names = {f"{key}_init": m.init, f"{key}_update": m.update, f"{key}_get_kv": m.get_kv,
-                 f"{key}_bytes": m.nbytes, m.state_type.__name__: m.state_type}
-        globals().update(names)
-        __all__.extend(names)
-
-
-compose.evict_then_store("tova")  # TOVA survivors as per-token affine codes: "tova+affine"
-_export_methods()
+# --- begin generated exports (scripts/update_exports.py) ---
+from .methods import (  # noqa: E402  (each registers its method)
+    adakv,
+    age_tiered,
+    amc,
+    cachegen,
+    cam,
+    chunkkv,
+    curdkv,
+    gear,
+    h2o,
+    keyformer,
+    kitty,
+    kivi,
+    kivi_sink,
+    knorm,
+    kvquant,
+    kvzip,
+    morphkv,
+    nestedkv,
+    pyramidkv,
+    qfilters,
+    rocketkv,
+    skvq,
+    snapkv,
+    squeeze,
+    streaming_llm,
+    tova,
+    tova_affine,
+    zipcache,
+)
+AdaKVState = adakv.State
+adakv_init, adakv_update, adakv_get_kv, adakv_bytes = (
+    adakv.init, adakv.update, adakv.get_kv, adakv.nbytes)
+AgeTieredState = age_tiered.State
+age_tiered_init, age_tiered_update, age_tiered_get_kv, age_tiered_bytes = (
+    age_tiered.init, age_tiered.update, age_tiered.get_kv, age_tiered.nbytes)
+AMCState = amc.State
+amc_init, amc_update, amc_get_kv, amc_bytes = (
+    amc.init, amc.update, amc.get_kv, amc.nbytes)
+CacheGenState = cachegen.State
+cachegen_init, cachegen_update, cachegen_get_kv, cachegen_bytes = (
+    cachegen.init, cachegen.update, cachegen.get_kv, cachegen.nbytes)
+CaMState = cam.State
+cam_init, cam_update, cam_get_kv, cam_bytes = (
+    cam.init, cam.update, cam.get_kv, cam.nbytes)
+ChunkKVState = chunkkv.State
+chunkkv_init, chunkkv_update, chunkkv_get_kv, chunkkv_bytes = (
+    chunkkv.init, chunkkv.update, chunkkv.get_kv, chunkkv.nbytes)
+CurDKVState = curdkv.State
+curdkv_init, curdkv_update, curdkv_get_kv, curdkv_bytes = (
+    curdkv.init, curdkv.update, curdkv.get_kv, curdkv.nbytes)
+GearState = gear.State
+gear_init, gear_update, gear_get_kv, gear_bytes = (
+    gear.init, gear.update, gear.get_kv, gear.nbytes)
+H2OState = h2o.State
+h2o_init, h2o_update, h2o_get_kv, h2o_bytes = (
+    h2o.init, h2o.update, h2o.get_kv, h2o.nbytes)
+KeyformerState = keyformer.State
+keyformer_init, keyformer_update, keyformer_get_kv, keyformer_bytes = (
+    keyformer.init, keyformer.update, keyformer.get_kv, keyformer.nbytes)
+KittyState = kitty.State
+kitty_init, kitty_update, kitty_get_kv, kitty_bytes = (
+    kitty.init, kitty.update, kitty.get_kv, kitty.nbytes)
+KiviState = kivi.State
+kivi_init, kivi_update, kivi_get_kv, kivi_bytes = (
+    kivi.init, kivi.update, kivi.get_kv, kivi.nbytes)
+KiviSinkState = kivi_sink.State
+kivi_sink_init, kivi_sink_update, kivi_sink_get_kv, kivi_sink_bytes = (
+    kivi_sink.init, kivi_sink.update, kivi_sink.get_kv, kivi_sink.nbytes)
+KNormState = knorm.State
+knorm_init, knorm_update, knorm_get_kv, knorm_bytes = (
+    knorm.init, knorm.update, knorm.get_kv, knorm.nbytes)
+KVQuantState = kvquant.State
+kvquant_init, kvquant_update, kvquant_get_kv, kvquant_bytes = (
+    kvquant.init, kvquant.update, kvquant.get_kv, kvquant.nbytes)
+KVzipState = kvzip.State
+kvzip_init, kvzip_update, kvzip_get_kv, kvzip_bytes = (
+    kvzip.init, kvzip.update, kvzip.get_kv, kvzip.nbytes)
+MorphKVState = morphkv.State
+morphkv_init, morphkv_update, morphkv_get_kv, morphkv_bytes = (
+    morphkv.init, morphkv.update, morphkv.get_kv, morphkv.nbytes)
+NestedKVState = nestedkv.State
+nestedkv_init, nestedkv_update, nestedkv_get_kv, nestedkv_bytes = (
+    nestedkv.init, nestedkv.update, nestedkv.get_kv, nestedkv.nbytes)
+PyramidKVState = pyramidkv.State
+pyramidkv_init, pyramidkv_update, pyramidkv_get_kv, pyramidkv_bytes = (
+    pyramidkv.init, pyramidkv.update, pyramidkv.get_kv, pyramidkv.nbytes)
+QFiltersState = qfilters.State
+qfilters_init, qfilters_update, qfilters_get_kv, qfilters_bytes = (
+    qfilters.init, qfilters.update, qfilters.get_kv, qfilters.nbytes)
+RocketKVState = rocketkv.State
+rocketkv_init, rocketkv_update, rocketkv_get_kv, rocketkv_bytes = (
+    rocketkv.init, rocketkv.update, rocketkv.get_kv, rocketkv.nbytes)
+SKVQState = skvq.State
+skvq_init, skvq_update, skvq_get_kv, skvq_bytes = (
+    skvq.init, skvq.update, skvq.get_kv, skvq.nbytes)
+SnapKVState = snapkv.State
+snapkv_init, snapkv_update, snapkv_get_kv, snapkv_bytes = (
+    snapkv.init, snapkv.update, snapkv.get_kv, snapkv.nbytes)
+SqueezeState = squeeze.State
+squeeze_init, squeeze_update, squeeze_get_kv, squeeze_bytes = (
+    squeeze.init, squeeze.update, squeeze.get_kv, squeeze.nbytes)
+StreamingLLMState = streaming_llm.State
+streaming_llm_init, streaming_llm_update, streaming_llm_get_kv, streaming_llm_bytes = (
+    streaming_llm.init, streaming_llm.update, streaming_llm.get_kv, streaming_llm.nbytes)
+TovaState = tova.State
+tova_init, tova_update, tova_get_kv, tova_bytes = (
+    tova.init, tova.update, tova.get_kv, tova.nbytes)
+ZipCacheState = zipcache.State
+zipcache_init, zipcache_update, zipcache_get_kv, zipcache_bytes = (
+    zipcache.init, zipcache.update, zipcache.get_kv, zipcache.nbytes)
+__all__ += [
+    "adakv", "AdaKVState", "adakv_init", "adakv_update", "adakv_get_kv", "adakv_bytes",
+    "age_tiered", "AgeTieredState", "age_tiered_init", "age_tiered_update", "age_tiered_get_kv",
+    "age_tiered_bytes", "amc", "AMCState", "amc_init", "amc_update", "amc_get_kv", "amc_bytes",
+    "cachegen", "CacheGenState", "cachegen_init", "cachegen_update", "cachegen_get_kv",
+    "cachegen_bytes", "cam", "CaMState", "cam_init", "cam_update", "cam_get_kv", "cam_bytes",
+    "chunkkv", "ChunkKVState", "chunkkv_init", "chunkkv_update", "chunkkv_get_kv", "chunkkv_bytes",
+    "curdkv", "CurDKVState", "curdkv_init", "curdkv_update", "curdkv_get_kv", "curdkv_bytes",
+    "gear", "GearState", "gear_init", "gear_update", "gear_get_kv", "gear_bytes", "h2o",
+    "H2OState", "h2o_init", "h2o_update", "h2o_get_kv", "h2o_bytes", "keyformer", "KeyformerState",
+    "keyformer_init", "keyformer_update", "keyformer_get_kv", "keyformer_bytes", "kitty",
+    "KittyState", "kitty_init", "kitty_update", "kitty_get_kv", "kitty_bytes", "kivi", "KiviState",
+    "kivi_init", "kivi_update", "kivi_get_kv", "kivi_bytes", "kivi_sink", "KiviSinkState",
+    "kivi_sink_init", "kivi_sink_update", "kivi_sink_get_kv", "kivi_sink_bytes", "knorm",
+    "KNormState", "knorm_init", "knorm_update", "knorm_get_kv", "knorm_bytes", "kvquant",
+    "KVQuantState", "kvquant_init", "kvquant_update", "kvquant_get_kv", "kvquant_bytes", "kvzip",
+    "KVzipState", "kvzip_init", "kvzip_update", "kvzip_get_kv", "kvzip_bytes", "morphkv",
+    "MorphKVState", "morphkv_init", "morphkv_update", "morphkv_get_kv", "morphkv_bytes",
+    "nestedkv", "NestedKVState", "nestedkv_init", "nestedkv_update", "nestedkv_get_kv",
+    "nestedkv_bytes", "pyramidkv", "PyramidKVState", "pyramidkv_init", "pyramidkv_update",
+    "pyramidkv_get_kv", "pyramidkv_bytes", "qfilters", "QFiltersState", "qfilters_init",
+    "qfilters_update", "qfilters_get_kv", "qfilters_bytes", "rocketkv", "RocketKVState",
+    "rocketkv_init", "rocketkv_update", "rocketkv_get_kv", "rocketkv_bytes", "skvq", "SKVQState",
+    "skvq_init", "skvq_update", "skvq_get_kv", "skvq_bytes", "snapkv", "SnapKVState",
+    "snapkv_init", "snapkv_update", "snapkv_get_kv", "snapkv_bytes", "squeeze", "SqueezeState",
+    "squeeze_init", "squeeze_update", "squeeze_get_kv", "squeeze_bytes", "streaming_llm",
+    "StreamingLLMState", "streaming_llm_init", "streaming_llm_update", "streaming_llm_get_kv",
+    "streaming_llm_bytes", "tova", "TovaState", "tova_init", "tova_update", "tova_get_kv",
+    "tova_bytes", "zipcache", "ZipCacheState", "zipcache_init", "zipcache_update",
+    "zipcache_get_kv", "zipcache_bytes",
+]
+# --- end generated exports ---

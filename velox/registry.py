@@ -202,10 +202,12 @@ def _document(m: Method, module: str) -> None:
         where = ", ".join(x for x in (spec.venue, f"arXiv:{spec.arxiv}" if spec.arxiv else "") if x)
         who = f"{spec.authors}. " if spec.authors else ""
         parts.append("Reference:\n" + textwrap.fill(f"{who}{spec.title}. {where}.", 96,
-                                                     initial_indent="    ", subsequent_indent="    "))
+                                                     initial_indent="    ", subsequent_indent="    ",
+                                                     break_on_hyphens=False))
     if spec.deviations:
         parts.append("Deviations from the paper (the spec's ``deviations``):\n" + "\n".join(
-            textwrap.fill(d, 96, initial_indent="    * ", subsequent_indent="      ")
+            textwrap.fill(d, 96, initial_indent="    * ", subsequent_indent="      ",
+                          break_on_hyphens=False, break_long_words=False)
             for d in spec.deviations))
     if parts:
         mod.__doc__ = (mod.__doc__ or "").rstrip() + "\n\n" + "\n\n".join(parts) + "\n"
@@ -235,34 +237,6 @@ def method_of(state: State) -> Method:
         return _BY_STATE[type(state)]
     except KeyError:
         raise ValueError(f"{type(state).__name__} is not the state of a registered method") from None
-
-
-def prepare_init(key: str, batch: int, kv_heads: int, head_dim: int, dtype: mx.Dtype,
-                 backend: str, params: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """Validate an ``init`` call: dims, parameters (spec ranges, constraints), backend.
-
-    Constraints in a spec may name ``batch``, ``kv_heads`` and ``head_dim`` as well.
-    Returns the full parameter dict and the resolved backend name.
-    """
-    from .backend import resolve_backend
-    from .spec import validate_params
-    from .validate import check_dims
-
-    check_dims(batch, kv_heads, head_dim, dtype)
-    method = get_method(key)
-    full = validate_params(method.spec, params, dims=dict(batch=batch, kv_heads=kv_heads,
-                                                          head_dim=head_dim))
-    return full, resolve_backend(backend, key, method.backends)
-
-
-def dispatch(key: str, state: State, keys: mx.array, values: mx.array,
-             queries: mx.array | None, dims: tuple[int, int, int, mx.Dtype]) -> State:
-    """Validate an ``update`` call against the state's dims and run the state's backend."""
-    from .validate import check_update
-
-    b, h, d, dtype = dims
-    check_update(keys, values, queries, batch=b, heads=h, head_dim=d, dtype=dtype)
-    return _REGISTRY[key].backends[state.backend](state, keys, values, queries)
 
 
 def _keys_dims(state: State) -> tuple[int, int, int, mx.Dtype]:

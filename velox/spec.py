@@ -235,7 +235,6 @@ _TABLE_ONLY = {"min", "max", "min_exclusive", "max_exclusive", "choices", "test_
                "test_choices", "seed_name"}
 _ANNOTATIONS = {int: "int", float: "float", bool: "bool", str: "choice",
                 "int": "int", "float": "float", "bool": "bool", "str": "choice"}
-_LEGACY = True
 _NOT_PARAMS = ("batch", "kv_heads", "head_dim", "dtype", "backend")
 
 
@@ -289,9 +288,7 @@ def _param(name: str, raw: Mapping[str, Any], declared: tuple[str, Any, str] | N
         declared = raw.get("type"), raw.get("default"), raw.get("doc", "")
     else:
         stray = sorted({"type", "default", "doc"} & set(raw))
-        if stray and _LEGACY:  # a spec file not moved yet: its table still declares them
-            declared = raw.get("type"), raw.get("default"), raw.get("doc", "")
-        elif stray:
+        if stray:
             raise ValueError(f"parameter {name}: {', '.join(stray)} come(s) from the init "
                              f"signature and its Args, not the spec file")
     kind, default, doc = declared

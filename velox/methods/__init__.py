@@ -1,8 +1,4 @@
-"""Method modules: importing this package imports (and so registers) every module in it."""
+"""Method modules: one per method (``velox/methods/<key>.py``), each registering its method.
 
-import importlib
-import pkgutil
-
-for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-    if not _info.name.startswith("_"):
-        importlib.import_module(f"{__name__}.{_info.name}")
+``velox/__init__.py`` imports every one of them by name (a generated, static list).
+"""
