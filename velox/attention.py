@@ -116,11 +116,14 @@ def candidate_weights(queries: Float[Array, "b h g m d"], stored: Float[Array, "
 
 def candidate_mass(queries: Float[Array, "b h g m d"], stored: Float[Array, "b h n d"],
                    new: Float[Array, "b h s d"], coef: Float[Array, "m"] | None = None,
-                   block: int = 256) -> Float[Array, "b h ns"]:
+                   block: int = 256, noise=None) -> Float[Array, "b h ns"]:
     """Attention each candidate receives from the chunk's last ``m`` queries.
 
     Summed over queries (weighted by ``coef``), averaged over the ``g`` query heads of a kv
     head. Queries go in blocks of ``block`` so long chunks never hold every weight at once.
+    ``noise(start, stop, visible)``, when given, is added to the logits of queries
+    ``start..stop-1`` over the ``n + visible`` candidates they may see before the softmax
+    (``[b, h, 1 or g, stop - start, n + visible]``: Keyformer's Gumbel noise).
     """
     m, s = queries.shape[3], new.shape[2]
     total = None
@@ -129,7 +132,11 @@ def candidate_mass(queries: Float[Array, "b h g m d"], stored: Float[Array, "b h
         # the block's queries are the chunk's tokens s-m+start .. s-m+stop-1: only the new
         # keys up to the block's last query can be visible
         visible = s - m + stop
-        w = candidate_weights(queries[:, :, :, start:stop], stored, new[:, :, :visible])
+        if noise is None:
+            w = candidate_weights(queries[:, :, :, start:stop], stored, new[:, :, :visible])
+        else:
+            logits = candidate_logits(queries[:, :, :, start:stop], stored, new[:, :, :visible])
+            w = softmax(logits + noise(start, stop, visible))
         if coef is not None:
             w = w * coef[start:stop, None]
         part = (w[:, :, :, 0] if stop - start == 1 else w.sum(axis=3)).mean(axis=2)

@@ -24,7 +24,7 @@ import numpy as np
 from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float
-from ..attention import candidate_logits, softmax
+from ..attention import candidate_mass
 from ..noise import hash_uniform, hash_uniform_np
 from ..registry import register
 from .h2o import heavy_hitter_kernel, heavy_hitter_scores
@@ -83,23 +83,16 @@ def _candidate_positions(state: KeyformerState, s: int) -> tuple[mx.array, mx.ar
     return mx.concatenate([state.positions.astype(mx.uint32), qpos], axis=2), qpos
 
 
-def _gumbel_mass(state: KeyformerState, queries, keys, coef, block: int = 256) -> mx.array:
-    """Attention mass of the chunk's queries with Gumbel-perturbed logits, as ``candidate_mass``."""
+def _gumbel_mass(state: KeyformerState, queries, keys, coef) -> mx.array:
+    """Attention mass of the chunk's queries with Gumbel-perturbed logits (``candidate_mass``
+    with the noise of each query on each candidate it may see)."""
     n, s = state.keys.shape[2], keys.shape[2]
     kpos, qpos = _candidate_positions(state, s)
-    total = None
-    for start in range(0, s, block):
-        stop = min(start + block, s)  # queries start..stop-1 see the new keys up to stop-1
-        logits = candidate_logits(queries[:, :, :, start:stop], state.keys, keys[:, :, :stop])
-        noise = _noise(state, qpos[:, :, start:stop], kpos[:, :, : n + stop])  # [b, h, m, n+stop]
-        w = softmax(logits + noise[:, :, None])
-        if coef is not None:
-            w = w * coef[start:stop, None]
-        part = (w[:, :, :, 0] if stop - start == 1 else w.sum(axis=3)).mean(axis=2)
-        if stop < s:
-            part = mx.concatenate([part, mx.zeros(part.shape[:2] + (s - stop,), part.dtype)], axis=2)
-        total = part if total is None else total + part
-    return total
+
+    def noise(start, stop, visible):  # [b, h, 1, m, n + visible]
+        return _noise(state, qpos[:, :, start:stop], kpos[:, :, : n + visible])[:, :, None]
+
+    return candidate_mass(queries, state.keys, keys, coef, noise=noise)
 
 
 def _score(state: KeyformerState, keys, values, queries, evicting) -> evict.Scored:
