@@ -68,7 +68,7 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
     return evict.empty_state(CaMState, locals())
 
 
-CaMState = evict.state_type(
+CaMState = State = evict.state_type(
     "CaMState", init,
     "Kept (possibly merged) rows, their absolute positions, accumulated ``scores`` and the "
     "L2 norms of the stored keys.",
@@ -302,7 +302,6 @@ def _update_reference(state: CaMState, keys, values, queries) -> CaMState:
                     key_norms=np.linalg.norm(stored_k, axis=-1))
 
 
-State = CaMState
 method = register("cam", CaMState, init, {
     "reference": _update_reference, "mlx": _update_mlx,
     "cuda": evict.cuda_update(_update_mlx, lambda st: st.budget, _decode_cuda)})

@@ -66,7 +66,7 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
     return evict.empty_state(ChunkKVState, locals())
 
 
-ChunkKVState = evict.state_type(
+ChunkKVState = State = evict.state_type(
     "ChunkKVState", init,
     "Kept rows, their absolute positions and per-token ``scores`` (attention mass or key norm).",
     scores=Float[Array, "b h n"])
@@ -218,7 +218,6 @@ def _layer_update(record: ChunkKVRecord, layer: int, state: ChunkKVState,
     return record, state
 
 
-State = ChunkKVState
 method = register("chunkkv", ChunkKVState, init,
                   {"reference": _update_reference, "mlx": _update_mlx,
                    "cuda": evict.cuda_update(_update_mlx, lambda st: st.budget, _decode_cuda)},

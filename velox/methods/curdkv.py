@@ -53,7 +53,7 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
     return evict.empty_state(CurDKVState, locals(), key_basis=basis, value_basis=basis)
 
 
-CurDKVState = evict.state_type(
+CurDKVState = State = evict.state_type(
     "CurDKVState", init,
     "Kept rows, their absolute positions, the fitted subspaces and each row's score in them.",
     scores=Float[Array, "b h n"],  # ||x V_r||^2 * ||y W_r||^2 in the stored subspaces
@@ -166,7 +166,6 @@ def _score_reference(state: CurDKVState, head: ref.Head) -> evict.Scored:
     return evict.Scored(score, {"scores": score, "key_basis": kb, "value_basis": vb})
 
 
-State = CurDKVState
 method = register("curdkv", CurDKVState, init,
                   evict.score_and_keep(_score, _score_reference, kernel=_kernel, carry=("scores",),
                                        fields=("key_basis", "value_basis")))

@@ -34,7 +34,7 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
     return evict.empty_state(H2OState, locals())
 
 
-H2OState = evict.state_type(
+H2OState = State = evict.state_type(
     "H2OState", init,
     "Kept rows, their absolute positions and accumulated attention ``scores``.",
     scores=Float[Array, "b h n"])
@@ -70,7 +70,6 @@ def heavy_hitter_kernel(state, keys, values, queries, gumbel=None) -> dict:
     return dict(by=scores, carry=scores)
 
 
-State = H2OState
 method = register("h2o", H2OState, init,
                   evict.score_and_keep(heavy_hitter_scores, heavy_hitter_reference,
                                        kernel=heavy_hitter_kernel, carry=("scores",)))

@@ -53,7 +53,7 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
     return evict.empty_state(KeyformerState, locals())
 
 
-KeyformerState = evict.state_type(
+KeyformerState = State = evict.state_type(
     "KeyformerState", init,
     "Kept rows, their absolute positions and accumulated perturbed attention ``scores``.",
     scores=Float[Array, "b h n"])
@@ -126,7 +126,6 @@ def _kernel(state: KeyformerState, keys, values, queries) -> dict:
     return heavy_hitter_kernel(state, keys, values, queries, gumbel=gumbel)
 
 
-State = KeyformerState
 method = register("keyformer", KeyformerState, init,
                   evict.score_and_keep(_score, _score_reference, kernel=_kernel, carry=("scores",)))
 init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes

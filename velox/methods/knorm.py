@@ -38,7 +38,7 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
     return evict.empty_state(KNormState, locals())
 
 
-KNormState = evict.state_type(
+KNormState = State = evict.state_type(
     "KNormState", init,
     "Kept rows and their absolute positions; scores are recomputed from the kept keys.")
 
@@ -54,6 +54,5 @@ def _score_reference(state: KNormState, head: ref.Head):
     return -norms if state.keep == "low" else norms
 
 
-State = KNormState
 method = register("knorm", KNormState, init, evict.score_and_keep(_score, _score_reference))
 init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes

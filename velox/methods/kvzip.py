@@ -48,7 +48,7 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
     return evict.empty_state(KVzipState, locals())
 
 
-KVzipState = evict.state_type(
+KVzipState = State = evict.state_type(
     "KVzipState", init,
     "Kept rows, their absolute positions and the best probe attention each has received.",
     importance=Float[Array, "b h n"])
@@ -112,7 +112,6 @@ def _kernel(state: KVzipState, keys, values, queries) -> dict:
     return dict(by=current if latest else importance, carry=importance)
 
 
-State = KVzipState
 method = register("kvzip", KVzipState, init,
                   evict.score_and_keep(_score, _score_reference, kernel=_kernel,
                                        carry=("importance",)))

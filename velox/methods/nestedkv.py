@@ -57,7 +57,7 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
     return evict.empty_state(NestedKVState, locals())
 
 
-NestedKVState = evict.state_type(
+NestedKVState = State = evict.state_type(
     "NestedKVState", init, "Kept rows and their absolute positions.")
 
 
@@ -162,6 +162,5 @@ def _head_score(state: NestedKVState, head: ref.Head) -> np.ndarray:
     return _score_reference(head.keys.astype(np.float64), state)
 
 
-State = NestedKVState
 method = register("nestedkv", NestedKVState, init, evict.score_and_keep(_score, _head_score))
 init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes

@@ -76,13 +76,12 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
     return evict.empty_state(PyramidKVState, locals())
 
 
-PyramidKVState = evict.state_type(
+PyramidKVState = State = evict.state_type(
     "PyramidKVState", init,
     "Kept rows and their absolute positions (SnapKV's state, with this layer's budget).")
 
 
 # Within a layer the rule is SnapKV's, with the layer's own budget.
-State = PyramidKVState
 method = register("pyramidkv", PyramidKVState, init, evict.score_and_keep(votes, votes_reference),
                   layer_params=_layer_params)
 init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes

@@ -39,7 +39,7 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
     return evict.empty_state(SnapKVState, locals())
 
 
-SnapKVState = evict.state_type(
+SnapKVState = State = evict.state_type(
     "SnapKVState", init, "Kept rows and their absolute positions.")
 
 
@@ -110,6 +110,5 @@ def votes_reference(state, head: ref.Head, *, pooling: str | None = None) -> np.
     return v
 
 
-State = SnapKVState
 method = register("snapkv", SnapKVState, init, evict.score_and_keep(votes, votes_reference))
 init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes

@@ -66,7 +66,7 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
     return evict.empty_state(SqueezeState, locals())
 
 
-SqueezeState = evict.state_type(
+SqueezeState = State = evict.state_type(
     "SqueezeState", init,
     "One layer: kept rows, positions and accumulated attention ``scores`` (as H2O).",
     scores=Float[Array, "b h n"])
@@ -151,7 +151,6 @@ def _layer_update(record: SqueezeRecord, layer: int, state: SqueezeState,
 
 
 # Within a layer the rule is H2O's, with the layer's own budget.
-State = SqueezeState
 method = register(KEY, SqueezeState, init,
                   evict.score_and_keep(heavy_hitter_scores, heavy_hitter_reference,
                                        kernel=heavy_hitter_kernel, carry=("scores",)),

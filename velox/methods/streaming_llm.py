@@ -27,7 +27,7 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
     return evict.empty_state(StreamingLLMState, locals())
 
 
-StreamingLLMState = evict.state_type(
+StreamingLLMState = State = evict.state_type(
     "StreamingLLMState", init,
     "Sinks + recency window. ``positions`` are absolute; ``next_pos`` = tokens seen.")
 
@@ -37,7 +37,6 @@ def _kernel(state: StreamingLLMState, keys, values, queries):
     return dict(drop=state.n_sink if state.window_size else state.keys.shape[2])
 
 
-State = StreamingLLMState
 method = register("streaming_llm", StreamingLLMState, init,
                   evict.score_and_keep(None, None, kernel=_kernel))
 init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes

@@ -32,7 +32,7 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
     return evict.empty_state(TovaState, locals())
 
 
-TovaState = evict.state_type(
+TovaState = State = evict.state_type(
     "TovaState", init, "Kept rows and their absolute positions; no score memory.")
 
 
@@ -51,6 +51,5 @@ def _kernel(state: TovaState, keys, values, queries):
     return dict(by=weights(queries, state.keys, keys)[0])
 
 
-State = TovaState
 method = register("tova", TovaState, init, evict.score_and_keep(_score, _score_reference, kernel=_kernel))
 init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
