@@ -37,9 +37,9 @@ import numpy as np
 from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float
+from ..heavy_hitters import heavy_hitter_kernel, heavy_hitter_reference, heavy_hitter_scores
 from ..noise import hash_uniform, hash_uniform_np
 from ..registry import register
-from .h2o import heavy_hitter_kernel, heavy_hitter_reference, heavy_hitter_scores
 
 __all__ = ["CaMState", "State", "init", "update", "get_kv", "nbytes"]
 

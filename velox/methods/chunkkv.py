@@ -28,8 +28,8 @@ from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
 from ..crosslayer import checked_update, layer_params
+from ..heavy_hitters import heavy_hitter_kernel, heavy_hitter_reference, heavy_hitter_scores
 from ..registry import register
-from .h2o import heavy_hitter_kernel, heavy_hitter_reference, heavy_hitter_scores
 
 __all__ = ["ChunkKVState", "ChunkKVRecord", "State", "init", "update", "get_kv", "nbytes"]
 

@@ -25,9 +25,9 @@ from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float
 from ..attention import candidate_mass
+from ..heavy_hitters import heavy_hitter_kernel, heavy_hitter_scores
 from ..noise import hash_uniform, hash_uniform_np
 from ..registry import register
-from .h2o import heavy_hitter_kernel, heavy_hitter_scores
 
 __all__ = ["KeyformerState", "State", "init", "update", "get_kv", "nbytes"]
 

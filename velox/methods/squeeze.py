@@ -29,8 +29,8 @@ import numpy as np
 from .. import evict
 from .._typing import Array, Float
 from ..crosslayer import checked_update, layer_params, round_to_total
+from ..heavy_hitters import heavy_hitter_kernel, heavy_hitter_reference, heavy_hitter_scores
 from ..registry import get_method, register
-from .h2o import heavy_hitter_kernel, heavy_hitter_reference, heavy_hitter_scores
 
 __all__ = ["SqueezeState", "SqueezeRecord", "State", "init", "update", "get_kv", "nbytes",
            "squeeze_budgets", "concentration"]

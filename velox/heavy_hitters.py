@@ -1,0 +1,50 @@
+"""Heavy-hitter scores: the attention a token has received, accumulated over every query since
+it arrived (decayed by the state's ``decay`` per token), carried per token as ``scores``.
+
+H2O's rule, and the score of every method built on it: H2O and SqueezeAttention evict by it,
+Keyformer perturbs its attention with Gumbel noise, CaM merges its losers, ChunkKV averages it
+over chunks. Each function works on any state with ``keys``, ``scores`` and ``decay`` fields;
+the three are the ``mlx`` score, the one-head ``reference`` and the ``cuda`` kernel input of
+``velox.evict.score_and_keep``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from . import evict
+from . import reference as ref
+from .attention import accumulated_scores, candidate_mass, scoring_queries
+
+__all__ = ["heavy_hitter_scores", "heavy_hitter_reference", "heavy_hitter_kernel"]
+
+
+def heavy_hitter_scores(state, keys, values, queries, evicting=True, mass=candidate_mass) -> evict.Scored:
+    """H2O's score on any state with ``keys``, ``scores`` and ``decay`` fields: the stored
+    scores decayed plus the chunk's attention mass (``mass`` as in
+    :func:`velox.attention.accumulated_scores`), carried as the new ``scores``."""
+    old, new = accumulated_scores(state.scores, scoring_queries(keys, queries), state.keys, keys,
+                                  state.decay, mass=mass)
+    return evict.Scored(mx.concatenate([old, new], axis=2), {"scores": (old, new)})
+
+
+def heavy_hitter_reference(state, head: ref.Head) -> tuple:
+    """One head of :func:`heavy_hitter_scores`, token by token: decay, then add the query's
+    attention (the mean over the kv head's query heads)."""
+    N, s, pos = len(head.positions), head.s, head.positions
+    acc = np.zeros(N)
+    acc[: N - s] = head.carried["scores"]
+    for t in range(s):
+        w = ref.attention_weights(head.probes[:, t:t + 1], head.keys, pos, pos[N - s + t:][:1])
+        acc = acc * state.decay + w[:, 0].mean(0)
+    return acc, {"scores": acc}
+
+
+def heavy_hitter_kernel(state, keys, values, queries, gumbel=None) -> dict:
+    """The fused decode step's input (``velox.kernels.evict``): the step's attention
+    accumulated into the scores (with ``gumbel``, Keyformer's noise added to its logits)."""
+    from .kernels.evict import weights
+    _, scores = weights(queries, state.keys, keys, old=state.scores, accumulate="decay",
+                        decay=state.decay, gumbel=gumbel)
+    return dict(by=scores, carry=scores)
