@@ -13,11 +13,13 @@ parameter, the precision of the rows it keeps exact.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 
-from ._typing import Array, Float, UInt
+from ._typing import Array, Float, Int, UInt
 
-__all__ = ["SUPPORTED_BITS", "RESIDUAL_DTYPES", "pack", "unpack", "quantize", "dequantize",
+__all__ = ["SUPPORTED_BITS", "every_position", "RESIDUAL_DTYPES", "pack", "unpack", "quantize", "dequantize",
            "dequantize_f32", "error_bound", "unit_roundoff", "side_dtype", "exact_dtype",
            "rounding_bound", "dtype_name", "dtype_of"]
 
@@ -203,3 +205,14 @@ def error_bound(scales: Float[Array, "*batch g"], zeros: Float[Array, "*batch g"
     bound = (0.5 * s + u * (2 * z + (levels + 1) * s) + u * top + 8 * 2.0 ** -24 * top
              + (levels + 2) * tiny)
     return mx.repeat(bound, group_size, axis=-1)
+
+
+def every_position(tokens: Callable[[tuple], int]) -> Callable[[tuple], Int[Array, "b h n"]]:
+    """The ``positions`` hook of a cache that keeps every token, in order: ``0 .. n - 1`` on
+    every head, ``n = tokens(state)`` (counted from the state's shapes)."""
+    def positions(state) -> Int[Array, "b h n"]:
+        """Absolute positions of the tokens ``get_kv`` returns (all tokens, in order)."""
+        b, h = state.next_pos.shape
+        n = tokens(state)
+        return mx.broadcast_to(mx.arange(n, dtype=mx.int32), (b, h, n))
+    return positions

@@ -33,7 +33,6 @@ from .._typing import Array, Float, Int, UInt
 from ..ordering import order_key
 from ..registry import register
 from . import kivi
-from .kvquant import every_position
 
 __all__ = ["AdaKVState", "State", "init", "update", "get_kv", "nbytes", "positions",
            "error_bound", "bits_by_rank", "level_counts", "head_bits"]
@@ -345,7 +344,7 @@ def get_kv(state: AdaKVState) -> tuple[Float[Array, "b h n d"], Float[Array, "b 
     return mx.concatenate([k, state.residual_keys.astype(cd)], axis=2), state.values.astype(cd)
 
 
-positions = every_position(lambda state: state.values.shape[2])
+positions = quant.every_position(lambda state: state.values.shape[2])
 
 
 def error_bound(state: AdaKVState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:

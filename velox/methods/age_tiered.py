@@ -33,7 +33,6 @@ from .. import quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..registry import dims_of, register
-from .kvquant import every_position
 
 __all__ = ["AgeTieredState", "State", "init", "update", "get_kv", "nbytes", "positions",
            "error_bound", "tier_bits", "tier_counts"]
@@ -354,7 +353,7 @@ def get_kv(state: AgeTieredState) -> tuple[Float[Array, "b h n d"], Float[Array,
     return out[0], out[1]
 
 
-positions = every_position(_tokens)
+positions = quant.every_position(_tokens)
 
 
 def _requant_stages(state: AgeTieredState, tier: str) -> int:

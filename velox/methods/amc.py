@@ -34,7 +34,6 @@ from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..ordering import order_key
 from ..registry import dims_of, register
-from .kvquant import every_position
 
 __all__ = ["AMCState", "State", "init", "update", "get_kv", "nbytes", "positions", "tier_ranks",
            "tier_sizes", "token_tiers", "TIER_BITS"]
@@ -388,7 +387,7 @@ def get_kv(state: AMCState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h 
     return out[0], out[1]
 
 
-positions = every_position(stored_tokens)
+positions = quant.every_position(stored_tokens)
 
 
 def token_tiers(state: AMCState) -> Int[Array, "b h n"]:

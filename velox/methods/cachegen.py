@@ -36,7 +36,6 @@ from .. import reference as ref
 from .._typing import Array, Bool, Float, Int, UInt
 from ..registry import dims_of, register
 from ..spec import load_spec, validate_params
-from .kvquant import every_position
 
 __all__ = ["CacheGenState", "State", "init", "update", "get_kv", "nbytes", "positions",
            "error_bound", "layer_bits", "decode_codes", "packed_codes", "coded_nbytes",
@@ -338,7 +337,7 @@ def packed_nbytes(state: CacheGenState) -> int:
     return 2 * b * h * d * n * state.group_size * state.bits // 8
 
 
-positions = every_position(lambda state: quantized_groups(state) * state.group_size
+positions = quant.every_position(lambda state: quantized_groups(state) * state.group_size
                            + state.residual_keys.shape[2])
 
 

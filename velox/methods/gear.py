@@ -30,7 +30,6 @@ from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..ordering import order_key, order_key_np
 from ..registry import dims_of, register
-from .kvquant import every_position
 
 __all__ = ["GearState", "State", "init", "update", "get_kv", "nbytes", "positions",
            "error_bound", "outlier_count", "base_reconstruction"]
@@ -337,7 +336,7 @@ def get_kv(state: GearState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h
     return out[0], out[1]
 
 
-positions = every_position(lambda state: state.residual_values.shape[2] + (
+positions = quant.every_position(lambda state: state.residual_values.shape[2] + (
     quantized_blocks(state) * state.group_size if state.quantize_values else 0))
 
 

@@ -25,7 +25,6 @@ from .. import nuq, quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..registry import dims_of, register
-from .kvquant import every_position
 from .zipcache import chosen_first_inverse, chosen_mask
 
 __all__ = ["KittyState", "State", "init", "update", "get_kv", "nbytes", "positions",
@@ -199,7 +198,7 @@ def get_kv(state: KittyState) -> tuple[Float[Array, "b h n d"], Float[Array, "b 
             mx.concatenate([v, state.buffer_values], axis=2))
 
 
-positions = every_position(lambda state: state.value_scales.shape[2] + state.buffer_keys.shape[2])
+positions = quant.every_position(lambda state: state.value_scales.shape[2] + state.buffer_keys.shape[2])
 
 
 def error_bound(state: KittyState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:

@@ -26,7 +26,6 @@ from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..qattention import Affine, Dense, attend_segments
 from ..registry import register
-from .kvquant import every_position
 
 __all__ = ["KiviState", "State", "init", "update", "get_kv", "nbytes", "positions", "error_bound",
            "attend", "dims", "extended_state", "quantized_tokens", "flush_count"]
@@ -183,7 +182,7 @@ def attend(state: KiviState, queries: Float[Array, "b q s d"], keys: Float[Array
                            keys, values, scale=scale, mask=mask)
 
 
-positions = every_position(lambda state: quantized_tokens(state) + state.residual_keys.shape[2])
+positions = quant.every_position(lambda state: quantized_tokens(state) + state.residual_keys.shape[2])
 
 
 def error_bound(state: KiviState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:

@@ -25,7 +25,6 @@ channel ``[b, h, Q, k]``, the exact sinks and buffer.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -37,7 +36,7 @@ from .._typing import Array, Float, Int, UInt
 from ..registry import dims_of, register
 
 __all__ = ["KVQuantState", "State", "init", "update", "get_kv", "nbytes", "positions",
-           "error_bound", "outlier_counts", "every_position", "sinks_first"]
+           "error_bound", "outlier_counts", "sinks_first"]
 
 
 class KVQuantState(NamedTuple):
@@ -102,17 +101,6 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
 def outlier_counts(outlier_fraction: float, group_size: int, head_dim: int) -> tuple[int, int]:
     """Outliers per key vector (a channel of a group) and per value vector (a token)."""
     return nuq.ceil_count(outlier_fraction, group_size), nuq.ceil_count(outlier_fraction, head_dim)
-
-
-def every_position(tokens: Callable[[tuple], int]) -> Callable[[tuple], Int[Array, "b h n"]]:
-    """The ``positions`` hook of a cache that keeps every token, in order: ``0 .. n - 1`` on
-    every head, ``n = tokens(state)`` (counted from the state's shapes)."""
-    def positions(state) -> Int[Array, "b h n"]:
-        """Absolute positions of the tokens ``get_kv`` returns (all tokens, in order)."""
-        b, h = state.next_pos.shape
-        n = tokens(state)
-        return mx.broadcast_to(mx.arange(n, dtype=mx.int32), (b, h, n))
-    return positions
 
 
 def sinks_first(state, keys, values, held_keys, held_values, cat) -> tuple:
@@ -287,7 +275,7 @@ def get_kv(state: KVQuantState) -> tuple[Float[Array, "b h n d"], Float[Array, "
             cat(state.sink_values, v, state.buffer_values))
 
 
-positions = every_position(lambda state: state.sink_keys.shape[2] + state.value_scales.shape[2]
+positions = quant.every_position(lambda state: state.sink_keys.shape[2] + state.value_scales.shape[2]
                            + state.buffer_keys.shape[2])
 
 

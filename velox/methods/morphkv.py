@@ -82,7 +82,7 @@ def _vote(state: MorphKVState, votes):
 def _score(state: MorphKVState, keys, values, queries, evicting) -> evict.Scored:
     """The voters' profiles over the candidates (the stored ones, then this update's newest
     queries', one column each); the score, when evicting, combines the newest ``window``."""
-    n, s = state.keys.shape[2], keys.shape[2]
+    s = keys.shape[2]
     b, h = state.positions.shape[:2]
     keep, m = state.window - 1, _voters(state, s, evicting)
     prof = mx.concatenate([state.profiles, mx.zeros((b, h, s, keep), mx.float32)], axis=2)

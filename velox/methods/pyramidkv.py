@@ -14,7 +14,7 @@ observation window's pooled votes, a decode token is appended. Backends: ``refer
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Any, NamedTuple
+from typing import Any
 
 import mlx.core as mx
 

@@ -30,7 +30,7 @@ from .. import nuq, quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..registry import register
-from .kvquant import every_position, sinks_first
+from .kvquant import sinks_first
 
 __all__ = ["SKVQState", "State", "init", "update", "get_kv", "nbytes", "positions", "error_bound",
            "CLIP_GRID"]
@@ -262,7 +262,7 @@ def get_kv(state: SKVQState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h
             mx.concatenate([state.sink_values.astype(dtype), v, state.window_values.astype(dtype)], axis=2))
 
 
-positions = every_position(lambda state: state.sink_keys.shape[2] + state.key_codes.shape[2]
+positions = quant.every_position(lambda state: state.sink_keys.shape[2] + state.key_codes.shape[2]
                            + state.window_keys.shape[2])
 
 

@@ -36,7 +36,6 @@ from .. import reference as ref
 from .._typing import Array, Bool, Float, Int, UInt
 from ..attention import candidate_mass, scoring_queries
 from ..registry import dims_of, register
-from .kvquant import every_position
 
 __all__ = ["ZipCacheState", "State", "init", "update", "get_kv", "nbytes", "positions",
            "error_bound", "salient_tokens", "chosen_mask", "chosen_first_inverse"]
@@ -325,7 +324,7 @@ def get_kv(state: ZipCacheState) -> tuple[Float[Array, "b h n d"], Float[Array, 
             _cat(_dequantize_values(state), state.buffer_values))
 
 
-positions = every_position(lambda state: _groups(state) * state.group_size
+positions = quant.every_position(lambda state: _groups(state) * state.group_size
                            + state.buffer_keys.shape[2])
 
 
