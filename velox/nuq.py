@@ -136,25 +136,12 @@ def np_top_k_indices(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 def affine(x: Float[Array, "*batch m"], bits: int, dtype: mx.Dtype, alpha: mx.array | None = None):
     """Min/max codes of each last-axis row: ``(codes uint32 [..., m], scales, zeros)``.
 
-    ``velox.quant.quantize`` with one group per row and no packing; scales and zeros are
-    stored in ``velox.quant.side_dtype(dtype)``. With ``alpha`` the range is clipped to
-    ``[alpha * min, alpha * max]`` and values outside saturate.
+    ``velox.quant.affine_codes`` (``velox.quant.quantize`` with one group per row and no
+    packing); scales and zeros are stored in ``velox.quant.side_dtype(dtype)``. With
+    ``alpha`` the range is clipped to ``[alpha * min, alpha * max]`` and values outside
+    saturate.
     """
-    dtype = quant.side_dtype(dtype)
-    levels = (1 << bits) - 1
-    g = x.astype(mx.float32)
-    lo = g.min(axis=-1)
-    hi = g.max(axis=-1)
-    if alpha is not None:
-        lo = lo * alpha
-        hi = hi * alpha
-    scales = ((hi - lo) / levels).astype(dtype)
-    zeros = lo.astype(dtype)
-    s32 = scales.astype(mx.float32)[..., None]
-    z32 = zeros.astype(mx.float32)[..., None]
-    safe = mx.where(s32 > 0, s32, 1.0)
-    q = mx.clip(mx.round((g - z32) / safe), 0, levels)
-    return mx.where((s32 > 0) & ~mx.isnan(q), q, 0).astype(mx.uint32), scales, zeros
+    return quant.affine_codes(x, bits, quant.side_dtype(dtype), alpha)
 
 
 def np_round(x: np.ndarray | np.generic, dtype: mx.Dtype) -> np.ndarray:

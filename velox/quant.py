@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from ._typing import Array, Float, Int, UInt
 
-__all__ = ["SUPPORTED_BITS", "every_position", "RESIDUAL_DTYPES", "pack", "unpack", "quantize", "dequantize",
+__all__ = ["SUPPORTED_BITS", "every_position", "affine_codes", "RESIDUAL_DTYPES", "pack", "unpack", "quantize", "dequantize",
            "dequantize_f32", "error_bound", "unit_roundoff", "side_dtype", "exact_dtype",
            "rounding_bound", "dtype_name", "dtype_of"]
 
@@ -138,20 +138,33 @@ def quantize(x: Float[Array, "*batch m"], bits: int, group_size: int,
     if m % group_size:
         raise ValueError(f"last axis {m} is not a multiple of group_size={group_size}")
     lead = x.shape[:-1]
-    levels = (1 << bits) - 1
     g = x.astype(mx.float32).reshape(*lead, m // group_size, group_size)
+    q, scales, zeros = affine_codes(g, bits, side_dtype(x.dtype if dtype is None else dtype))
+    return pack(q.reshape(*lead, m), bits), scales, zeros
+
+
+def affine_codes(g: Float[Array, "*batch n"], bits: int, side: mx.Dtype,
+                 alpha: mx.array | None = None):
+    """Min/max codes of each last-axis row of ``g`` (one group a row, unpacked): ``(codes
+    uint32 [..., n], scales, zeros)``, scales and zeros stored in ``side``. With ``alpha`` the
+    range is clipped to ``[alpha * min, alpha * max]`` and values outside saturate.
+
+    A scale of 0 gives codes 0; so does a NaN (a non-finite group), never a stray bit pattern.
+    """
+    levels = (1 << bits) - 1
+    g = g.astype(mx.float32)
     lo = g.min(axis=-1)
     hi = g.max(axis=-1)
-    sd = side_dtype(x.dtype if dtype is None else dtype)
-    scales = ((hi - lo) / levels).astype(sd)
-    zeros = lo.astype(sd)
+    if alpha is not None:
+        lo = lo * alpha
+        hi = hi * alpha
+    scales = ((hi - lo) / levels).astype(side)
+    zeros = lo.astype(side)
     s32 = scales.astype(mx.float32)[..., None]
     z32 = zeros.astype(mx.float32)[..., None]
     safe = mx.where(s32 > 0, s32, 1.0)
     q = mx.clip(mx.round((g - z32) / safe), 0, levels)
-    # scale 0: codes 0; a NaN (a non-finite group) also codes 0, never a stray bit pattern
-    q = mx.where((s32 > 0) & ~mx.isnan(q), q, 0).astype(mx.uint32).reshape(*lead, m)
-    return pack(q, bits), scales, zeros
+    return mx.where((s32 > 0) & ~mx.isnan(q), q, 0).astype(mx.uint32), scales, zeros
 
 
 def dequantize_f32(codes: UInt[Array, "*batch w"], scales: Float[Array, "*batch g"],
