@@ -5,7 +5,8 @@ namespace (``velox.tova.init``, ``velox.tova.update``, ...), and its functions k
 aliases (``velox.tova_init``, ``velox.tova_update``, ``velox.tova_get_kv``,
 ``velox.tova_bytes``) and its state type its name (``velox.TovaState``). The block between the
 markers is generated from the modules and the registry; ``tests/test_exports.py`` fails when it
-drifts (``--check`` prints the difference and exits 1).
+drifts (``--check`` prints the difference and exits 1). It reads the installed package (install
+the checkout first, e.g. ``pip install -e .``) and writes the checkout's file.
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ def modules() -> list[str]:
 
 
 def block() -> str:
-    sys.path.insert(0, str(ROOT))
-    import velox  # noqa: F401
+    import velox  # noqa: F401  (the installed package: kernels/, adapters/, specs/ live under it)
     from velox.registry import get_method, method_keys
 
     names = modules()
