@@ -21,6 +21,7 @@ import numpy as np
 
 from . import evict, quant
 from . import reference as ref
+from .codecs import affine
 from .qattention import AffineRows, attend_segments
 from .registry import Method, get_method, method_keys, register
 from .spec import Param, Spec
@@ -37,23 +38,26 @@ _PARAMS = {
 
 
 def _encode(keys: mx.array, values: mx.array, bits: int, group_size: int, backend: str):
-    """Per-token affine codes of keys and values (groups along channels; float16 scales and
-    zeros, ``velox.quant.side_dtype``)."""
+    """Per-token affine codes of keys and values (the ``affine`` codec, ``velox.codecs``:
+    groups along channels; float16 scales and zeros, ``velox.quant.side_dtype``)."""
+    t = affine.tables(keys.shape[-1], dict(bits=bits, group_size=group_size,
+                                           dtype=quant.dtype_name(keys.dtype)))
     if backend == "reference":
-        dtype = quant.side_dtype(keys.dtype)
+        side = quant.dtype_of(t.side)
         out = []
         for x in (keys, values):
-            c, s, z = ref.quantize(ref.to_np(x, np.float32), bits, group_size, dtype)
-            out += [mx.array(c), ref.to_mx(s, dtype), ref.to_mx(z, dtype)]
+            c, s, z = affine.encode_np(t, ref.to_np(x, np.float32))
+            out += [mx.array(c), ref.to_mx(s, side), ref.to_mx(z, side)]
         return tuple(out)
-    return quant.quantize(keys, bits, group_size) + quant.quantize(values, bits, group_size)
+    return tuple(affine.encode(t, keys)) + tuple(affine.encode(t, values))
 
 
 def _decode(state) -> tuple[mx.array, mx.array]:
-    g, bits, dtype = state.group_size, state.bits, quant.dtype_of(state.cache_dtype)
-    k = quant.dequantize(state.key_codes, state.key_scales, state.key_zeros, bits, g, dtype)
-    v = quant.dequantize(state.value_codes, state.value_scales, state.value_zeros, bits, g, dtype)
-    return k, v
+    dtype = quant.dtype_of(state.cache_dtype)
+    t = affine.AffineTables(state.bits, state.group_size)
+    k = affine.decode(t, affine.AffineCodes(state.key_codes, state.key_scales, state.key_zeros))
+    v = affine.decode(t, affine.AffineCodes(state.value_codes, state.value_scales, state.value_zeros))
+    return k.astype(dtype), v.astype(dtype)
 
 
 def _kept_index(cand: mx.array, kept: mx.array) -> mx.array:
