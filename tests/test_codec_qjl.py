@@ -39,7 +39,7 @@ def _estimates(q, k, jl_dim, seeds=SEEDS):
 
 def test_registered():
     codec = get_codec("qjl")
-    assert codec is qjl.QJL
+    assert codec is qjl.CODEC
     assert codec.params == ("jl_dim", "seed")
 
 

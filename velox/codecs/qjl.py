@@ -37,7 +37,7 @@ from ..quant import pack, unpack
 from . import Codec, register_codec
 
 __all__ = ["QJLTables", "QJLCodes", "tables", "encode", "decode", "scores", "encode_np",
-           "decode_np", "scores_np", "sketch_dim", "sketch_tables", "QJL"]
+           "decode_np", "scores_np", "sketch_dim", "sketch_tables", "CODEC"]
 
 WORD = 32
 
@@ -132,10 +132,11 @@ def scores_np(t: QJLTables, queries: np.ndarray, codes: QJLCodes) -> np.ndarray:
     m = t.jl_dim
     sq = np.asarray(queries, np.float32) @ t.sketch[:m].T
     signs = 2 * _unpack_np(codes.signs)[..., :m].astype(np.float32) - 1
-    return (sq @ signs.swapaxes(-1, -2)) * (np.float32(_scale(t)) * codes.norms.astype(np.float32))[:, :, None, :]
+    scale = np.float32(_scale(t)) * codes.norms.astype(np.float32)
+    return (sq @ signs.swapaxes(-1, -2)) * scale[:, :, None, :]
 
 
-QJL = register_codec(Codec(
+CODEC = register_codec(Codec(
     name="qjl", tables=tables, encode=encode, decode=decode, scores=scores,
     encode_np=encode_np, decode_np=decode_np, scores_np=scores_np,
     params=("jl_dim", "seed"),
