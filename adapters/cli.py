@@ -131,9 +131,43 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--markdown", action="store_true",
                    help="print the README's markdown table instead of the terminal one")
 
+    cal = sub.add_parser("calibrate", help="fit a method's calibration artifact on a model")
+    cal.add_argument("--method", required=True, help="a calibrated method (spectral)")
+    cal.add_argument("--out", required=True, help="the artifact to write (.safetensors)")
+    cal.add_argument("--model", help="an mlx-lm model folder (default: the embedded SmolLM2)")
+    cal.add_argument("--text", help="a UTF-8 text file to calibrate on (default: the built-in "
+                                    "public-domain text)")
+    cal.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS)
+
     from velox.adapters import suite
     suite.add_parser(sub)
     return p
+
+
+def cmd_calibrate(args) -> int:
+    """``velox calibrate``: fit, check and write an artifact; print where it went."""
+    from velox.adapters.artifacts import FITTERS, calibrate, save_artifact
+    from velox.adapters.calibration import CALIBRATION_TEXT
+
+    if args.method not in FITTERS:
+        raise ValueError(f"{args.method} has no calibration (calibrated methods: "
+                         f"{', '.join(sorted(FITTERS))})")
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise ValueError(f"--out {out}: folder {out.parent} does not exist")
+    if args.text:
+        text, source = Path(args.text).read_text(encoding="utf-8"), str(args.text)
+    else:
+        text, source = CALIBRATION_TEXT, "built-in: A Tale of Two Cities (opening) + Gettysburg Address"
+    model, tokenizer = _load(args.model, getattr(args, "verbose", False))
+    name = args.model or "SmolLM2-135M-Instruct (embedded GGUF, fp32)"
+    t0 = time.perf_counter()
+    arrays, info = calibrate(args.method, model, tokenizer, text, model_name=name, source=source)
+    save_artifact(out, arrays, info)
+    print(f"wrote {out}: {args.method} artifact for {name} ({info['layers']} layers, "
+          f"{info['kv_heads']} kv heads, head_dim {info['head_dim']}) from {info['tokens']} tokens "
+          f"in {time.perf_counter() - t0:.1f} s")
+    return 0
 
 
 # --- method configurations -----------------------------------------------------------
@@ -826,7 +860,7 @@ def main(argv: list[str] | None = None) -> int:
     from velox.adapters import suite
 
     handler = {"generate": cmd_generate, "compare": cmd_compare, "methods": cmd_methods,
-               "eval": suite.run}
+               "calibrate": cmd_calibrate, "eval": suite.run}
     try:
         return handler[args.command](args)
     except (ValueError, FileNotFoundError) as exc:

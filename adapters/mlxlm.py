@@ -176,7 +176,8 @@ class VeloxCache(_BaseCache):
     def __init__(self, method: str, params: dict[str, Any] | None = None, *,
                  backend: str = "auto", layer: int = 0, model: _Model | None = None,
                  compile: bool = True, real_queries: bool = True, decode: str = "evict",
-                 decode_cap: int = DECODE_CAP, mode: Mode | str = Mode.PROXY):
+                 decode_cap: int = DECODE_CAP, mode: Mode | str = Mode.PROXY,
+                 artifact: dict[str, Any] | None = None):
         _check_decode(decode, decode_cap)
         self.decode = decode
         self.decode_cap = decode_cap
@@ -188,6 +189,10 @@ class VeloxCache(_BaseCache):
                              "scaled_dot_product_attention)")
         self.params = dict(params or {})
         self._full_params = validate_params(self.method.spec, self.params)
+        if artifact is not None and self.method.calibrate is None:
+            raise ValueError(f"{self.method.key} takes no calibration artifact")
+        # This layer's calibration arrays, installed into the state when it is created.
+        self.artifact = artifact
         self.backend = backend
         self.layer = layer
         self._model = model
@@ -440,6 +445,8 @@ class VeloxCache(_BaseCache):
             b, h, _, d = keys.shape
             self._state = self.method.init(b, h, d, dtype=keys.dtype, backend=self.backend,
                                            **self.params)
+            if self.artifact is not None:
+                self._state = self.method.calibrate(self._state, self.artifact)
 
     def _keep_query(self, queries: mx.array) -> None:
         """Record the query of the token that just joined the tail (real-query mode)."""
@@ -690,7 +697,7 @@ def _expand(params: dict[str, Any], n_layers: int) -> list[dict[str, Any]] | Non
 
 def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool = True,
                compile: bool = True, decode: str = "evict", decode_cap: int = DECODE_CAP,
-               **params: Any) -> list:
+               artifacts: str | Path | None = None, **params: Any) -> list:
     """One cache per layer of ``model``: velox caches where the model keeps a plain KV cache.
 
     Args:
@@ -706,6 +713,11 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
             to ``decode_cap`` tokens hands it to the method as one chunk (with its queries).
         decode_cap: append mode's tail length at which the method absorbs it (1 updates at
             every step, as ``"evict"`` does).
+        artifacts: a calibration artifact of ``method`` fitted on this model (``velox
+            calibrate``; ``velox.adapters.artifacts``): checked against the model (layers, kv
+            heads, head dim) and installed layer by layer; a missing or mismatched file is a
+            ``ValueError``. Without one a calibrated method runs its documented
+            data-oblivious fallback.
         **params: the method's parameters; a list gives one value per attention layer.
             Methods with a schedule (``layer_params``) derive per-layer values themselves.
     Returns:
@@ -730,11 +742,22 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
         install_query_capture()
     mode = _choose_mode(m, real_queries=real_queries, routed=_routes_attention(model),
                         model=type(model).__name__)
+    fitted = None
+    if artifacts is not None:
+        from .artifacts import layer_arrays, load_artifact
+        if m.calibrate is None:
+            raise ValueError(f"{method} takes no calibration artifact")
+        arrays, _ = load_artifact(artifacts, method=method, model=model)
+        if len(next(iter(arrays.values()))) != n:
+            raise ValueError(f"{artifacts} holds {len(next(iter(arrays.values())))} layers; the "
+                             f"model has {n} layers with a plain KV cache")
+        fitted = [layer_arrays(arrays, i) for i in range(n)]
     caches = list(base)
     for layer, slot in enumerate(slots):
         caches[slot] = VeloxCache(method, per_layer[layer], backend=backend, layer=layer,
                                   model=shared, compile=compile, real_queries=real_queries,
-                                  decode=decode, decode_cap=decode_cap, mode=mode)
+                                  decode=decode, decode_cap=decode_cap, mode=mode,
+                                  artifact=None if fitted is None else fitted[layer])
     return caches
 
 

@@ -45,6 +45,7 @@ class Method:
     model_init: Callable[[list[dict[str, Any]]], tuple] | None = None
     layer_update: Callable[..., tuple[tuple, State]] | None = None
     attend: Callable[..., mx.array] | None = None
+    calibrate: Callable[[State, dict], State] | None = None
     spec_override: Spec | None = None
     extras: dict[str, Any] = field(default_factory=dict)
     _spec: Spec | None = field(default=None, repr=False)
@@ -86,7 +87,8 @@ def register(key: str, state_type: type, init: Callable, backends: Any = None, *
              error_bound: Callable | None = None, dims: Callable | None = None,
              layer_params: Callable | None = None, model_init: Callable | None = None,
              layer_update: Callable | None = None, attend: Callable | None = None,
-             spec: Spec | None = None, **extras: Any) -> Method:
+             calibrate: Callable | None = None, spec: Spec | None = None,
+             **extras: Any) -> Method:
     """Add a method to the registry (called once, at the end of each method module).
 
     The method writes its state record, its ``init`` and its backends; everything else has a
@@ -121,6 +123,9 @@ def register(key: str, state_type: type, init: Callable, backends: Any = None, *
             ``queries [b, q, s, d]`` over the stored tokens plus ``s`` new ones, for methods
             whose attention is not plain attention over ``get_kv`` (sparse page selection,
             attention on packed quantized codes). ``mask`` is ``None`` or ``"causal"``.
+        calibrate: ``calibrate(state, arrays) -> state``: a fresh state with one layer's
+            calibration arrays installed (``{name: np.ndarray}``, from an artifact fitted on a
+            real model: ``velox.adapters.artifacts``).
         spec: a generated spec (compositions); default: the spec file of ``key``.
     """
     if key in _REGISTRY:
@@ -131,7 +136,8 @@ def register(key: str, state_type: type, init: Callable, backends: Any = None, *
                get_kv=get_kv or _stored_kv, nbytes=nbytes or state_nbytes,
                positions=positions or _stored_positions, backends={}, error_bound=error_bound,
                dims=dims, layer_params=layer_params, model_init=model_init,
-               layer_update=layer_update, attend=attend, spec_override=spec, extras=extras)
+               layer_update=layer_update, attend=attend, calibrate=calibrate,
+               spec_override=spec, extras=extras)
     _REGISTRY[key] = m
     _BY_STATE[state_type] = m
     try:

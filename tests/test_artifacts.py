@@ -1,0 +1,87 @@
+"""Calibration artifacts: fitted on the embedded SmolLM2, written with their provenance, read
+back and checked; every mismatch is a ValueError that names it."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from velox.adapters import artifacts
+from velox.adapters.artifacts import calibrate, load_artifact, save_artifact
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def fitted(smollm2, tmp_path_factory):
+    model, tokenizer = smollm2
+    arrays, info = calibrate("spectral", model, tokenizer, "The quick brown fox. " * 40,
+                             model_name="smollm2", source="test text", progress=False)
+    path = tmp_path_factory.mktemp("art") / "spectral.safetensors"
+    save_artifact(path, arrays, info)
+    return model, path, arrays, info
+
+
+def test_round_trip_and_provenance(fitted):
+    model, path, arrays, info = fitted
+    back, got = load_artifact(path, method="spectral", model=model)
+    assert got == info and set(back) == {"rotation", "eigenvalues"}
+    dims = artifacts.model_dims(model)
+    assert back["rotation"].shape == (dims["layers"], dims["head_dim"], dims["head_dim"])
+    for k in arrays:
+        assert np.array_equal(back[k], arrays[k])
+    assert info["tokens"] > 100 and info["velox"] and info["source"] == "test text"
+
+
+def test_rotations_are_orthogonal_and_sorted(fitted):
+    _, _, arrays, _ = fitted
+    R, ev = arrays["rotation"].astype(np.float64), arrays["eigenvalues"]
+    eye = np.eye(R.shape[-1])
+    assert np.abs(R @ R.swapaxes(-1, -2) - eye).max() < 1e-5
+    assert (np.diff(ev, axis=-1) <= 1e-6).all() and (ev >= 0).all()
+    pr = ev.sum(-1) ** 2 / (ev ** 2).sum(-1)
+    assert ((pr >= 1) & (pr <= R.shape[-1])).all()
+
+
+def test_mismatches_are_refused(fitted, tmp_path):
+    model, path, arrays, info = fitted
+    with pytest.raises(ValueError, match="not 'tova'"):
+        load_artifact(path, method="tova")
+    with pytest.raises(ValueError, match="no artifact"):
+        load_artifact(tmp_path / "missing.safetensors", method="spectral")
+    other = tmp_path / "other.safetensors"
+    save_artifact(other, arrays, dict(info, head_dim=info["head_dim"] * 2))
+    with pytest.raises(ValueError, match="head_dim"):
+        load_artifact(other, method="spectral", model=model)
+    plain = tmp_path / "plain.safetensors"
+    mx.save_safetensors(str(plain), {"x": mx.zeros((2,))})
+    with pytest.raises(ValueError, match="provenance"):
+        load_artifact(plain, method="spectral")
+    old = tmp_path / "old.safetensors"
+    mx.save_safetensors(str(old), {"x": mx.zeros((2,))},
+                        metadata={"velox": json.dumps(dict(info, format="velox-artifact-0"))})
+    with pytest.raises(ValueError, match="format"):
+        load_artifact(old, method="spectral")
+
+
+def test_a_method_without_calibration_refuses_an_artifact(fitted):
+    from velox.adapters.mlxlm import make_cache
+
+    model, path, _, _ = fitted
+    with pytest.raises(ValueError, match="takes no calibration artifact"):
+        make_cache(model, "tova", artifacts=path, budget=64)
+
+
+def test_the_command_writes_an_artifact(tmp_path):
+    from velox.adapters.cli import main
+
+    out = tmp_path / "a.safetensors"
+    text = tmp_path / "t.txt"
+    text.write_text("A short calibration text. " * 30, encoding="utf-8")
+    assert main(["calibrate", "--method", "spectral", "--out", str(out), "--text", str(text)]) == 0
+    arrays, info = load_artifact(out, method="spectral")
+    assert info["source"] == str(text) and arrays["rotation"].ndim == 3
+    assert main(["calibrate", "--method", "tova", "--out", str(out)]) == 2
