@@ -66,3 +66,17 @@ def test_bench_update_refuses_zero_rounds(capsys):
     with pytest.raises(SystemExit) as exc:
         bench.main(["--methods", "tova", "--rounds", "0"])
     assert exc.value.code == 2 and "--rounds must be at least 1" in capsys.readouterr().err
+
+
+def test_codec_attention_short_run(tmp_path, capsys):
+    import json
+    import runpy
+
+    mod = runpy.run_path(str(Path(__file__).resolve().parents[1] / "benchmarks" / "codec_attention.py"))
+    out = tmp_path / "a.json"
+    assert mod["main"](["--methods", "kivi", "--lengths", "64", "--heads", "2", "--groups", "2",
+                        "--dim", "32", "--reps", "2", "--dtype", "float32", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["kivi"] and rows[0]["stored"] == 64
+    assert all(rows[0][k] > 0 for k in ("attend_us", "deq_us", "full_us", "bytes"))
+    assert "attend/deq" in capsys.readouterr().out
