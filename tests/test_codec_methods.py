@@ -34,8 +34,14 @@ def _qjl(d: int) -> tuple[int, int]:
     return _words(m) + 2 + _value_bytes(d), _words(m) * 8 * d * 4
 
 
+def _polar(d: int) -> tuple[int, int]:
+    bits, level1, block = 2, 4, 16
+    angle_bits = d // 2 * level1 + (d // 2 - d // block) * bits
+    return math.ceil(angle_bits / 8) + 2 * (d // block) + _value_bytes(d), d * d * 4
+
+
 # key -> head_dim -> (bytes a token and head at the defaults, bytes of the tables)
-HAND = {"qjl": _qjl}
+HAND = {"qjl": _qjl, "polar": _polar}
 
 CODEC_KEYS = [k for k in method_keys() if k in HAND]
 
