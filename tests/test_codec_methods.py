@@ -40,8 +40,17 @@ def _polar(d: int) -> tuple[int, int]:
     return math.ceil(angle_bits / 8) + 2 * (d // block) + _value_bytes(d), d * d * 4
 
 
+def _turboquant_mse(d: int) -> tuple[int, int]:
+    return d * 2 // 8 + 2 + _value_bytes(d), d * d * 4  # bits 2, float16 norm
+
+
+def _turboquant_rvq(d: int) -> tuple[int, int]:
+    return 2 * (d * 2 // 8) + 2 + 2 + 2 * d, d * d * 4  # two streams, norm, gain; exact fp16 values
+
+
 # key -> head_dim -> (bytes a token and head at the defaults, bytes of the tables)
-HAND = {"qjl": _qjl, "polar": _polar}
+HAND = {"qjl": _qjl, "polar": _polar, "turboquant_mse": _turboquant_mse,
+        "turboquant_rvq": _turboquant_rvq}
 
 CODEC_KEYS = [k for k in method_keys() if k in HAND]
 

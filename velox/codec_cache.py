@@ -105,11 +105,12 @@ def codec_of(state) -> Codec:
 
 def codec_params(state_or_type, params: dict[str, Any] | None = None) -> dict[str, Any]:
     """The codec's parameters (its ``params`` names) read from a state, or from ``params``
-    (the method's parameters by name) for a state type."""
+    (the method's parameters by name) for a state type. A codec parameter the method does not
+    have is left out (the codec's default: e.g. SpectralQuant's calibrated rotation)."""
     lay = _LAYOUT[state_or_type if isinstance(state_or_type, type) else type(state_or_type)]
     names = get_codec(lay.codec).params
     src = params if params is not None else state_or_type._asdict()
-    return {n: src[lay.rename.get(n, n)] for n in names}
+    return {n: src[lay.rename.get(n, n)] for n in names if lay.rename.get(n, n) in src}
 
 
 def empty(state_type: type, args: dict) -> tuple:

@@ -1,0 +1,44 @@
+"""TurboQuant_mse: randomly rotated keys quantized coordinate by coordinate with the Gaussian
+Lloyd-Max codebook, values per-token 8-bit.
+
+A key ``x`` is held as ``||x||`` (float16) and the Lloyd-Max cell (``bits`` bits, packed) of
+each coordinate of ``R x * sqrt(d) / ||x||``, ``R`` a random orthogonal matrix from ``seed``
+(randomized Walsh-Hadamard for power-of-two ``head_dim``): the codec
+``velox.codecs.turboquant`` (``"turboquant_mse"``). Attention logits over the stored tokens
+rotate the query once and look up the centroids (``attend``); they are ``q . decode(k)``, which
+minimizes the mean squared error and is biased toward 0 at low bits.
+
+Values are per-token 8-bit affine codes (one group a row, float16 scale and zero). Every token
+is kept; both backends (``mlx``, ``reference``: the codec's NumPy twins) give the same codes.
+Built by ``velox.codec_cache``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .. import codec_cache
+from ..codecs.turboquant import MseCodes, TurboQuantTables
+
+__all__ = ["TurboQuantMseState", "State", "init", "update", "get_kv", "nbytes", "positions",
+           "attend"]
+
+
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         bits: int = 2, seed: int = 42, backend: str = "auto") -> "TurboQuantMseState":
+    """Empty TurboQuant_mse state.
+
+    Args:
+        bits: bits per rotated key coordinate (Gaussian Lloyd-Max codebook).
+        seed: seed of the random rotation (NumPy's default_rng).
+    """
+    return codec_cache.empty(TurboQuantMseState, locals())
+
+
+TurboQuantMseState = codec_cache.state_type(
+    "TurboQuantMseState", init, "TurboQuant_mse key indices and norms, per-token 8-bit values, "
+    "the rotation and codebook.", codec="turboquant_mse", codes=MseCodes, tables=TurboQuantTables)
+State = TurboQuantMseState
+method = codec_cache.register_method("turboquant_mse", TurboQuantMseState, init)
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
+positions, attend = method.positions, method.attend

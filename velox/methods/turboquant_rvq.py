@@ -1,0 +1,46 @@
+"""TurboQuant RVQ: rotated keys in two Lloyd-Max stages (Gaussian, then Laplacian on the
+residual), values held exact.
+
+A key ``x`` is rotated by a random orthogonal matrix from ``seed`` (randomized Walsh-Hadamard
+for power-of-two ``head_dim``) and scaled to unit-variance coordinates; stage 1 quantizes each
+coordinate with the Gaussian Lloyd-Max codebook at ``bits`` bits, stage 2 the residual with the
+Laplacian Lloyd-Max codebook at ``bits`` bits scaled by a per-row least-squares gain (float16),
+so stage 2 never increases a key's error. Both index streams are packed; the norm is float16.
+The codec is ``velox.codecs.turboquant`` (``"turboquant_rvq"``); attention logits over the
+stored tokens rotate the query once and look up both stages' centroids (``attend``).
+
+Values are held exact in the model's dtype. Every token is kept; both backends (``mlx``,
+``reference``: the codec's NumPy twins) give the same codes. Built by ``velox.codec_cache``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .. import codec_cache
+from ..codecs.turboquant import RvqCodes, RvqTables
+
+__all__ = ["TurboQuantRvqState", "State", "init", "update", "get_kv", "nbytes", "positions",
+           "attend"]
+
+
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         bits: int = 2, seed: int = 42, backend: str = "auto") -> "TurboQuantRvqState":
+    """Empty TurboQuant RVQ state.
+
+    Args:
+        bits: bits per rotated key coordinate in each of the two stages (2 * bits a
+            coordinate in all).
+        seed: seed of the random rotation (NumPy's default_rng).
+    """
+    return codec_cache.empty(TurboQuantRvqState, locals())
+
+
+TurboQuantRvqState = codec_cache.state_type(
+    "TurboQuantRvqState", init, "TurboQuant RVQ key indices (two stages), norms and gains, exact "
+    "values, the rotation and codebooks.", codec="turboquant_rvq", codes=RvqCodes,
+    tables=RvqTables, values=codec_cache.ExactRows)
+State = TurboQuantRvqState
+method = codec_cache.register_method("turboquant_rvq", TurboQuantRvqState, init)
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
+positions, attend = method.positions, method.attend
