@@ -77,6 +77,7 @@ from .methods import (  # noqa: E402  (each registers its method)
     cachegen,
     cam,
     chunkkv,
+    compositions,
     curdkv,
     gear,
     h2o,
@@ -97,7 +98,6 @@ from .methods import (  # noqa: E402  (each registers its method)
     squeeze,
     streaming_llm,
     tova,
-    tova_affine,
     zipcache,
 )
 AdaKVState = adakv.State

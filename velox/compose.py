@@ -26,7 +26,7 @@ from .qattention import AffineRows, attend_segments
 from .registry import Method, get_method, method_keys, register
 from .spec import Param, Spec
 
-__all__ = ["evict_then_store"]
+__all__ = ["evict_then_store", "composable"]
 
 _CODEC_FIELDS = ("key_codes", "key_scales", "key_zeros", "value_codes", "value_scales", "value_zeros")
 _PARAMS = {
@@ -92,21 +92,35 @@ def _spec(policy: Spec, key: str) -> Spec:
         backends=policy.backends)
 
 
-def evict_then_store(policy: str) -> Method:
-    """The method ``"<policy>+affine"``: ``policy`` decides, per-token affine codes store.
-
-    Registered on first use (so ``velox.init("<policy>+affine", ...)``, the adapter and the
-    contract suite all accept it). Its parameters are the policy's plus ``bits`` and
-    ``group_size``.
-    """
-    key = f"{policy}+affine"
-    if key in method_keys():
-        return get_method(key)
+def composable(policy: str) -> Method:
+    """The registered method ``policy`` if it can be composed (it stores key and value rows
+    and threads no cross-layer state), else a ``ValueError`` saying why."""
     P = get_method(policy)
     if P.layer_update is not None or P.attend is not None:
         raise ValueError(f"{policy} threads cross-layer state or attends itself; it cannot be composed")
     if not {"keys", "values", "next_pos"} <= set(P.state_type._fields):
         raise ValueError(f"{policy} does not store keys and values rows; it cannot be composed")
+    return P
+
+
+def evict_then_store(policy: str, codec: str = "affine") -> Method:
+    """The method ``"<policy>+<codec>"``: ``policy`` decides which tokens live, ``codec``
+    (``velox.codecs``) holds their keys.
+
+    Registered on first use (so ``velox.init("<policy>+<codec>", ...)``, the adapter and the
+    contract suite all accept it). With ``codec="affine"`` keys and values are per-token
+    affine codes and the parameters are the policy's plus ``bits`` and ``group_size``. With
+    another codec (``"turboquant_prod"``, ``"qjl"``, ...: a codec whose method of the same key
+    is registered) keys are that codec's codes, values per-token 8-bit affine codes
+    (``velox.codec_cache``), and the parameters are the policy's plus the codec method's; the
+    attention reads the key codes (the codec's ``scores``).
+    """
+    if codec != "affine":
+        return _evict_then_code(policy, codec)
+    key = f"{policy}+affine"
+    if key in method_keys():
+        return get_method(key)
+    P = composable(policy)
     spec = _spec(P.spec, key)
     pure = bool(P.spec.contract.get("exact_rows", False))
     hints = typing.get_type_hints(P.state_type)
@@ -174,3 +188,96 @@ def evict_then_store(policy: str) -> Method:
                  positions=lambda st: st.policy.positions, error_bound=error_bound, dims=dims,
                  attend=attend, spec=spec)
     return m
+
+
+def _code_spec(policy: Spec, codec_spec: Spec, key: str, codec_params: tuple[str, ...]) -> Spec:
+    taken = sorted(set(policy.params) & set(codec_params))
+    if taken:
+        raise ValueError(f"{policy.key} and {codec_spec.key} both name parameter(s) {', '.join(taken)}")
+    return Spec(
+        key=key, name=f"{policy.name} + {codec_spec.name} keys", title=policy.title,
+        arxiv=policy.arxiv, venue=policy.venue, family="composed", phases=policy.phases,
+        queries=policy.queries,
+        summary=f"{policy.summary}; survivors' keys held as {codec_spec.name} codes, values as "
+                "per-token 8-bit codes",
+        params={**policy.params, **{n: codec_spec.params[n] for n in codec_params}},
+        constraints=policy.constraints + tuple(
+            c for c in codec_spec.constraints
+            if {t for t in c.replace("(", " ").replace(")", " ").split() if t.isidentifier()}
+            <= set(codec_params) | {"head_dim", "batch", "kv_heads", "min", "max"}),
+        contract=dict(policy.contract, exact_rows=False, quantized=True,
+                      **{k: v for k, v in codec_spec.contract.items() if k == "estimator"}),
+        tolerance=dict(codec_spec.tolerance),
+        deviations=policy.deviations + codec_spec.deviations + (
+            "The policy scores candidates with the decoded stored keys (the codec's decode), "
+            "not with the codec's score estimates.",),
+        backends=tuple(b for b in policy.backends if b in ("reference", "mlx")))
+
+
+def _evict_then_code(policy: str, codec_name: str) -> Method:
+    """``policy`` + keys held by the codec ``codec_name`` (see :func:`evict_then_store`)."""
+    from . import codec_cache
+    from .codecs import append, get_codec, take
+
+    key = f"{policy}+{codec_name}"
+    if key in method_keys():
+        return get_method(key)
+    P = composable(policy)
+    codec = get_codec(codec_name)
+    C = get_method(codec_name)  # the codec's own method: its parameters' spec
+    spec = _code_spec(P.spec, C.spec, key, codec.params)
+    pure = bool(P.spec.contract.get("exact_rows", False))
+    hints = typing.get_type_hints(P.state_type)
+    Policy = NamedTuple(f"{P.state_type.__name__}Policy",
+                        [(f, hints[f]) for f in P.state_type._fields if f not in ("keys", "values", "next_pos")])
+    Ctype = C.state_type
+    chints = typing.get_type_hints(Ctype)
+    State = NamedTuple(
+        f"{P.state_type.__name__}{C.state_type.__name__.replace('State', '')}",
+        [("policy", Policy), ("key_codes", chints["key_codes"]),
+         ("value_codes", codec_cache.Int8Rows), ("tables", chints["tables"]),
+         ("next_pos", mx.array)] + [(n, type(C.spec.params[n].default)) for n in codec.params]
+        + [("cache_dtype", str), ("backend", str)])
+    codec_cache._LAYOUT[State] = codec_cache._Layout(codec_name, codec_cache.Int8Rows, {})
+
+    def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+             backend: str = "auto", **params: Any):
+        """Empty composed state; ``params`` are the policy's plus the codec's (checked by the
+        registry's wrapper before this runs)."""
+        cparams = {n: params.pop(n) for n in codec.params}
+        pstate = P.init(batch, kv_heads, head_dim, dtype=dtype, backend=backend, **params)
+        args = dict(batch=batch, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, **cparams)
+        empty = codec_cache.empty(State, dict(args, policy=None, backend=pstate.backend))
+        return empty._replace(policy=Policy(*(getattr(pstate, f) for f in Policy._fields)))
+
+    def _encode_rows(state, keys, values):
+        """Codes of new rows (the state's backend: MLX functions, or the NumPy twins)."""
+        fresh = state._replace(key_codes=type(state.key_codes)(*(x[:, :, :0] for x in state.key_codes)),
+                               value_codes=codec_cache.Int8Rows(*(x[:, :, :0] for x in state.value_codes)))
+        step = codec_cache._update_reference if state.backend == "reference" else codec_cache._update_mlx
+        out = step(fresh, keys, values, None)
+        return out.key_codes, out.value_codes
+
+    def _update(state, keys, values, queries):
+        k_hat, v_hat = codec_cache.get_kv(state)
+        pstate = P.state_type(**state.policy._asdict(), keys=k_hat, values=v_hat,
+                              next_pos=state.next_pos)
+        new = P.backends[state.backend](pstate, keys, values, queries)
+        n, s = k_hat.shape[2], keys.shape[2]
+        if pure:
+            kc, vc = _encode_rows(state, keys, values)
+            kc, vc = append(state.key_codes, kc), append(state.value_codes, vc)
+            if new.positions.shape[2] != n + s:  # candidate index of each kept position
+                cand = mx.concatenate([pstate.positions, evict.new_positions(state.next_pos, s)], 2)
+                idx = _kept_index(cand, new.positions)
+                kc, vc = take(kc, idx), take(vc, idx)
+        else:
+            empty = state._replace(key_codes=type(state.key_codes)(*(x[:, :, :0] for x in state.key_codes)),
+                                   value_codes=codec_cache.Int8Rows(*(x[:, :, :0] for x in state.value_codes)))
+            kc, vc = _encode_rows(empty, new.keys, new.values)
+        return state._replace(policy=Policy(*(getattr(new, f) for f in Policy._fields)),
+                              key_codes=kc, value_codes=vc, next_pos=new.next_pos)
+
+    return register(key, State, init, {b: _update for b in spec.backends},
+                    get_kv=codec_cache.get_kv, positions=lambda st: st.policy.positions,
+                    dims=codec_cache.dims, attend=codec_cache.attend, spec=spec)

@@ -137,6 +137,7 @@ class Spec:
     backends: tuple[str, ...] = field(default=("reference", "mlx"))
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     authors: str = ""
+    compose: tuple[str, ...] = ()
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -335,6 +336,7 @@ def parse_spec(data: Mapping[str, Any], init: Callable | None = None) -> Spec:
         backends=tuple(data.get("backends", ("reference", "mlx"))),
         presets={k: dict(v) for k, v in data.get("presets", {}).items()},
         authors=paper.get("authors", ""),
+        compose=tuple(data.get("compose", ())),
     )
 
 
