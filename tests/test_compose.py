@@ -64,3 +64,25 @@ def test_policies_that_cannot_be_composed_are_refused():
         compose.evict_then_store("kivi")
     with pytest.raises(ValueError, match="unknown method"):
         compose.evict_then_store("nope")
+
+
+def test_a_policy_composes_with_another_codec():
+    import velox.methods.compositions as comps
+
+    assert ("tova", "qjl") in comps.PAIRS
+    m = velox.get_method("tova+qjl")
+    assert set(m.spec.params) == {"budget", "n_sink", "per_head", "jl_dim", "seed"}
+    st = velox.init("tova+qjl", 1, 2, 64, budget=16, n_sink=2)
+    plain = velox.init("tova", 1, 2, 64, budget=16, n_sink=2)
+    for s in (30, 1, 1):
+        k, v = mx.random.normal((2, 1, 2, s, 64), key=mx.random.key(s))
+        st, plain = velox.update(st, k, v), velox.update(plain, k, v)
+    pos = np.array(velox.positions(st))
+    assert pos.shape[2] == 16 and (np.diff(pos, axis=2) > 0).all() and (pos[..., :2] == [0, 1]).all()
+    # a token: keys as 64 sign bits (8 B) + a float16 norm, values 64 B + float16 scale and
+    # zero, its position 4 B (82 B against 2 x 256 B + 4 B of float32 rows); the sketch
+    # [64, 64] float32 (16 KiB) once per layer
+    assert velox.nbytes(st) - st.tables.sketch.nbytes == 1 * 2 * 16 * 82 + 8
+    assert velox.nbytes(plain) == 1 * 2 * 16 * (2 * 256 + 4) + 8
+    with pytest.raises(ValueError, match="unknown codec"):
+        compose.evict_then_store("tova", "nope")
