@@ -44,7 +44,9 @@ QJL sketch of the residual); each has a NumPy twin with the suffix ``_np``:
   ``(tables, q_rot, codes)`` for a query already rotated (``q_rot = rotate(q, tables.rotation)``).
 
 Float32 arithmetic, in the same order in both twins; codes can differ between MLX and NumPy only
-for a coordinate within float32 rounding of a cell boundary (different matmul summation order).
+where the matmul and sum orders round differently: a coordinate within float32 rounding of a cell
+boundary (stage 2 of rvq divides the small residual by its RMS, so there "within rounding" is
+~1e-4 of a unit), or a norm or gain on a float16 rounding tie (one float16 step).
 Norms are float16 (relative rounding 2^-11, far below the 8-bit distortion); rows of norm above
 65504 overflow it.
 """
