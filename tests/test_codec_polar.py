@@ -37,7 +37,7 @@ def test_radius_exact_codes_in_range(d, block, bits, l1, seed):
     x = _rows((1, 2, 5, d), seed, scale=3.0)
     c = polar.encode(t, mx.array(x))
     # the block radii are the rotated blocks' norms, to float16
-    y = x @ np.array(t.rotation)
+    y = x @ np.array(t.rotation).T
     norms = np.linalg.norm(y.reshape(1, 2, 5, d // block, block), axis=-1)
     np.testing.assert_allclose(np.array(c.radii, np.float32), norms.astype(np.float16).astype(np.float32))
     # the decoded blocks (rotated basis) have exactly the stored radius
@@ -58,7 +58,7 @@ def test_angle_within_half_cell():
     """Every decoded angle is its level's centroid, within half the cell of the true angle."""
     t = polar.tables(16, dict(bits=3, level1_bits=4, block=16, seed=3))
     x = _rows((1, 1, 200, 16), 5)
-    y = x @ np.array(t.rotation)
+    y = x @ np.array(t.rotation).T
     codes, _ = polar._angle_codes_np(numpy_tables(t), y)
     theta = np.mod(np.arctan2(y[..., 1::2], y[..., 0::2]), 2 * np.pi)
     c1, _ = polar.angle_codebook(1, 4)
@@ -126,7 +126,7 @@ def test_mx_equals_np(d, bits, l1, seed):
     tn = numpy_tables(t)
     x = _rows((2, 2, 6, d), seed)
     # the same rotated rows give the same codes (products and comparisons only)
-    y = x @ tn.rotation
+    y = x @ tn.rotation.T
     cm, rm = polar._angle_codes(t, mx.array(y))
     cn, rn = polar._angle_codes_np(tn, y)
     for a, b in zip(cm, cn):

@@ -1,10 +1,11 @@
 """PolarQuant: keys as recursive polar angles of randomly rotated blocks (Han, Kacham, Karbasi,
 Mirrokni, Zandieh, arXiv 2502.02617).
 
-A row ``x`` of ``d`` channels is rotated, ``y = x @ rotation`` (a random orthogonal matrix, a
-function of ``seed``), which makes its coordinates nearly i.i.d. Gaussian. ``y`` splits into
-blocks of ``block`` coordinates (a power of two dividing ``d``), and each block goes through
-``L = log2(block)`` levels of the polar transform:
+A row ``x`` of ``d`` channels is rotated, ``y = x @ rotation.T`` (``random_rotation(d, seed)``
+of ``velox.codecs.rotation``: a randomized Hadamard matrix for power-of-two ``d``), which makes
+its coordinates nearly i.i.d. Gaussian. ``y`` splits into blocks of ``block`` coordinates (a
+power of two dividing ``d``), and each block goes through ``L = log2(block)`` levels of the polar
+transform:
 
 * level 1 pairs the coordinates ``(y[2i], y[2i+1])`` into a radius and an angle in
   ``[0, 2 pi)``; the angle is quantized uniformly at ``level1_bits`` bits;
@@ -45,23 +46,13 @@ import mlx.core as mx
 import numpy as np
 
 from . import Codec, register_codec
+from .rotation import random_rotation
 
 __all__ = ["PolarTables", "PolarCodes", "tables", "encode", "decode", "scores", "encode_np",
            "decode_np", "scores_np", "angle_codebook", "lloyd_max", "pack_codes",
            "unpack_codes", "pack_codes_np", "unpack_codes_np", "bytes_per_row", "CODEC"]
 
 _GRID = 1 << 16
-
-
-def _rotation(d: int, seed: int) -> np.ndarray:
-    """Random orthogonal ``[d, d]`` float32 matrix of ``seed``."""
-    try:
-        from .rotation import random_rotation
-    except ImportError:  # pragma: no cover - the shared helper is the usual path
-        rng = np.random.default_rng(seed)
-        q, r = np.linalg.qr(rng.standard_normal((d, d)))
-        return (q * np.sign(np.diag(r))).astype(np.float32)
-    return np.asarray(random_rotation(d, seed), np.float32)
 
 
 def lloyd_max(grid: np.ndarray, density: np.ndarray, levels: int, iters: int = 400,
@@ -107,7 +98,7 @@ def angle_codebook(level: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
 class PolarTables(NamedTuple):
     """The rotation, each level's codebook as cosines and sines, and the widths."""
 
-    rotation: mx.array       # [d, d], y = x @ rotation
+    rotation: mx.array       # [d, d], y = x @ rotation.T (velox.codecs.rotation)
     l1_bcos: mx.array        # [2^level1_bits / 2 - 1] level-1 boundaries below pi
     l1_bsin: mx.array
     l1_ccos: mx.array        # [2^level1_bits] level-1 centroids
@@ -149,8 +140,9 @@ def tables(head_dim: int, params: dict) -> PolarTables:
     uc = np.array([c for c, _ in ups], np.float64).reshape(levels - 1, k)
     ub = np.array([b for _, b in ups], np.float64).reshape(levels - 1, k - 1)
     f = lambda a: mx.array(np.asarray(a, np.float32))  # noqa: E731
-    return PolarTables(f(_rotation(head_dim, seed)), f(np.cos(b1)), f(np.sin(b1)), f(np.cos(c1)),
-                       f(np.sin(c1)), f(np.cos(ub)), f(np.sin(ub)), f(np.cos(uc)), f(np.sin(uc)),
+    return PolarTables(f(random_rotation(head_dim, seed)), f(np.cos(b1)), f(np.sin(b1)),
+                       f(np.cos(c1)), f(np.sin(c1)), f(np.cos(ub)), f(np.sin(ub)),
+                       f(np.cos(uc)), f(np.sin(uc)),
                        head_dim, block, levels, bits, l1)
 
 
@@ -259,18 +251,18 @@ def _decode_rotated(t: PolarTables, codes: PolarCodes) -> mx.array:
 
 
 def encode(t: PolarTables, rows: mx.array) -> PolarCodes:
-    y = rows.astype(mx.float32) @ t.rotation
+    y = rows.astype(mx.float32) @ t.rotation.T
     codes, r = _angle_codes(t, y)
     return PolarCodes(pack_codes(codes, [w for _, w in _widths(t)]), r.astype(mx.float16))
 
 
 def decode(t: PolarTables, codes: PolarCodes) -> mx.array:
-    return _decode_rotated(t, codes) @ t.rotation.T
+    return _decode_rotated(t, codes) @ t.rotation
 
 
 def scores(t: PolarTables, queries: mx.array, codes: PolarCodes) -> mx.array:
     """``q . k``: the query rotated once against the keys rebuilt in the rotated basis."""
-    q = queries.astype(mx.float32) @ t.rotation
+    q = queries.astype(mx.float32) @ t.rotation.T
     return q @ _decode_rotated(t, codes).swapaxes(-1, -2)
 
 
@@ -308,17 +300,17 @@ def _decode_rotated_np(t: PolarTables, codes: PolarCodes) -> np.ndarray:
 
 def encode_np(t: PolarTables, rows: np.ndarray) -> PolarCodes:
     """NumPy twin of :func:`encode` (float32 throughout)."""
-    y = np.asarray(rows, np.float32) @ t.rotation
+    y = np.asarray(rows, np.float32) @ t.rotation.T
     codes, r = _angle_codes_np(t, y)
     return PolarCodes(pack_codes_np(codes, [w for _, w in _widths(t)]), r.astype(np.float16))
 
 
 def decode_np(t: PolarTables, codes: PolarCodes) -> np.ndarray:
-    return _decode_rotated_np(t, codes) @ t.rotation.T
+    return _decode_rotated_np(t, codes) @ t.rotation
 
 
 def scores_np(t: PolarTables, queries: np.ndarray, codes: PolarCodes) -> np.ndarray:
-    q = np.asarray(queries, np.float32) @ t.rotation
+    q = np.asarray(queries, np.float32) @ t.rotation.T
     return q @ np.swapaxes(_decode_rotated_np(t, codes), -1, -2)
 
 
