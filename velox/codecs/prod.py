@@ -1,7 +1,7 @@
 """TurboQuant_prod: the TurboQuant MSE codec at ``bits - 1`` bits plus a QJL sketch of its
 residual, an unbiased inner-product codec at ``bits`` bits per coordinate.
 
-Params ``bits`` (total ``b >= 2``, default 3), ``jl_dim`` (``m``; 0 means ``head_dim`` when
+Params ``bits`` (total ``b >= 2``, default 2), ``jl_dim`` (``m``; 0 means ``head_dim`` when
 ``b <= 2``, else ``min(head_dim, 64)``) and ``seed`` (default 42).
 
 * Stage 1: ``turboquant_mse`` at ``b - 1`` bits with ``seed`` (rotation and Gaussian Lloyd-Max
@@ -40,7 +40,7 @@ from . import turboquant as tq
 __all__ = ["TurboQuantProdTables", "TurboQuantProdCodes", "default_jl_dim", "prod_tables",
            "tables", "encode", "decode", "scores", "encode_np", "decode_np", "scores_np", "CODEC"]
 
-DEFAULT_BITS = 3
+DEFAULT_BITS = 2
 DEFAULT_SEED = 42
 
 
