@@ -1,0 +1,50 @@
+"""TurboQuant_prod: TurboQuant's unbiased inner-product quantizer of keys (the MSE stage at
+``bits - 1`` bits plus a 1-bit QJL sketch of its residual), values per-token 8-bit.
+
+A key ``k`` is rotated by a random orthogonal matrix from ``seed`` and coded with the Gaussian
+Lloyd-Max codebook at ``bits - 1`` bits a coordinate (float16 norm); the residual ``r = k -
+x_mse`` is held as ``sign(S r)`` (``m = jl_dim`` bits, packed) and ``||r||`` (float16). The
+codec is ``velox.codecs.prod`` (``"turboquant_prod"``). Attention logits over the stored tokens
+are the unbiased estimate ``<q, x_mse> + sqrt(pi/2) / m * ||r|| * <S q, sign(S r)>``, the query
+rotated and projected once (``attend``); ``get_kv`` returns the estimator's implied keys (an
+unbiased estimate of each key, not a reconstruction within a bound).
+
+Values are per-token 8-bit affine codes (one group a row, float16 scale and zero). Every token
+is kept; both backends (``mlx``, ``reference``: the codec's NumPy twins) give the same codes.
+Built by ``velox.codec_cache``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .. import codec_cache
+from ..codecs.prod import TurboQuantProdCodes, TurboQuantProdTables
+
+__all__ = ["TurboQuantProdState", "State", "init", "update", "get_kv", "nbytes", "positions",
+           "attend"]
+
+
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         bits: int = 2, jl_dim: int = 0, seed: int = 42,
+         backend: str = "auto") -> "TurboQuantProdState":
+    """Empty TurboQuant_prod state.
+
+    Args:
+        bits: total bits per key coordinate: bits - 1 for the Lloyd-Max stage, plus the QJL
+            sketch of its residual.
+        jl_dim: QJL sketch size m; 0 means the seed's rule, m = head_dim at 2 bits, else
+            min(head_dim, 64).
+        seed: seed of the random rotation (the residual's sketch uses seed + 1).
+    """
+    return codec_cache.empty(TurboQuantProdState, locals())
+
+
+TurboQuantProdState = codec_cache.state_type(
+    "TurboQuantProdState", init, "TurboQuant_prod key indices, norms, residual signs and norms, "
+    "per-token 8-bit values, the rotation, codebook and sketch.", codec="turboquant_prod",
+    codes=TurboQuantProdCodes, tables=TurboQuantProdTables)
+State = TurboQuantProdState
+method = codec_cache.register_method("turboquant_prod", TurboQuantProdState, init)
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
+positions, attend = method.positions, method.attend
