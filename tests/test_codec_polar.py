@@ -39,7 +39,8 @@ def test_radius_exact_codes_in_range(d, block, bits, l1, seed):
     # the block radii are the rotated blocks' norms, to float16
     y = x @ np.array(t.rotation).T
     norms = np.linalg.norm(y.reshape(1, 2, 5, d // block, block), axis=-1)
-    np.testing.assert_allclose(np.array(c.radii, np.float32), norms.astype(np.float16).astype(np.float32))
+    np.testing.assert_allclose(np.array(c.radii, np.float32),
+                               norms.astype(np.float16).astype(np.float32))
     # the decoded blocks (rotated basis) have exactly the stored radius
     yh = np.array(polar._decode_rotated(t, c)).reshape(1, 2, 5, d // block, block)
     np.testing.assert_allclose(np.linalg.norm(yh, axis=-1), np.array(c.radii, np.float32), rtol=2e-6)

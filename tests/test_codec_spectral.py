@@ -1,0 +1,223 @@
+"""SpectralQuant codec (velox.codecs.spectral): rotation, participation ratio, QJL on the signal
+coordinates only, the plain rotated scalar quantizer without it, twins, bytes."""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from velox.codecs import codes_nbytes, get_codec, numpy_tables, spectral, turboquant
+from velox.codecs.lloyd import cell, codebook
+
+
+def _rows(shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _anisotropic(t, d, seed=0, strong=4):
+    """Keys with ``strong`` directions of standard deviation 8 and the rest 0.5, plus a mean."""
+    rng = np.random.default_rng(seed)
+    basis = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    sd = np.r_[np.full(strong, 8.0), np.full(d - strong, 0.5)]
+    return ((rng.standard_normal((t, d)) * sd) @ basis.T + 0.3).astype(np.float32)
+
+
+def _rotated(t, codes):
+    return np.array(spectral._decode_rotated(t, codes))
+
+
+def test_registered():
+    c = get_codec("spectral")
+    assert c.decode is spectral.decode
+    assert {"bits", "d_eff", "apply_qjl", "jl_dim", "seed", "rotation"} <= set(c.params)
+
+
+@pytest.mark.parametrize("d", [8, 16, 32, 64, 128, 48])
+def test_rotations_orthogonal(d):
+    r = np.array(spectral.tables(d, dict(seed=3)).rotation, np.float64)
+    np.testing.assert_allclose(r @ r.T, np.eye(d), atol=1e-5)
+    p, lam = spectral.pca_rotation(_anisotropic(500, d, 1, strong=min(4, d)))
+    np.testing.assert_allclose(p.astype(np.float64) @ p.T, np.eye(d), atol=1e-5)
+    assert np.all(np.diff(lam) <= 1e-9)
+    x = _rows((3, d), 2)
+    np.testing.assert_allclose(np.linalg.norm(x @ p.T, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
+
+
+def test_pca_rotation_is_the_covariance_eigenbasis():
+    k = _anisotropic(2000, 16, 4).astype(np.float64)
+    rot, lam = spectral.pca_rotation(k)
+    c = np.cov(k.T, bias=True)
+    np.testing.assert_allclose(rot.astype(np.float64) @ c @ rot.T.astype(np.float64), np.diag(lam),
+                               atol=1e-3 * lam[0])
+
+
+@given(lam=st.lists(st.floats(0, 1e3), min_size=1, max_size=64).filter(lambda v: sum(v) > 1e-3),
+       scale=st.floats(1e-3, 1e3))
+def test_participation_ratio_range_and_scale_invariance(lam, scale):
+    pr = spectral.participation_ratio(lam)
+    assert 1 - 1e-9 <= pr <= len(lam) + 1e-9
+    assert spectral.participation_ratio(np.asarray(lam) * scale) == pytest.approx(pr, rel=1e-9)
+
+
+def test_participation_ratio_extremes():
+    assert spectral.participation_ratio(np.full(128, 2.5)) == pytest.approx(128)
+    assert spectral.participation_ratio(np.r_[3.0, np.zeros(127)]) == pytest.approx(1)
+    # from data: isotropic keys are near d, rank-one keys are 1
+    _, lam = spectral.pca_rotation(_rows((20000, 16), 5))
+    assert spectral.participation_ratio(lam) > 15
+    v = _rows((1, 16), 6)
+    _, lam = spectral.pca_rotation(_rows((500, 1), 7) * v)
+    assert spectral.participation_ratio(lam) == pytest.approx(1, abs=1e-6)
+    # the seed's keys: a few strong directions give a small participation ratio
+    assert spectral.calibrate(_anisotropic(4000, 128, 8))["d_eff"] in range(3, 7)
+
+
+@given(seed=st.integers(0, 999), d_eff=st.integers(1, 16), bits=st.integers(1, 4),
+       jl=st.sampled_from([0, 3, 16, 40]))
+def test_qjl_touches_only_signal_coordinates(seed, d_eff, bits, jl):
+    d = 32
+    rot = spectral.pca_rotation(_anisotropic(300, d, 9))[0]
+    x = mx.array(_anisotropic(40, d, 10).reshape(1, 2, 20, d))
+    base = dict(bits=bits, d_eff=d_eff, jl_dim=jl, rotation=rot)
+    plain_t = spectral.tables(d, dict(base, apply_qjl=False, seed=seed))
+    plain = _rotated(plain_t, spectral.encode(plain_t, x))
+    outs = []
+    for s in (seed, seed + 1):
+        t = spectral.tables(d, dict(base, seed=s))
+        outs.append(_rotated(t, spectral.encode(t, x)))
+        np.testing.assert_array_equal(outs[-1][..., d_eff:], plain[..., d_eff:])
+    np.testing.assert_array_equal(outs[0][..., d_eff:], outs[1][..., d_eff:])
+    assert not np.array_equal(outs[0][..., :d_eff], outs[1][..., :d_eff])
+
+
+@given(d=st.sampled_from([8, 16, 32, 64, 128]), bits=st.integers(1, 8), seed=st.integers(0, 999))
+def test_without_qjl_equals_turboquant_mse(d, bits, seed):
+    """The isotropic default without QJL is the plain rotated scalar quantizer, bit for bit."""
+    x = mx.array(_rows((1, 2, 9, d), seed))
+    t = spectral.tables(d, dict(bits=bits, apply_qjl=False, seed=seed, d_eff=4 if d > 4 else 1))
+    tq = turboquant.mse_tables(d, bits, seed)
+    c, ct = spectral.encode(t, x), turboquant.mse_encode(tq, x)
+    np.testing.assert_array_equal(np.array(spectral.decode(t, c)),
+                                  np.array(turboquant.mse_decode(tq, ct)))
+    np.testing.assert_array_equal(np.array(c.norms), np.array(ct.norm))
+    assert c.signs.shape == (1, 2, 9, 0) and c.rnorms.shape == (1, 2, 9, 0)
+
+
+def test_without_qjl_calibrated_is_the_scaled_scalar_quantizer():
+    d, bits = 32, 3
+    cal = spectral.calibrate(_anisotropic(2000, d, 11))
+    t = spectral.tables(d, dict(bits=bits, apply_qjl=False, rotation=cal["rotation"],
+                                scales=cal["scales"]))
+    x = _anisotropic(50, d, 12)
+    y = x.astype(np.float64) @ cal["rotation"].T.astype(np.float64)
+    n = np.linalg.norm(x.astype(np.float64), axis=-1, keepdims=True)
+    c, b = codebook("gaussian", bits)
+    s = cal["scales"].astype(np.float64)
+    want = c[cell(y / (n * s), b.astype(np.float64), bits)] * n * s
+    got = _rotated(t, spectral.encode(t, mx.array(x.reshape(1, 1, 50, d))))[0, 0]
+    assert np.mean(np.isclose(got, want, rtol=1e-3, atol=1e-4)) > 0.995
+
+
+def test_calibration_beats_the_random_rotation_on_spectral_keys():
+    d = 64
+    keys = _anisotropic(3000, d, 13)
+    cal = spectral.calibrate(keys[:2000])
+    x = mx.array(keys[2000:].reshape(1, 4, 250, d))
+    err = {}
+    for name, p in (("random", {}), ("spectral", dict(rotation=cal["rotation"], scales=cal["scales"]))):
+        t = spectral.tables(d, dict(p, bits=2, apply_qjl=False))
+        xh = np.array(spectral.decode(t, spectral.encode(t, x)))
+        err[name] = np.sum((xh - np.array(x)) ** 2) / np.sum(np.array(x) ** 2)
+    assert err["spectral"] < 0.9 * err["random"], err
+
+
+def test_qjl_unbiased_over_seeds():
+    """E over the sketch of the score = q_rot . (exact signal coordinates, scalar rest)."""
+    d, d_eff, n_seeds = 32, 6, 400
+    cal = spectral.calibrate(_anisotropic(2000, d, 14, strong=6))
+    base = dict(bits=2, d_eff=d_eff, rotation=cal["rotation"], scales=cal["scales"])
+    x = _anisotropic(6, d, 15, strong=6).reshape(1, 1, 6, d)
+    q = _rows((1, 1, 3, d), 16)
+    t0 = spectral.tables(d, dict(base, apply_qjl=False))
+    y = x @ np.array(t0.rotation).T
+    qr = q @ np.array(t0.rotation).T
+    yh = _rotated(t0, spectral.encode(t0, mx.array(x)))
+    e = y[..., :d_eff] - yh[..., :d_eff]
+    want = qr @ np.swapaxes(yh, -1, -2) + qr[..., :d_eff] @ np.swapaxes(e, -1, -2)
+    est = np.stack([np.array(spectral.scores(t, mx.array(q), spectral.encode(t, mx.array(x))))
+                    for t in (spectral.tables(d, dict(base, seed=s)) for s in range(n_seeds))])
+    q2 = np.sum(qr[..., :d_eff] ** 2, -1)[..., None]
+    var = (math.pi / 2) * q2 * np.sum(e ** 2, -1)[:, :, None] / d_eff
+    assert np.all(est.var(axis=0) <= 1.2 * var + 1e-6)
+    assert np.all(np.abs(est.mean(axis=0) - want) <= 5 * np.sqrt(var / n_seeds) + 1e-4)
+
+
+def test_scores_are_dot_with_decode():
+    d = 64
+    t = spectral.tables(d, dict(bits=3, d_eff=8, seed=1))
+    k, q = _rows((2, 2, 10, d), 17), _rows((2, 2, 4, d), 18)
+    c = spectral.encode(t, mx.array(k))
+    want = q @ np.swapaxes(np.array(spectral.decode(t, c)), -1, -2)
+    np.testing.assert_allclose(np.array(spectral.scores(t, mx.array(q), c)), want, rtol=1e-4, atol=1e-4)
+
+
+def test_determinism_per_seed():
+    x = mx.array(_rows((1, 2, 8, 32), 19))
+    a = spectral.encode(spectral.tables(32, dict(seed=7)), x)
+    b = spectral.encode(spectral.tables(32, dict(seed=7)), x)
+    c = spectral.encode(spectral.tables(32, dict(seed=8)), x)
+    assert all(np.array_equal(np.array(u), np.array(v)) for u, v in zip(a, b))
+    assert not np.array_equal(np.array(a.codes), np.array(c.codes))
+
+
+@given(d=st.sampled_from([8, 16, 32, 64, 128]), bits=st.integers(1, 8), qjl=st.booleans(),
+       calibrated=st.booleans(), seed=st.integers(0, 999))
+def test_mx_equals_np(d, bits, qjl, calibrated, seed):
+    p = dict(bits=bits, apply_qjl=qjl, d_eff=min(4, d), seed=seed)
+    if calibrated:
+        cal = spectral.calibrate(_anisotropic(400, d, seed, strong=min(4, d)))
+        p.update(rotation=cal["rotation"], scales=cal["scales"])
+    t = spectral.tables(d, p)
+    tn = numpy_tables(t)
+    x = _anisotropic(12, d, seed + 1, strong=min(4, d)).reshape(2, 2, 3, d)
+    # the same rotated rows give the same codes
+    y = x @ tn.rotation.T
+    r = np.sqrt(np.sum(x * x, axis=-1))
+    cm, cn = spectral._encode_rotated(t, mx.array(y), mx.array(r)), spectral._encode_rotated_np(tn, y, r)
+    for a, b in zip(cm, cn):
+        assert a.dtype == mx.array(b).dtype and np.array_equal(np.array(a), b)
+    # whole pipeline: the rotation matmul may round differently; decodes and scores agree
+    c, c_np = spectral.encode(t, mx.array(x)), spectral.encode_np(tn, x)
+    assert np.mean(np.array(c.codes) == c_np.codes) > 0.95
+    np.testing.assert_allclose(np.array(spectral.decode(t, c)), spectral.decode_np(tn, c), atol=1e-4)
+    q = _rows((2, 2, 5, d), seed + 2)
+    np.testing.assert_allclose(np.array(spectral.scores(t, mx.array(q), c)),
+                               spectral.scores_np(tn, q, c), rtol=1e-4, atol=1e-3)
+
+
+def test_bytes_formula():
+    for d in (8, 16, 32, 64, 128):
+        for bits, d_eff, qjl, jl in ((2, 4, True, 0), (3, 4, False, 0), (1, 8, True, 20),
+                                     (5, 0, True, 0)):
+            p = dict(bits=bits, d_eff=min(d_eff, d), apply_qjl=qjl, jl_dim=jl)
+            t = spectral.tables(d, p)
+            m = (jl or min(d_eff, d)) if qjl and d_eff else 0
+            per_row = math.ceil(d * bits / 8) + 2 + ((math.ceil(m / 8) + 2) if m else 0)
+            assert per_row == spectral.bytes_per_row(d, p) and t.jl_dim == m
+            c = spectral.encode(t, mx.array(_rows((1, 3, 5, d))))
+            assert codes_nbytes(c) == 15 * per_row
+    # the seed's configuration: 2 bits, d_eff 4, QJL of 4 signs: 2.3125 bits a coordinate
+    assert spectral.bytes_per_row(128, dict(bits=2, d_eff=4)) * 8 / 128 == 2.3125
+
+
+def test_zero_rows_and_errors():
+    t = spectral.tables(16, dict(seed=0))
+    c = spectral.encode(t, mx.zeros((1, 1, 2, 16)))
+    assert np.array_equal(np.array(spectral.decode(t, c)), np.zeros((1, 1, 2, 16), np.float32))
+    with pytest.raises(ValueError, match="rotation"):
+        spectral.tables(16, dict(rotation=np.eye(8)))
+    with pytest.raises(ValueError, match="d_eff"):
+        spectral.tables(16, dict(d_eff=17))

@@ -1,0 +1,296 @@
+"""SpectralQuant: a calibrated spectral rotation, a scalar quantizer of every rotated coordinate,
+and QJL error correction on the signal coordinates only (Dynamis Labs, "3% Is All You Need:
+Breaking TurboQuant's Compression Limit via Spectral Structure"; no arXiv id).
+
+Keys of a layer concentrate in a few directions: the participation ratio of their covariance's
+eigenvalues, ``(sum l)^2 / sum l^2`` (:func:`participation_ratio`), is about 4 of 128. A row
+``x`` is rotated into a basis whose first ``d_eff`` coordinates are those directions:
+``y = x @ rotation.T`` (``rotation``'s rows are the basis, the convention of
+``velox.codecs.rotation``), with ``rotation`` from calibration (:func:`pca_rotation`: the
+covariance's eigenvectors by decreasing eigenvalue) or, when ``params["rotation"]`` is absent or
+``None``, the data-oblivious ``velox.codecs.rotation.random_rotation(d, seed)``.
+
+1. Scalar stage, every coordinate: with the row's norm ``||x||`` (stored in float16) and a
+   per-coordinate spread ``s_j`` (``params["scales"]``, ``sum s_j^2 = 1``; absent: ``1/sqrt(d)``
+   for every ``j``, the isotropic law of a randomly rotated row), ``u_j = y_j / (||x|| s_j)`` is
+   roughly N(0, 1) and takes the ``bits``-bit Lloyd-Max code of the unit Gaussian
+   (``velox.codecs.lloyd``); ``y^_j = ||x|| s_j c[code_j]``. With the isotropic spreads this is
+   exactly the ``turboquant_mse`` codec's arithmetic in the given basis (the same codes, the same
+   decode). A calibrated basis needs its spreads: one norm for coordinates of very unequal
+   variance would saturate the top ones. :func:`calibrate`
+   gives both the PCA rotation and the spreads ``s_j`` of calibration keys.
+2. QJL stage (``apply_qjl``), the first ``d_eff`` coordinates only: the residual
+   ``r = y[:d_eff] - y^[:d_eff]`` is held as ``sign(S r)`` (``m`` bits, ``S [m, d_eff]`` i.i.d.
+   N(0, 1) drawn from ``seed``) and ``||r||`` (float16), and the signal coordinates are corrected
+   by the unbiased QJL estimate of ``r``, ``sqrt(pi/2) / m * ||r|| * S^T sign(S r)``. ``jl_dim``
+   is ``m``; 0 means ``m = d_eff`` (one sign bit a signal coordinate: the correction costs
+   ``d_eff`` bits and a float16 a row). The other coordinates are never touched by it.
+
+A row holds ``ceil(d * bits / 8)`` bytes of packed codes and a float16 norm, plus, with QJL,
+``ceil(m / 8)`` bytes of signs and a float16 residual norm (``bytes_per_row``).
+
+Scores rotate the query once and take its dot product with the keys rebuilt in the rotated basis
+(a centroid lookup times the row's norm and spread, no unrotation of the keys), plus the QJL
+term ``sqrt(pi/2) / m * ||r|| * <S q[:d_eff], sign(S r)>`` computed from the signs.
+
+Error: the QJL term is an unbiased estimate of the signal residual's contribution, with
+variance at most ``(pi/2) ||q[:d_eff]||^2 ||r||^2 / m``; the remaining coordinates carry the
+scalar stage's Lloyd-Max error.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from . import Codec, register_codec
+from .lloyd import cell, codebook
+from .polar import pack_codes, pack_codes_np, unpack_codes, unpack_codes_np
+from .rotation import random_rotation
+
+__all__ = ["SpectralTables", "SpectralCodes", "tables", "encode", "decode", "scores",
+           "encode_np", "decode_np", "scores_np", "pca_rotation", "participation_ratio",
+           "calibrate", "bytes_per_row", "CODEC"]
+
+
+class SpectralTables(NamedTuple):
+    """The rotation (rows the basis), spreads, the Gaussian codebook, the QJL sketch, widths."""
+
+    rotation: mx.array       # [d, d], y = x @ rotation.T
+    scales: mx.array         # [d] spread s_j of each rotated coordinate (sum s_j^2 = 1)
+    gains: mx.array          # [d] 1 / (sqrt(d) s_j): exactly 1 for the isotropic default
+    centroids: mx.array      # [2^bits]
+    boundaries: mx.array     # [2^bits - 1]
+    sketch: mx.array         # [m, d_eff] (m = 0 rows without QJL)
+    head_dim: int
+    bits: int
+    d_eff: int
+    jl_dim: int              # m; 0 when apply_qjl is off
+    apply_qjl: bool
+
+
+class SpectralCodes(NamedTuple):
+    """Packed scalar codes, the row norm, the QJL signs and residual norm (empty without QJL)."""
+
+    codes: mx.array          # uint8 [b, h, n, ceil(d * bits / 8)]
+    norms: mx.array          # float16 [b, h, n]
+    signs: mx.array          # uint8 [b, h, n, ceil(m / 8)]
+    rnorms: mx.array         # float16 [b, h, n, 1] (with QJL) or [b, h, n, 0]
+
+
+def pca_rotation(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """PCA of calibration ``keys [t, d]``: ``(rotation [d, d] float32, eigenvalues [d]
+    float64)``, the rows of ``rotation`` the covariance's eigenvectors by decreasing
+    eigenvalue (``y = x @ rotation.T`` puts the top principal direction first)."""
+    k = np.asarray(keys, np.float64).reshape(-1, np.shape(keys)[-1])
+    k = k - k.mean(axis=0)
+    cov = k.T @ k / max(len(k), 1)
+    lam, vec = np.linalg.eigh(cov)
+    order = np.argsort(lam)[::-1]
+    return vec[:, order].T.astype(np.float32), np.clip(lam[order], 0.0, None)
+
+
+def participation_ratio(eigenvalues) -> float:
+    """``(sum l)^2 / sum l^2``: the effective number of dimensions, in ``[1, d]`` (``d`` for an
+    isotropic spectrum, 1 for rank one; scale-invariant)."""
+    lam = np.asarray(eigenvalues, np.float64)
+    den = float(np.sum(lam * lam))
+    return float(np.sum(lam)) ** 2 / den if den > 0 else 0.0
+
+
+def calibrate(keys: np.ndarray, floor: float = 1e-4) -> dict:
+    """``{"rotation", "scales", "d_eff"}`` from calibration keys ``[t, d]``: the PCA rotation,
+    each rotated coordinate's root mean square as a fraction of the rows' (floored at ``floor``
+    times the largest, then renormalized to ``sum s_j^2 = 1``), and the participation ratio
+    rounded (at least 1)."""
+    k = np.asarray(keys, np.float64).reshape(-1, np.shape(keys)[-1])
+    rot, lam = pca_rotation(k)
+    ms = np.mean((k @ rot.astype(np.float64).T) ** 2, axis=0)
+    s = np.sqrt(ms / max(ms.sum(), 1e-300))
+    s = np.maximum(s, floor * s.max()) if s.max() > 0 else np.full_like(s, 1.0)
+    s = s / np.sqrt(np.sum(s * s))
+    return {"rotation": rot, "scales": s.astype(np.float32),
+            "d_eff": max(1, int(round(participation_ratio(lam))))}
+
+
+def tables(head_dim: int, params: dict) -> SpectralTables:
+    d = head_dim
+    bits = int(params.get("bits", 2))
+    d_eff = int(params.get("d_eff", 4))
+    apply_qjl = bool(params.get("apply_qjl", True))
+    jl = int(params.get("jl_dim", 0))
+    seed = int(params.get("seed", 42))
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits={bits} must lie in 1..8")
+    if not 0 <= d_eff <= d:
+        raise ValueError(f"d_eff={d_eff} must lie in 0..head_dim={d}")
+    if jl < 0:
+        raise ValueError(f"jl_dim={jl} must be >= 0 (0 means d_eff)")
+    rot = params.get("rotation")
+    rot = random_rotation(d, seed) if rot is None else np.asarray(rot, np.float32)
+    if rot.shape != (d, d):
+        raise ValueError(f"rotation of shape {rot.shape} is not [{d}, {d}]")
+    sc = params.get("scales")
+    if sc is None:
+        sc, gains = np.full(d, 1 / math.sqrt(d), np.float32), np.ones(d, np.float32)
+    else:
+        sc = np.asarray(sc, np.float64)
+        if sc.shape != (d,) or not np.all(sc > 0):
+            raise ValueError(f"scales must be {d} positive spreads")
+        gains = (1 / (math.sqrt(d) * sc)).astype(np.float32)
+        sc = sc.astype(np.float32)
+    m = (jl or d_eff) if apply_qjl and d_eff > 0 else 0
+    sketch = np.random.default_rng([seed, 1]).standard_normal((m, d_eff)).astype(np.float32)
+    c, b = codebook("gaussian", bits)
+    f = lambda a: mx.array(np.asarray(a, np.float32))  # noqa: E731
+    return SpectralTables(f(rot), f(sc), f(gains), f(c), f(b), f(sketch), d, bits, d_eff, m,
+                          m > 0)
+
+
+def bytes_per_row(head_dim: int, params: dict) -> int:
+    """Bytes :func:`encode` holds a row."""
+    bits, d_eff = int(params.get("bits", 2)), int(params.get("d_eff", 4))
+    m = (int(params.get("jl_dim", 0)) or d_eff) if params.get("apply_qjl", True) and d_eff else 0
+    return -(-head_dim * bits // 8) + 2 + (-(-m // 8) + 2 if m else 0)
+
+
+def _qjl_scale(t: SpectralTables) -> float:
+    return math.sqrt(math.pi / 2) / t.jl_dim
+
+
+# ---- MLX -----------------------------------------------------------------------------------
+
+def _scalar_rotated(t: SpectralTables, y: mx.array, r: mx.array):
+    """Codes of rotated rows ``y`` of norms ``r`` (float32 ``[...]``) and ``y^`` (from the
+    float16 norm): ``u = y * sqrt(d) / r * gain``, TurboQuant's unit coordinates when the
+    spreads are isotropic."""
+    zero = mx.array(0.0, mx.float32)
+    inv = mx.where(r > 0, mx.array(math.sqrt(t.head_dim), mx.float32) / r, zero)
+    codes = cell((y * inv[..., None]) * t.gains, t.boundaries, t.bits)
+    n16 = r.astype(mx.float16)
+    return codes, mx.take(t.centroids, codes) * (n16.astype(mx.float32)[..., None] * t.scales), n16
+
+
+def _encode_rotated(t: SpectralTables, y: mx.array, r: mx.array) -> SpectralCodes:
+    codes, yh, n16 = _scalar_rotated(t, y, r)
+    lead = y.shape[:-1]
+    if t.apply_qjl:
+        e = y[..., :t.d_eff] - yh[..., :t.d_eff]
+        bits = (e @ t.sketch.T > 0).astype(mx.uint32)
+        signs = pack_codes([bits], [1])
+        rn = mx.sqrt((e * e).sum(axis=-1, keepdims=True)).astype(mx.float16)
+    else:
+        signs, rn = mx.zeros((*lead, 0), mx.uint8), mx.zeros((*lead, 0), mx.float16)
+    return SpectralCodes(pack_codes([codes], [t.bits]), n16, signs, rn)
+
+
+def _signs(t: SpectralTables, codes: SpectralCodes) -> mx.array:
+    (bits,) = unpack_codes(codes.signs, [t.jl_dim], [1])
+    return 2 * bits.astype(mx.float32) - 1
+
+
+def _decode_rotated(t: SpectralTables, codes: SpectralCodes) -> mx.array:
+    (c,) = unpack_codes(codes.codes, [t.head_dim], [t.bits])
+    yh = mx.take(t.centroids, c) * (codes.norms.astype(mx.float32)[..., None] * t.scales)
+    if not t.apply_qjl:
+        return yh
+    fix = (_signs(t, codes) @ t.sketch) * (_qjl_scale(t) * codes.rnorms.astype(mx.float32))
+    return mx.concatenate([yh[..., :t.d_eff] + fix, yh[..., t.d_eff:]], axis=-1)
+
+
+def encode(t: SpectralTables, rows: mx.array) -> SpectralCodes:
+    x = rows.astype(mx.float32)
+    return _encode_rotated(t, x @ t.rotation.T, mx.sqrt(mx.sum(x * x, axis=-1)))
+
+
+def decode(t: SpectralTables, codes: SpectralCodes) -> mx.array:
+    return _decode_rotated(t, codes) @ t.rotation
+
+
+def scores(t: SpectralTables, queries: mx.array, codes: SpectralCodes) -> mx.array:
+    """The rotated query against the scalar stage's keys in the rotated basis, plus the QJL
+    term from the signs."""
+    q = queries.astype(mx.float32) @ t.rotation.T
+    (c,) = unpack_codes(codes.codes, [t.head_dim], [t.bits])
+    yh = mx.take(t.centroids, c) * (codes.norms.astype(mx.float32)[..., None] * t.scales)
+    s = q @ yh.swapaxes(-1, -2)
+    if t.apply_qjl:
+        sq = q[..., :t.d_eff] @ t.sketch.T
+        rn = codes.rnorms.astype(mx.float32)[..., 0]
+        s = s + (sq @ _signs(t, codes).swapaxes(-1, -2)) * (_qjl_scale(t) * rn)[:, :, None, :]
+    return s
+
+
+# ---- NumPy twins ---------------------------------------------------------------------------
+
+def _scalar_rotated_np(t: SpectralTables, y: np.ndarray, r: np.ndarray):
+    with np.errstate(divide="ignore"):
+        inv = np.where(r > 0, np.float32(math.sqrt(t.head_dim)) / r, np.float32(0.0))
+    codes = cell((y * inv.astype(np.float32)[..., None]) * t.gains, t.boundaries, t.bits)
+    n16 = r.astype(np.float16)
+    return codes, t.centroids[codes] * (n16.astype(np.float32)[..., None] * t.scales), n16
+
+
+def _encode_rotated_np(t: SpectralTables, y: np.ndarray, r: np.ndarray) -> SpectralCodes:
+    codes, yh, n16 = _scalar_rotated_np(t, y, r)
+    lead = y.shape[:-1]
+    if t.apply_qjl:
+        e = y[..., :t.d_eff] - yh[..., :t.d_eff]
+        signs = pack_codes_np([(e @ t.sketch.T > 0).astype(np.uint32)], [1])
+        rn = np.sqrt((e * e).sum(axis=-1, keepdims=True)).astype(np.float16)
+    else:
+        signs, rn = np.zeros((*lead, 0), np.uint8), np.zeros((*lead, 0), np.float16)
+    return SpectralCodes(pack_codes_np([codes], [t.bits]), n16, signs, rn)
+
+
+def _signs_np(t: SpectralTables, codes: SpectralCodes) -> np.ndarray:
+    (bits,) = unpack_codes_np(np.asarray(codes.signs), [t.jl_dim], [1])
+    return 2 * bits.astype(np.float32) - 1
+
+
+def _scalar_decode_np(t: SpectralTables, codes: SpectralCodes) -> np.ndarray:
+    (c,) = unpack_codes_np(np.asarray(codes.codes), [t.head_dim], [t.bits])
+    return t.centroids[c] * (np.asarray(codes.norms).astype(np.float32)[..., None] * t.scales)
+
+
+def _decode_rotated_np(t: SpectralTables, codes: SpectralCodes) -> np.ndarray:
+    yh = _scalar_decode_np(t, codes)
+    if not t.apply_qjl:
+        return yh
+    scale = np.float32(_qjl_scale(t)) * np.asarray(codes.rnorms).astype(np.float32)
+    fix = (_signs_np(t, codes) @ t.sketch) * scale
+    return np.concatenate([yh[..., :t.d_eff] + fix, yh[..., t.d_eff:]], axis=-1)
+
+
+def encode_np(t: SpectralTables, rows: np.ndarray) -> SpectralCodes:
+    """NumPy twin of :func:`encode` (float32 throughout)."""
+    x = np.asarray(rows, np.float32)
+    return _encode_rotated_np(t, x @ t.rotation.T, np.sqrt(np.sum(x * x, axis=-1)))
+
+
+def decode_np(t: SpectralTables, codes: SpectralCodes) -> np.ndarray:
+    return _decode_rotated_np(t, codes) @ t.rotation
+
+
+def scores_np(t: SpectralTables, queries: np.ndarray, codes: SpectralCodes) -> np.ndarray:
+    q = np.asarray(queries, np.float32) @ t.rotation.T
+    s = q @ np.swapaxes(_scalar_decode_np(t, codes), -1, -2)
+    if t.apply_qjl:
+        sq = q[..., :t.d_eff] @ t.sketch.T
+        rn = np.asarray(codes.rnorms).astype(np.float32)[..., 0]
+        scale = np.float32(_qjl_scale(t)) * rn
+        s = s + (sq @ np.swapaxes(_signs_np(t, codes), -1, -2)) * scale[:, :, None, :]
+    return s
+
+
+CODEC = register_codec(Codec(
+    name="spectral", tables=tables, encode=encode, decode=decode, scores=scores,
+    encode_np=encode_np, decode_np=decode_np, scores_np=scores_np,
+    params=("bits", "d_eff", "apply_qjl", "jl_dim", "seed", "rotation", "scales"),
+    error="the QJL term is unbiased for the signal residual's share of q.k with variance <= "
+          "(pi/2)||q[:d_eff]||^2||r||^2/m; the other coordinates carry the Gaussian Lloyd-Max "
+          "scalar error of their spread (E (y_j - y^_j)^2 = distortion(bits) ||x||^2 s_j^2 for "
+          "Gaussian coordinates)"))
