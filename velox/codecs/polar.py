@@ -13,7 +13,8 @@ transform:
   angle ``psi = atan(r[2i+1] / r[2i])`` in ``[0, pi/2]``, whose density for Gaussian ``y`` is
   known: proportional to ``sin(2 psi) ** (2 ** (l - 1) - 1)``, tightly concentrated around
   ``pi/4`` at high levels. It is quantized at ``bits`` bits with the Lloyd-Max codebook of that
-  density (computed numerically once per level and width, :func:`angle_codebook`);
+  density (computed numerically on a grid of 2^16 points, once per level and width,
+  :func:`angle_codebook`);
 * the block's last radius is stored in float16: no per-block scale or zero.
 
 A block of ``block`` coordinates holds ``block / 2`` level-1 angles, ``block / 2 - 1`` higher
@@ -24,15 +25,17 @@ radii: the paper's configuration (block 16, 4/2/2/2 bits) is 3.875 bits a coordi
 The codes are chosen without computing an angle: ``psi > boundary`` is
 ``r[2i+1] * cos(boundary) > r[2i] * sin(boundary)`` (level 1: the point is first folded into the
 upper half-plane), products and comparisons only, so the MLX functions and their NumPy twins
-give the same codes from the same rotated rows. Decoding multiplies the stored radius down the
+give the same codes from the same rotated rows (from the same rows, codes differ only where the
+two rotation matmuls round a coordinate across a boundary). Radii are float16 (relative rounding
+2^-11); blocks of norm above 65504 overflow them. Decoding multiplies the stored radius down the
 tree by the cosines and sines of the centroids, then unrotates.
 
-Scores rotate the query once and take its dot products with the keys decoded in the rotated
-basis (the tree of cosine and sine products): the keys are never unrotated, but they are
-rebuilt, ``d`` multiplications a key and level (PolarQuant has no cheaper exact lookup).
+Scores decode, then take dot products: the query is rotated once and meets the keys rebuilt in
+the rotated basis (the tree of cosine and sine products, ``d`` multiplications a key and level),
+so the keys are never unrotated; no query-centroid lookup table is used.
 
 Error: every angle lies within half its codebook cell of its centroid and the radius is stored to
-float16, so ``||decode(x)|| = radius`` and the direction error is bounded by the sum of the
+float16, so each decoded block's norm is its stored radius and the direction error is bounded by the sum of the
 levels' half cell widths along each coordinate's path.
 """
 
@@ -55,11 +58,12 @@ __all__ = ["PolarTables", "PolarCodes", "tables", "encode", "decode", "scores", 
 _GRID = 1 << 16
 
 
-def lloyd_max(grid: np.ndarray, density: np.ndarray, levels: int, iters: int = 400,
-              tol: float = 1e-12) -> tuple[np.ndarray, np.ndarray]:
+def lloyd_max(grid: np.ndarray, density: np.ndarray, levels: int, iters: int = 20000,
+              tol: float = 1e-10) -> tuple[np.ndarray, np.ndarray]:
     """Lloyd-Max quantizer of the density sampled at the sorted points ``grid`` (float64):
     ``(centroids [levels], boundaries [levels - 1])``, boundaries the centroids' midpoints,
-    centroids the density's mean in their cell; started at the density's quantiles."""
+    centroids the density's mean in their cell (at most ``iters`` steps, until no centroid
+    moves by ``tol``)."""
     w = np.asarray(density, np.float64)
     g = np.asarray(grid, np.float64)
     # the samples' cells: edges halfway between points; mass and moment piecewise linear in them
@@ -67,7 +71,10 @@ def lloyd_max(grid: np.ndarray, density: np.ndarray, levels: int, iters: int = 4
                             [1.5 * g[-1] - 0.5 * g[-2]]])
     mass = np.concatenate([[0.0], np.cumsum(w)])
     moment = np.concatenate([[0.0], np.cumsum(w * g)])
-    c = np.interp((np.arange(levels) + 0.5) / levels, mass[1:] / mass[-1], g)
+    # start at the compander's points (centroid density prop. to density^(1/3), asymptotically
+    # optimal), so that few Lloyd steps remain
+    comp = np.cumsum(np.cbrt(w))
+    c = np.interp((np.arange(levels) + 0.5) / levels, comp / comp[-1], g)
     for _ in range(iters):
         b = np.concatenate([[edges[0]], (c[:-1] + c[1:]) / 2, [edges[-1]]])
         m, s = np.diff(np.interp(b, edges, mass)), np.diff(np.interp(b, edges, moment))

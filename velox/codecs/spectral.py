@@ -26,6 +26,10 @@ covariance's eigenvectors by decreasing eigenvalue) or, when ``params["rotation"
    is ``m``; 0 means ``m = d_eff`` (one sign bit a signal coordinate: the correction costs
    ``d_eff`` bits and a float16 a row). The other coordinates are never touched by it.
 
+Float32 arithmetic in the same order in the MLX functions and their NumPy twins: the same codes
+from the same rotated rows (from the same rows, codes differ only where the two rotation matmuls
+round a coordinate across a cell boundary). Norms are float16; rows of norm above 65504 overflow.
+
 A row holds ``ceil(d * bits / 8)`` bytes of packed codes and a float16 norm, plus, with QJL,
 ``ceil(m / 8)`` bytes of signs and a float16 residual norm (``bytes_per_row``).
 
