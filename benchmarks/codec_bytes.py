@@ -1,0 +1,109 @@
+"""Bytes per token of the codec-key caches, beside fp16 and KIVI at the same bits.
+
+Each method absorbs ``--tokens`` tokens (one prefill chunk) at ``head_dim`` ``--dim`` (default
+128) in float16; the state's bytes (``velox.nbytes``, the static tables included, shown apart)
+give bits per token and head, keys and values together, and the key bits per coordinate
+(codes and norms only). Rows: every method at its defaults, then the setting of its parameters
+whose key bits per coordinate come closest to 2.5 and to 3.5 from below (integer bit widths,
+sketch sizes in multiples of 32: the paper's fractional settings split channels, which these
+methods do not), then fp16 and KIVI at 2, 3 and 4 bits.
+
+    python benchmarks/codec_bytes.py [--tokens 4096] [--dim 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import mlx.core as mx
+import numpy as np
+
+import velox
+from velox.registry import get_method, method_keys
+
+TARGETS = (2.5, 3.5)
+
+
+def codec_methods() -> list[str]:
+    return [k for k in method_keys() if get_method(k).state_type.__module__.startswith("velox.methods")
+            and "key_codes" in get_method(k).state_type._fields
+            and "tables" in get_method(k).state_type._fields]
+
+
+def _grid(key: str, d: int) -> list[dict]:
+    """Settings tried for the 2.5 / 3.5 rows."""
+    spec = get_method(key).spec
+    axes = {}
+    for name, p in spec.params.items():
+        if name in ("bits", "level1_bits"):
+            axes[name] = range(int(p.min or 1), min(int(p.max or 8), 6) + 1)
+        elif name == "jl_dim":
+            axes[name] = [0] + [32 * i for i in range(1, 4 * d // 32 + 1)]
+    names = sorted(axes)
+    return [dict(zip(names, combo)) for combo in itertools.product(*(axes[n] for n in names))]
+
+
+def measure(key: str, params: dict, k: mx.array, v: mx.array) -> dict:
+    m = get_method(key)
+    b, h, n, d = k.shape
+    st = m.update(m.init(b, h, d, dtype=k.dtype, **params), k, v)
+    mx.eval(st)
+    total = velox.nbytes(st)
+    tables = velox.state_nbytes(st.tables) if "tables" in st._fields else 0
+    key_bytes = velox.state_nbytes(st.key_codes) if "tables" in st._fields else None
+    per_token = (total - tables) * 8 / (b * h * n)
+    out = {"method": key, "params": params, "bits_per_token": per_token, "tables_bytes": tables}
+    out["key_bits_per_coord"] = None if key_bytes is None else key_bytes * 8 / (b * h * n * d)
+    return out
+
+
+def rows(tokens: int, dim: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    k = mx.array(rng.standard_normal((1, 2, tokens, dim)).astype(np.float32)).astype(mx.float16)
+    v = mx.array(rng.standard_normal((1, 2, tokens, dim)).astype(np.float32)).astype(mx.float16)
+    out = []
+    for key in codec_methods():
+        out.append({**measure(key, {}, k, v), "setting": "defaults"})
+        tried = []
+        for params in _grid(key, dim):
+            try:
+                tried.append(measure(key, params, k[:, :, :64], v[:, :, :64]))
+            except ValueError:
+                continue
+        for target in TARGETS:
+            fit = [r for r in tried if r["key_bits_per_coord"] <= target + 1e-9]
+            if fit:
+                best = max(fit, key=lambda r: r["key_bits_per_coord"])
+                out.append({**measure(key, best["params"], k, v), "setting": f"<= {target}"})
+    out.append({"method": "fp16", "params": {}, "setting": "", "bits_per_token": 2 * 16 * dim,
+                "key_bits_per_coord": 16.0, "tables_bytes": 0})
+    for bits in (2, 3, 4):
+        r = measure("kivi", {"bits": bits, "residual_length": 0}, k, v)
+        out.append({**r, "setting": f"bits={bits}, no residual window"})
+    return out
+
+
+def table(rs: list[dict], dim: int) -> str:
+    lines = [f"| method | setting | params | key bits/coord | bits/token (K+V) | vs fp16 | tables (bytes) |",
+             "|---|---|---|---|---|---|---|"]
+    fp16 = 2 * 16 * dim
+    for r in rs:
+        kb = "-" if r["key_bits_per_coord"] is None else f"{r['key_bits_per_coord']:.3f}"
+        params = ", ".join(f"{k}={v}" for k, v in r["params"].items()) or "-"
+        lines.append(f"| {r['method']} | {r['setting'] or '-'} | {params} | {kb} | "
+                     f"{r['bits_per_token']:.1f} | {fp16 / r['bits_per_token']:.2f}x | {r['tables_bytes']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--dim", type=int, default=128)
+    args = ap.parse_args(argv)
+    print(table(rows(args.tokens, args.dim), args.dim))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
