@@ -48,9 +48,20 @@ def _turboquant_rvq(d: int) -> tuple[int, int]:
     return 2 * (d * 2 // 8) + 2 + 2 + 2 * d, d * d * 4  # two streams, norm, gain; exact fp16 values
 
 
+def _turboquant_prod(d: int) -> tuple[int, int]:
+    m = d  # bits 2: one MSE bit, jl_dim 0 -> m = head_dim
+    return d // 8 + 2 + _words(m) + 2 + _value_bytes(d), d * d * 4 + _words(m) * 8 * d * 4
+
+
+def _spectral(d: int) -> tuple[int, int]:
+    m = 4  # d_eff 4, jl_dim 0 -> m = d_eff
+    return d * 2 // 8 + 2 + math.ceil(m / 8) + 2 + _value_bytes(d), d * d * 4 + 2 * d * 4 + m * 4 * 4
+
+
 # key -> head_dim -> (bytes a token and head at the defaults, bytes of the tables)
 HAND = {"qjl": _qjl, "polar": _polar, "turboquant_mse": _turboquant_mse,
-        "turboquant_rvq": _turboquant_rvq}
+        "turboquant_rvq": _turboquant_rvq, "turboquant_prod": _turboquant_prod,
+        "spectral": _spectral}
 
 CODEC_KEYS = [k for k in method_keys() if k in HAND]
 

@@ -1,0 +1,52 @@
+"""SpectralQuant: keys rotated into a spectral basis, every coordinate Lloyd-Max coded, QJL error
+correction on the first ``d_eff`` (signal) coordinates only; values per-token 8-bit.
+
+A key ``x`` is rotated (``y = x @ R.T``), each rotated coordinate, scaled by the key's float16
+norm, gets its ``bits``-bit Gaussian Lloyd-Max code; with ``apply_qjl`` the residual of the first
+``d_eff`` coordinates is held as ``sign(S r)`` (``m = jl_dim`` bits, ``S [m, d_eff]`` from
+``seed``) and ``||r||`` (float16), and corrects those coordinates by its unbiased QJL estimate;
+the other coordinates are never touched by it. The codec is ``velox.codecs.spectral``; attention
+logits over the stored tokens rotate the query once and read the keys in the rotated basis plus
+the QJL term from the signs (``attend``). Without calibration ``R`` is the seeded random
+rotation and every coordinate has the isotropic spread (``velox.codecs.spectral.calibrate``
+computes a PCA basis, not wired into this method).
+
+Values are per-token 8-bit affine codes (one group a row, float16 scale and zero). Every token
+is kept; both backends (``mlx``, ``reference``: the codec's NumPy twins) give the same codes.
+Built by ``velox.codec_cache``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .. import codec_cache
+from ..codecs.spectral import SpectralCodes, SpectralTables
+
+__all__ = ["SpectralState", "State", "init", "update", "get_kv", "nbytes", "positions", "attend"]
+
+
+def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+         bits: int = 2, d_eff: int = 4, apply_qjl: bool = True, jl_dim: int = 0, seed: int = 42,
+         backend: str = "auto") -> "SpectralState":
+    """Empty SpectralQuant state.
+
+    Args:
+        bits: bits per rotated key coordinate (Gaussian Lloyd-Max codebook).
+        d_eff: signal coordinates (the first d_eff of the rotated basis) that the QJL stage
+            corrects.
+        apply_qjl: QJL error correction of the signal coordinates' residual.
+        jl_dim: QJL sketch size m; 0 means m = d_eff (one sign bit a signal coordinate).
+        seed: seed of the random rotation and of the sketch (NumPy's default_rng).
+    """
+    return codec_cache.empty(SpectralState, locals())
+
+
+SpectralState = codec_cache.state_type(
+    "SpectralState", init, "SpectralQuant key codes, norms, signal-residual signs and norms, "
+    "per-token 8-bit values, the rotation, spreads, codebook and sketch.", codec="spectral",
+    codes=SpectralCodes, tables=SpectralTables)
+State = SpectralState
+method = codec_cache.register_method("spectral", SpectralState, init)
+init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
+positions, attend = method.positions, method.attend
