@@ -90,14 +90,20 @@ from .methods import (  # noqa: E402  (each registers its method)
     kvzip,
     morphkv,
     nestedkv,
+    polar,
     pyramidkv,
     qfilters,
+    qjl,
     rocketkv,
     skvq,
     snapkv,
+    spectral,
     squeeze,
     streaming_llm,
     tova,
+    turboquant_mse,
+    turboquant_prod,
+    turboquant_rvq,
     zipcache,
 )
 AdaKVState = adakv.State
@@ -154,12 +160,18 @@ morphkv_init, morphkv_update, morphkv_get_kv, morphkv_bytes = (
 NestedKVState = nestedkv.State
 nestedkv_init, nestedkv_update, nestedkv_get_kv, nestedkv_bytes = (
     nestedkv.init, nestedkv.update, nestedkv.get_kv, nestedkv.nbytes)
+PolarState = polar.State
+polar_init, polar_update, polar_get_kv, polar_bytes = (
+    polar.init, polar.update, polar.get_kv, polar.nbytes)
 PyramidKVState = pyramidkv.State
 pyramidkv_init, pyramidkv_update, pyramidkv_get_kv, pyramidkv_bytes = (
     pyramidkv.init, pyramidkv.update, pyramidkv.get_kv, pyramidkv.nbytes)
 QFiltersState = qfilters.State
 qfilters_init, qfilters_update, qfilters_get_kv, qfilters_bytes = (
     qfilters.init, qfilters.update, qfilters.get_kv, qfilters.nbytes)
+QJLState = qjl.State
+qjl_init, qjl_update, qjl_get_kv, qjl_bytes = (
+    qjl.init, qjl.update, qjl.get_kv, qjl.nbytes)
 RocketKVState = rocketkv.State
 rocketkv_init, rocketkv_update, rocketkv_get_kv, rocketkv_bytes = (
     rocketkv.init, rocketkv.update, rocketkv.get_kv, rocketkv.nbytes)
@@ -169,6 +181,9 @@ skvq_init, skvq_update, skvq_get_kv, skvq_bytes = (
 SnapKVState = snapkv.State
 snapkv_init, snapkv_update, snapkv_get_kv, snapkv_bytes = (
     snapkv.init, snapkv.update, snapkv.get_kv, snapkv.nbytes)
+SpectralState = spectral.State
+spectral_init, spectral_update, spectral_get_kv, spectral_bytes = (
+    spectral.init, spectral.update, spectral.get_kv, spectral.nbytes)
 SqueezeState = squeeze.State
 squeeze_init, squeeze_update, squeeze_get_kv, squeeze_bytes = (
     squeeze.init, squeeze.update, squeeze.get_kv, squeeze.nbytes)
@@ -178,6 +193,15 @@ streaming_llm_init, streaming_llm_update, streaming_llm_get_kv, streaming_llm_by
 TovaState = tova.State
 tova_init, tova_update, tova_get_kv, tova_bytes = (
     tova.init, tova.update, tova.get_kv, tova.nbytes)
+TurboQuantMseState = turboquant_mse.State
+turboquant_mse_init, turboquant_mse_update, turboquant_mse_get_kv, turboquant_mse_bytes = (
+    turboquant_mse.init, turboquant_mse.update, turboquant_mse.get_kv, turboquant_mse.nbytes)
+TurboQuantProdState = turboquant_prod.State
+turboquant_prod_init, turboquant_prod_update, turboquant_prod_get_kv, turboquant_prod_bytes = (
+    turboquant_prod.init, turboquant_prod.update, turboquant_prod.get_kv, turboquant_prod.nbytes)
+TurboQuantRvqState = turboquant_rvq.State
+turboquant_rvq_init, turboquant_rvq_update, turboquant_rvq_get_kv, turboquant_rvq_bytes = (
+    turboquant_rvq.init, turboquant_rvq.update, turboquant_rvq.get_kv, turboquant_rvq.nbytes)
 ZipCacheState = zipcache.State
 zipcache_init, zipcache_update, zipcache_get_kv, zipcache_bytes = (
     zipcache.init, zipcache.update, zipcache.get_kv, zipcache.nbytes)
@@ -200,16 +224,24 @@ __all__ += [
     "KVzipState", "kvzip_init", "kvzip_update", "kvzip_get_kv", "kvzip_bytes", "morphkv",
     "MorphKVState", "morphkv_init", "morphkv_update", "morphkv_get_kv", "morphkv_bytes",
     "nestedkv", "NestedKVState", "nestedkv_init", "nestedkv_update", "nestedkv_get_kv",
-    "nestedkv_bytes", "pyramidkv", "PyramidKVState", "pyramidkv_init", "pyramidkv_update",
+    "nestedkv_bytes", "polar", "PolarState", "polar_init", "polar_update", "polar_get_kv",
+    "polar_bytes", "pyramidkv", "PyramidKVState", "pyramidkv_init", "pyramidkv_update",
     "pyramidkv_get_kv", "pyramidkv_bytes", "qfilters", "QFiltersState", "qfilters_init",
-    "qfilters_update", "qfilters_get_kv", "qfilters_bytes", "rocketkv", "RocketKVState",
-    "rocketkv_init", "rocketkv_update", "rocketkv_get_kv", "rocketkv_bytes", "skvq", "SKVQState",
-    "skvq_init", "skvq_update", "skvq_get_kv", "skvq_bytes", "snapkv", "SnapKVState",
-    "snapkv_init", "snapkv_update", "snapkv_get_kv", "snapkv_bytes", "squeeze", "SqueezeState",
+    "qfilters_update", "qfilters_get_kv", "qfilters_bytes", "qjl", "QJLState", "qjl_init",
+    "qjl_update", "qjl_get_kv", "qjl_bytes", "rocketkv", "RocketKVState", "rocketkv_init",
+    "rocketkv_update", "rocketkv_get_kv", "rocketkv_bytes", "skvq", "SKVQState", "skvq_init",
+    "skvq_update", "skvq_get_kv", "skvq_bytes", "snapkv", "SnapKVState", "snapkv_init",
+    "snapkv_update", "snapkv_get_kv", "snapkv_bytes", "spectral", "SpectralState", "spectral_init",
+    "spectral_update", "spectral_get_kv", "spectral_bytes", "squeeze", "SqueezeState",
     "squeeze_init", "squeeze_update", "squeeze_get_kv", "squeeze_bytes", "streaming_llm",
     "StreamingLLMState", "streaming_llm_init", "streaming_llm_update", "streaming_llm_get_kv",
     "streaming_llm_bytes", "tova", "TovaState", "tova_init", "tova_update", "tova_get_kv",
-    "tova_bytes", "zipcache", "ZipCacheState", "zipcache_init", "zipcache_update",
+    "tova_bytes", "turboquant_mse", "TurboQuantMseState", "turboquant_mse_init",
+    "turboquant_mse_update", "turboquant_mse_get_kv", "turboquant_mse_bytes", "turboquant_prod",
+    "TurboQuantProdState", "turboquant_prod_init", "turboquant_prod_update",
+    "turboquant_prod_get_kv", "turboquant_prod_bytes", "turboquant_rvq", "TurboQuantRvqState",
+    "turboquant_rvq_init", "turboquant_rvq_update", "turboquant_rvq_get_kv",
+    "turboquant_rvq_bytes", "zipcache", "ZipCacheState", "zipcache_init", "zipcache_update",
     "zipcache_get_kv", "zipcache_bytes",
 ]
 # --- end generated exports ---
