@@ -4,7 +4,7 @@ For each method built on a key codec: ``attend`` equals softmax over the codec's
 the stored tokens and the exact logits of the new ones, times the dequantized values and the new
 values; prefill chunks larger than a query block give what one block gives; the state's bytes
 equal the hand count of codes, norms, value codes and tables at the defaults (head_dim 64 and
-128) within 1%.
+128) within 1%; ``benchmarks/codec_bytes.py`` runs.
 """
 
 from __future__ import annotations
@@ -165,3 +165,16 @@ def test_model_dtype_in_and_out(key, dtype):
     m, st = _make(key, 32, 6, dtype=dtype)
     k, v = m.get_kv(st)
     assert k.dtype == v.dtype == dtype
+
+
+def test_codec_bytes_benchmark_short_run(capsys):
+    """``benchmarks/codec_bytes.py`` prints a row per method at its defaults, fp16 and KIVI."""
+    import runpy
+    from pathlib import Path
+
+    mod = runpy.run_path(str(Path(__file__).resolve().parents[1] / "benchmarks" / "codec_bytes.py"))
+    assert mod["main"](["--tokens", "64", "--dim", "32"]) == 0
+    out = capsys.readouterr().out
+    for key in CODEC_KEYS:
+        assert f"| {key} | defaults |" in out
+    assert "| fp16 |" in out and "| kivi |" in out
