@@ -35,15 +35,19 @@ FORMAT = "velox-artifact-1"
 
 
 def fit_spectral(keys: np.ndarray, params: dict[str, Any]) -> dict[str, np.ndarray]:
-    """SpectralQuant's rotation of one layer: the eigenvectors of its key covariance (every kv
-    head's keys pooled, centred), as rows sorted by decreasing eigenvalue, and the
-    eigenvalues. ``keys`` is ``[tokens, kv_heads, head_dim]``."""
+    """SpectralQuant's calibration of one layer (``velox.codecs.spectral.calibrate``, every kv
+    head's keys pooled): the PCA rotation (rows by decreasing eigenvalue), each rotated
+    coordinate's spread, the eigenvalues and the participation ratio (the measured number of
+    signal dimensions). ``keys`` is ``[tokens, kv_heads, head_dim]``."""
+    from velox.codecs.spectral import calibrate as fit, participation_ratio, pca_rotation
+
     x = np.asarray(keys, np.float64).reshape(-1, keys.shape[-1])
-    x = x - x.mean(axis=0, keepdims=True)
-    vals, vecs = np.linalg.eigh(x.T @ x / max(len(x) - 1, 1))  # ascending
-    order = np.argsort(vals)[::-1]
-    return {"rotation": vecs[:, order].T.astype(np.float32),
-            "eigenvalues": np.maximum(vals[order], 0.0).astype(np.float32)}
+    out = fit(x)
+    _, eigenvalues = pca_rotation(x)
+    return {"rotation": np.asarray(out["rotation"], np.float32),
+            "scales": np.asarray(out["scales"], np.float32),
+            "eigenvalues": np.asarray(eigenvalues, np.float32),
+            "participation_ratio": np.array(participation_ratio(eigenvalues), np.float32)}
 
 
 #: method key -> fitter of its artifact from every layer's keys.

@@ -28,7 +28,8 @@ def fitted(smollm2, tmp_path_factory):
 def test_round_trip_and_provenance(fitted):
     model, path, arrays, info = fitted
     back, got = load_artifact(path, method="spectral", model=model)
-    assert got == info and set(back) == {"rotation", "eigenvalues"}
+    assert got == info
+    assert set(back) == {"rotation", "scales", "eigenvalues", "participation_ratio"}
     dims = artifacts.model_dims(model)
     assert back["rotation"].shape == (dims["layers"], dims["head_dim"], dims["head_dim"])
     for k in arrays:
@@ -44,6 +45,8 @@ def test_rotations_are_orthogonal_and_sorted(fitted):
     assert (np.diff(ev, axis=-1) <= 1e-6).all() and (ev >= 0).all()
     pr = ev.sum(-1) ** 2 / (ev ** 2).sum(-1)
     assert ((pr >= 1) & (pr <= R.shape[-1])).all()
+    assert np.allclose(arrays["participation_ratio"], pr, rtol=1e-4)
+    assert np.allclose((arrays["scales"].astype(np.float64) ** 2).sum(-1), 1.0, atol=1e-5)
 
 
 def test_mismatches_are_refused(fitted, tmp_path):
@@ -85,3 +88,26 @@ def test_the_command_writes_an_artifact(tmp_path):
     arrays, info = load_artifact(out, method="spectral")
     assert info["source"] == str(text) and arrays["rotation"].ndim == 3
     assert main(["calibrate", "--method", "tova", "--out", str(out)]) == 2
+
+
+def test_make_cache_installs_each_layers_calibration(fitted):
+    from velox.adapters.mlxlm import make_cache
+
+    model, path, arrays, _ = fitted
+    cache = make_cache(model, "spectral", artifacts=path, bits=3)
+    ids = mx.array([[1, 2, 3, 4, 5, 6, 7, 8]])
+    model(ids, cache=cache)
+    for layer in (0, len(cache) - 1):
+        st = cache[layer].velox_state
+        assert np.array_equal(np.array(st.tables.rotation), arrays["rotation"][layer])
+        assert np.allclose(np.array(st.tables.scales), arrays["scales"][layer], atol=1e-6)
+    plain = make_cache(model, "spectral", bits=3)
+    model(ids, cache=plain)
+    assert not np.array_equal(np.array(plain[0].velox_state.tables.rotation), arrays["rotation"][0])
+    with pytest.raises(ValueError, match="holds tokens"):
+        velox_spectral().calibrated(cache[0].velox_state, {k: v[0] for k, v in arrays.items()})
+
+
+def velox_spectral():
+    from velox.methods import spectral
+    return spectral

@@ -8,8 +8,11 @@ norm, gets its ``bits``-bit Gaussian Lloyd-Max code; with ``apply_qjl`` the resi
 the other coordinates are never touched by it. The codec is ``velox.codecs.spectral``; attention
 logits over the stored tokens rotate the query once and read the keys in the rotated basis plus
 the QJL term from the signs (``attend``). Without calibration ``R`` is the seeded random
-rotation and every coordinate has the isotropic spread (``velox.codecs.spectral.calibrate``
-computes a PCA basis, not wired into this method).
+rotation and every coordinate has the isotropic spread (the data-oblivious fallback); with a
+calibration artifact (``velox calibrate --method spectral``, then ``make_cache(model,
+"spectral", artifacts=FILE)``) each layer's ``R`` is the PCA basis of its keys and each rotated
+coordinate its measured spread (``velox.codecs.spectral.calibrate``; the ``calibrate`` hook
+installs them, :func:`calibrated`).
 
 Values are per-token 8-bit affine codes (one group a row, float16 scale and zero). Every token
 is kept; both backends (``mlx``, ``reference``: the codec's NumPy twins) give the same codes.
@@ -19,11 +22,13 @@ Built by ``velox.codec_cache``.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from .. import codec_cache
 from ..codecs.spectral import SpectralCodes, SpectralTables
 
-__all__ = ["SpectralState", "State", "init", "update", "get_kv", "nbytes", "positions", "attend"]
+__all__ = ["SpectralState", "State", "init", "update", "get_kv", "nbytes", "positions", "attend",
+           "calibrated"]
 
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
@@ -47,6 +52,23 @@ SpectralState = codec_cache.state_type(
     "per-token 8-bit values, the rotation, spreads, codebook and sketch.", codec="spectral",
     codes=SpectralCodes, tables=SpectralTables)
 State = SpectralState
-method = codec_cache.register_method("spectral", SpectralState, init)
+
+
+def calibrated(state: SpectralState, arrays: dict) -> SpectralState:
+    """``state`` with one layer's calibration installed: the codec's tables rebuilt with the
+    fitted ``rotation [d, d]`` and ``scales [d]`` (``velox.adapters.artifacts``); the state must
+    hold no token yet (codes made with another rotation would not decode)."""
+    if codec_cache.stored_tokens(state):
+        raise ValueError("install a calibration into an empty state: this one holds tokens")
+    d = codec_cache.dims(state)[2]
+    rotation, scales = np.asarray(arrays["rotation"]), np.asarray(arrays["scales"])
+    if rotation.shape != (d, d) or scales.shape != (d,):
+        raise ValueError(f"calibration of shapes rotation {rotation.shape}, scales {scales.shape} "
+                         f"does not fit head_dim={d}")
+    params = dict(codec_cache.codec_params(state), rotation=rotation, scales=scales)
+    return state._replace(tables=codec_cache.codec_of(state).tables(d, params))
+
+
+method = codec_cache.register_method("spectral", SpectralState, init, calibrate=calibrated)
 init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
 positions, attend = method.positions, method.attend
