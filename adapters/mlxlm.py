@@ -695,6 +695,10 @@ def _expand(params: dict[str, Any], n_layers: int) -> list[dict[str, Any]] | Non
     return [{k: (v[i] if k in lists else v) for k, v in params.items()} for i in range(n_layers)]
 
 
+# Calibrated methods run without an artifact: each says so once per process.
+_FALLBACK_SAID: set[str] = set()
+
+
 def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool = True,
                compile: bool = True, decode: str = "evict", decode_cap: int = DECODE_CAP,
                artifacts: str | Path | None = None, **params: Any) -> list:
@@ -743,6 +747,10 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
     mode = _choose_mode(m, real_queries=real_queries, routed=_routes_attention(model),
                         model=type(model).__name__)
     fitted = None
+    if artifacts is None and m.calibrate is not None and method not in _FALLBACK_SAID:
+        _FALLBACK_SAID.add(method)
+        warnings.warn(f"{method}: no calibration artifact (artifacts=FILE, from velox calibrate "
+                      f"--method {method}); using its data-oblivious fallback", stacklevel=2)
     if artifacts is not None:
         from .artifacts import layer_arrays, load_artifact
         if m.calibrate is None:

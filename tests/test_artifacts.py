@@ -111,3 +111,19 @@ def test_make_cache_installs_each_layers_calibration(fitted):
 def velox_spectral():
     from velox.methods import spectral
     return spectral
+
+
+def test_the_fallback_says_so_once(smollm2, monkeypatch):
+    import warnings
+
+    from velox.adapters import mlxlm
+
+    monkeypatch.setattr(mlxlm, "_FALLBACK_SAID", set())
+    model, _ = smollm2
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        mlxlm.make_cache(model, "spectral")
+        mlxlm.make_cache(model, "spectral")
+        mlxlm.make_cache(model, "tova", budget=64)
+    said = [w for w in seen if "data-oblivious fallback" in str(w.message)]
+    assert len(said) == 1 and "spectral" in str(said[0].message)
