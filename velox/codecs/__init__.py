@@ -90,3 +90,7 @@ def numpy_tables(tables):
 def codes_nbytes(codes) -> int:
     """Bytes the codes hold."""
     return int(sum(x.nbytes for x in codes))
+
+
+# Every codec registers on import (after the definitions above, which the modules use).
+from . import affine, polar, prod, qjl, spectral, turboquant  # noqa: E402,F401
