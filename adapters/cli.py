@@ -344,6 +344,9 @@ def methods_text(width: int) -> str:
               ",".join(b for b in s.backends if b not in ("reference", "mlx")) or "-") for s in specs]
     widths = [max(len(r[i]) for r in [head, *cells]) for i in range(len(head))]
     width = max(width, 40)
+    narrow = sum(widths) + 2 * (len(widths) - 1) > width  # kernels go under the row instead
+    if narrow:
+        head, widths = head[:-1], widths[:-1]
     wrap = textwrap.TextWrapper(width=width, initial_indent="    ", subsequent_indent="    ",
                                 break_on_hyphens=False)
 
@@ -355,7 +358,8 @@ def methods_text(width: int) -> str:
     for s, row in zip(specs, cells):
         paper = f"arXiv {s.arxiv}" if s.arxiv else s.venue
         params = ", ".join(f"{p.name}={p.default!r}" for p in s.params.values()) or "no parameters"
-        out += [line(row), wrap.fill(f"{paper}; {params}")]
+        kernels = f"; kernels: {row[-1]}" if narrow and row[-1] != "-" else ""
+        out += [line(row[:len(head)]), wrap.fill(f"{paper}{kernels}; {params}")]
     return "\n".join(out) + "\n"
 
 
