@@ -16,7 +16,8 @@ import velox
 from velox.registry import get_method, method_keys
 
 QUANTIZERS = ["adakv", "age_tiered", "amc", "cachegen", "gear", "kitty", "kivi", "kivi_sink",
-              "kvquant", "skvq", "zipcache"]
+              "kvquant", "skvq", "zipcache", "polar", "qjl", "spectral", "turboquant_mse",
+              "turboquant_prod", "turboquant_rvq"]
 TOKENS, DECODE = 2048, 32
 
 

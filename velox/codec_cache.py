@@ -8,7 +8,7 @@ how its values are held; this module writes the state record, the update of both
 State (:func:`state_type`): ``key_codes`` (the codec's codes record, nested, every array with
 leading ``[b, h, n]`` axes), ``value_codes`` (:class:`Int8Rows`: per-token 8-bit affine codes,
 one group a row, scales and zeros in ``velox.quant.side_dtype``, float16 for float16 and float32
-caches; or :class:`ExactRows`: the rows in the model's dtype), ``tables`` (the codec's static
+caches; or :class:`ExactRows`: the rows in float16, bfloat16 for a bfloat16 cache), ``tables`` (the codec's static
 tables record, nested; its bytes count in the state's), ``next_pos``, then every parameter of
 ``init`` as a static field, ``cache_dtype`` and ``backend``. Every token is kept, in order.
 
@@ -58,7 +58,8 @@ class Int8Rows(NamedTuple):
 
 
 class ExactRows(NamedTuple):
-    """Values held as they came, in the model's dtype."""
+    """Values held exact, in float16 (bfloat16 for a bfloat16 cache: ``velox.quant.side_dtype``),
+    as the seed holds them and as the other quantizers hold their exact rows by default."""
 
     rows: Float[Array, "b h n d"]
 
@@ -127,7 +128,7 @@ def empty(state_type: type, args: dict) -> tuple:
         vc, vs, vz = quant.quantize(mx.zeros((b, h, 1, d), dtype), VALUE_BITS, d, dtype)
         value_codes = Int8Rows(vc[:, :, :0], vs[:, :, :0], vz[:, :, :0])
     else:
-        value_codes = ExactRows(mx.zeros((b, h, 0, d), dtype))
+        value_codes = ExactRows(mx.zeros((b, h, 0, d), quant.side_dtype(dtype)))
     given = dict(key_codes=key_codes, value_codes=value_codes, tables=tables,
                  next_pos=mx.zeros((b, h), mx.int32), cache_dtype=quant.dtype_name(dtype))
     return state_type(**{f: given[f] if f in given else args[f] for f in state_type._fields})
@@ -168,7 +169,7 @@ def _update_mlx(state, keys, values, queries):
     cd, d = quant.dtype_of(state.cache_dtype), keys.shape[3]
     kc = codec_of(state).encode(state.tables, keys)
     if isinstance(state.value_codes, ExactRows):
-        vc = ExactRows(values.astype(cd))
+        vc = ExactRows(values.astype(quant.side_dtype(cd)))
     else:
         vc = Int8Rows(*quant.quantize(values, VALUE_BITS, d, cd))
     return state._replace(key_codes=append(state.key_codes, kc),
@@ -184,7 +185,7 @@ def _update_reference(state, keys, values, queries):
     kc = type(codes)(*(mx.array(np.ascontiguousarray(x)).astype(e.dtype)
                        for x, e in zip(codes, state.key_codes)))
     if isinstance(state.value_codes, ExactRows):
-        vc = ExactRows(values.astype(cd))
+        vc = ExactRows(values.astype(quant.side_dtype(cd)))
     else:
         sd = quant.side_dtype(cd)
         c, s, z = ref.quantize(ref.to_np(values, np.float32), VALUE_BITS, d, sd)

@@ -9,7 +9,7 @@ so stage 2 never increases a key's error. Both index streams are packed; the nor
 The codec is ``velox.codecs.turboquant`` (``"turboquant_rvq"``); attention logits over the
 stored tokens rotate the query once and look up both stages' centroids (``attend``).
 
-Values are held exact in the model's dtype. Every token is kept; both backends (``mlx``,
+Values are held exact in float16 (bfloat16 for a bfloat16 cache), as the seed holds them. Every token is kept; both backends (``mlx``,
 ``reference``: the codec's NumPy twins) give the same codes. Built by ``velox.codec_cache``.
 """
 
