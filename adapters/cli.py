@@ -97,6 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--budgets", type=lambda s: _csv_list(_positive_int, s),
                    default=list(DEFAULT_BUDGETS),
                    help="budgets for methods with a budget or window (default: 64,256)")
+    c.add_argument("--artifacts", action="append", default=[], metavar="METHOD=FILE",
+                   help="a calibration artifact for a method (velox calibrate), e.g. "
+                        "spectral=smollm2-spectral.safetensors")
     c.add_argument("--param", action="append", default=[], metavar="[METHOD.]KEY=VALUE",
                    help="a parameter for every method that has it, or for one method")
     c.add_argument("--text", default="pride",
@@ -312,14 +315,31 @@ def _load(path: str | None, verbose: bool):
     return model, tokenizer
 
 
-def _factory(model, method: str, params: dict[str, Any]):
+def _factory(model, method: str, params: dict[str, Any], artifacts: str | None = None):
     from mlx_lm.models.cache import make_prompt_cache
 
     from velox.adapters.mlxlm import make_cache
 
     if method == FULL:
         return lambda: make_prompt_cache(model)
+    if artifacts is not None:
+        return lambda: make_cache(model, method, artifacts=artifacts, **params)
     return lambda: make_cache(model, method, **params)
+
+
+def _artifacts(items: list[str], methods: list[str]) -> dict[str, str]:
+    """``--artifacts METHOD=FILE`` options as ``{method: file}``, each for a compared method."""
+    out = {}
+    for item in items:
+        method, sep, path = item.partition("=")
+        if not sep or not method or not path:
+            raise ValueError(f"--artifacts takes METHOD=FILE, got {item!r}")
+        if method not in methods:
+            raise ValueError(f"--artifacts {item}: {method} is not among --methods")
+        if not Path(path).is_file():
+            raise ValueError(f"--artifacts {item}: no file {path}")
+        out[method] = path
+    return out
 
 
 def _fmt_bytes(n: int | float) -> str:
@@ -710,6 +730,7 @@ def cmd_compare(args) -> int:
         raise ValueError("--methods is empty")
     configs = [(FULL, {})] + method_configs([m for m in methods if m != FULL], args.budgets,
                                             args.param)
+    artifacts = _artifacts(args.artifacts, methods)
     if args.context < 2:
         raise ValueError(f"--context must be at least 2 (one context token and one scored), "
                          f"got {args.context}")
@@ -749,7 +770,8 @@ def cmd_compare(args) -> int:
             done = bar.n
             before, t_wall, t_cpu = _loadavg(), time.perf_counter(), time.process_time()
             ev = harness.evaluate(
-                model, tokenizer, tokens, _factory(model, method, params), prefix=prefix,
+                model, tokenizer, tokens, _factory(model, method, params, artifacts.get(method)),
+                prefix=prefix,
                 chunk=args.chunk, prefill_chunk=args.prefill_chunk, new_tokens=args.new_tokens,
                 reference=reference, passkey_lengths=args.passkey_lengths,
                 passkey_depths=args.passkey_depths, passkey_trials=args.passkey_trials,

@@ -318,3 +318,14 @@ def test_eval_is_a_subcommand(tmp_path, capsys):
     assert cli._parser().parse_args(["eval", "--quick", "--methods", "tova"]).command == "eval"
     assert cli.main(["eval", "--merge", str(tmp_path / "a.json")]) == 2
     assert "--merge needs --out" in capsys.readouterr().err
+
+
+def test_compare_refuses_bad_artifacts(capsys, tmp_path):
+    code, _, err = run_main(capsys, "compare", "--methods", "spectral", "--artifacts", "spectral")
+    assert code == 2 and "METHOD=FILE" in err
+    code, _, err = run_main(capsys, "compare", "--methods", "tova", "--artifacts",
+                            f"spectral={tmp_path / 'a.safetensors'}")
+    assert code == 2 and "not among --methods" in err
+    code, _, err = run_main(capsys, "compare", "--methods", "spectral", "--artifacts",
+                            f"spectral={tmp_path / 'missing.safetensors'}")
+    assert code == 2 and "no file" in err
