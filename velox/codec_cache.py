@@ -25,7 +25,6 @@ never holds more than one block's scores.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -38,6 +37,7 @@ from ._typing import Array, Float, Int, UInt
 from .attention import softmax
 from .codecs import Codec, append, get_codec, numpy_tables
 from .registry import Method, register
+from .spec import param_fields
 
 __all__ = ["Int8Rows", "ExactRows", "VALUE_BITS", "QUERY_BLOCK", "state_type", "empty",
            "register_method", "codec_of", "codec_params", "get_kv", "positions", "dims",
@@ -71,8 +71,6 @@ class _Layout(NamedTuple):
 
 
 _LAYOUT: dict[type, _Layout] = {}
-_ANNOTATED = {"int": int, "float": float, "bool": bool, "str": str,
-              int: int, float: float, bool: bool, str: str}
 
 
 def state_type(name: str, init: Callable, doc: str, *, codec: str, codes: type, tables: type,
@@ -89,10 +87,7 @@ def state_type(name: str, init: Callable, doc: str, *, codec: str, codes: type, 
         raise ValueError("values are Int8Rows or ExactRows")
     fields = [("key_codes", codes), ("value_codes", values), ("tables", tables),
               ("next_pos", Int[Array, "b h"])]
-    for q in inspect.signature(init).parameters.values():
-        if q.kind is q.KEYWORD_ONLY and q.name not in ("dtype", "backend"):
-            fields.append((q.name, _ANNOTATED[q.annotation]))
-    record = NamedTuple(name, [*fields, ("cache_dtype", str), ("backend", str)])
+    record = NamedTuple(name, [*fields, *param_fields(init), ("cache_dtype", str), ("backend", str)])
     record.__doc__ = doc
     record.__module__ = init.__module__
     _LAYOUT[record] = _Layout(codec, values, dict(rename or {}))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-import inspect
 import math
 import operator
 from typing import Any, NamedTuple
@@ -30,6 +29,7 @@ import numpy as np
 from ._typing import Array, Bool, Float, Int, Shaped
 from .ordering import order_key
 from .registry import dims_of
+from .spec import param_fields
 
 __all__ = ["empty_rows", "new_positions", "protected", "ranked", "top_budget", "row_offsets", "all_but",
            "take_rows", "append_rows", "keep_rows", "dims", "row_sq_norms", "row_norms",
@@ -489,10 +489,6 @@ def _kernel_step(score, kernel, carry, fields, plan: _Plan) -> Callable:
     return step
 
 
-_ANNOTATED = {"int": int, "float": float, "bool": bool, "str": str,
-              int: int, float: float, bool: bool, str: str}
-
-
 def state_type(name: str, init: Callable, doc: str, **carried: Any) -> type:
     """The state record of an eviction method, from its ``init``: ``keys``, ``values``
     ``[b, h, n, d]``, ``positions [b, h, n]``, the ``carried`` per-token arrays (``name=
@@ -501,10 +497,7 @@ def state_type(name: str, init: Callable, doc: str, **carried: Any) -> type:
     written once, in the signature."""
     fields = [("keys", Float[Array, "b h n d"]), ("values", Float[Array, "b h n d"]),
               ("positions", Int[Array, "b h n"]), *carried.items(), ("next_pos", Int[Array, "b h"])]
-    for q in inspect.signature(init).parameters.values():
-        if q.kind is q.KEYWORD_ONLY and q.name not in ("dtype", "backend"):
-            fields.append((q.name, _ANNOTATED[q.annotation]))
-    record = NamedTuple(name, [*fields, ("backend", str)])
+    record = NamedTuple(name, [*fields, *param_fields(init), ("backend", str)])
     record.__doc__ = doc
     record.__module__ = init.__module__
     return record

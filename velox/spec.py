@@ -30,7 +30,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 __all__ = ["Param", "Spec", "load_spec", "read_spec", "spec_keys", "validate_params", "evaluate",
-           "method_table", "init_params", "args_section"]
+           "method_table", "init_params", "param_fields", "args_section"]
 
 _TYPES = ("int", "float", "bool", "choice")
 
@@ -237,6 +237,18 @@ _TABLE_ONLY = {"min", "max", "min_exclusive", "max_exclusive", "choices", "test_
 _ANNOTATIONS = {int: "int", float: "float", bool: "bool", str: "choice",
                 "int": "int", "float": "float", "bool": "bool", "str": "choice"}
 _NOT_PARAMS = ("batch", "kv_heads", "head_dim", "dtype", "backend")
+
+
+_PY_TYPES = {"int": int, "float": float, "bool": bool, "str": str,
+             int: int, float: float, bool: bool, str: str}
+
+
+def param_fields(init: Callable) -> list[tuple[str, type]]:
+    """``(name, Python type)`` of each method parameter of an ``init`` (its keyword-only
+    parameters but ``dtype`` and ``backend``, in signature order): the static fields of a
+    state record built from the signature."""
+    return [(q.name, _PY_TYPES[q.annotation]) for q in inspect.signature(init).parameters.values()
+            if q.kind is q.KEYWORD_ONLY and q.name not in _NOT_PARAMS]
 
 
 def args_section(doc: str | None) -> dict[str, str]:
