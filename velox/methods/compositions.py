@@ -8,26 +8,20 @@ one with ``velox.init("tova+affine", ...)``. The contract suite runs on each, li
 from __future__ import annotations
 
 import importlib
-import tomllib
-from importlib import resources
 
 from ..compose import evict_then_store
+from ..registry import get_method
 from ..spec import spec_keys
 
 __all__ = ["PAIRS"]
 
-
-def _declared(key: str) -> tuple[str, ...]:
-    """The ``compose`` list of ``key``'s spec file (read before the method registers)."""
-    data = tomllib.loads((resources.files("velox.specs") / f"{key}.toml").read_text(encoding="utf-8"))
-    return tuple(data.get("compose", ()))
-
+# Every method registers first (velox/__init__ imports them all anyway): its spec, read once at
+# registration, says which codecs it composes with (``Spec.compose``).
+for _key in spec_keys():
+    importlib.import_module(f"{__package__}.{_key}")
 
 #: (policy, codec) pairs the specs declare composable, in key order.
-PAIRS = tuple((key, codec) for key in spec_keys() for codec in _declared(key))
+PAIRS = tuple((key, codec) for key in spec_keys() for codec in get_method(key).spec.compose)
 
 for _policy, _codec in PAIRS:
-    importlib.import_module(f"{__package__}.{_policy}")  # the policy registers first
-    if _codec != "affine":
-        importlib.import_module(f"{__package__}.{_codec}")  # and the codec's own method
     evict_then_store(_policy, _codec)
