@@ -217,7 +217,7 @@ def _code_spec(policy: Spec, codec_spec: Spec, key: str, codec_params: tuple[str
 def _evict_then_code(policy: str, codec_name: str) -> Method:
     """``policy`` + keys held by the codec ``codec_name`` (see :func:`evict_then_store`)."""
     from . import codec_cache
-    from .codecs import append, get_codec, take
+    from .codecs import get_codec, take
 
     key = f"{policy}+{codec_name}"
     if key in method_keys():
@@ -250,12 +250,11 @@ def _evict_then_code(policy: str, codec_name: str) -> Method:
         empty = codec_cache.empty(State, dict(args, policy=None, backend=pstate.backend))
         return empty._replace(policy=Policy(*(getattr(pstate, f) for f in Policy._fields)))
 
-    def _encode_rows(state, keys, values):
-        """Codes of new rows (the state's backend: MLX functions, or the NumPy twins)."""
-        fresh = state._replace(key_codes=type(state.key_codes)(*(x[:, :, :0] for x in state.key_codes)),
-                               value_codes=codec_cache.Int8Rows(*(x[:, :, :0] for x in state.value_codes)))
+    def _with_rows(state, keys, values):
+        """The state's key and value codes with ``keys``, ``values`` appended, coded by the
+        state's backend (MLX functions, or the NumPy twins)."""
         step = codec_cache._update_reference if state.backend == "reference" else codec_cache._update_mlx
-        out = step(fresh, keys, values, None)
+        out = step(state, keys, values, None)
         return out.key_codes, out.value_codes
 
     def _update(state, keys, values, queries):
@@ -265,16 +264,15 @@ def _evict_then_code(policy: str, codec_name: str) -> Method:
         new = P.backends[state.backend](pstate, keys, values, queries)
         n, s = k_hat.shape[2], keys.shape[2]
         if pure:
-            kc, vc = _encode_rows(state, keys, values)
-            kc, vc = append(state.key_codes, kc), append(state.value_codes, vc)
+            kc, vc = _with_rows(state, keys, values)
             if new.positions.shape[2] != n + s:  # candidate index of each kept position
                 cand = mx.concatenate([pstate.positions, evict.new_positions(state.next_pos, s)], 2)
                 idx = _kept_index(cand, new.positions)
                 kc, vc = take(kc, idx), take(vc, idx)
-        else:
-            empty = state._replace(key_codes=type(state.key_codes)(*(x[:, :, :0] for x in state.key_codes)),
-                                   value_codes=codec_cache.Int8Rows(*(x[:, :, :0] for x in state.value_codes)))
-            kc, vc = _encode_rows(empty, new.keys, new.values)
+        else:  # a merging policy changes kept rows: code what it keeps afresh
+            none = state._replace(key_codes=type(state.key_codes)(*(x[:, :, :0] for x in state.key_codes)),
+                                  value_codes=type(state.value_codes)(*(x[:, :, :0] for x in state.value_codes)))
+            kc, vc = _with_rows(none, new.keys, new.values)
         return state._replace(policy=Policy(*(getattr(new, f) for f in Policy._fields)),
                               key_codes=kc, value_codes=vc, next_pos=new.next_pos)
 
