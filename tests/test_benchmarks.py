@@ -80,3 +80,42 @@ def test_codec_attention_short_run(tmp_path, capsys):
     assert [r["method"] for r in rows] == ["kivi"] and rows[0]["stored"] == 64
     assert all(rows[0][k] > 0 for k in ("attend_us", "deq_us", "full_us", "bytes"))
     assert "attend/deq" in capsys.readouterr().out
+
+
+def test_decode_speed_short_run(tmp_path, capsys):
+    bench = _load("decode_speed")
+    out = tmp_path / "speed.json"
+    methods = ["tova", "h2o", "streaming_llm", "snapkv", "kivi"]
+    assert bench.main(["--model", "tiny-random", "--batch", "1", "2", "--context", "96",
+                       "--budget", "48", "--methods", *methods, "--steps", "2", "--reps", "2",
+                       "--chunk", "32", "--resident", "all", "--json", str(out)]) == 0
+    assert "| x full |" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    meta, rows = data["meta"], data["rows"]
+    shape = meta["shape"]
+    assert meta["mlx"] and meta["device"] and meta["bandwidth"] > 0
+    labels = ["full", "rotating", "tova", "h2o", "streaming_llm", "snapkv", "kivi bits=4"]
+    assert [(r["batch"], r["cache"]) for r in rows] == [(b, c) for b in (1, 2) for c in labels]
+    decoded = 96 - 1 + 2 * (1 + 2)  # prefill, then two blocks of a warm-up and two steps
+    for r in rows:
+        assert "error" not in r, r
+        b = r["batch"]
+        assert r["tokens_seen"] == decoded and len(r["tok_s_blocks"]) == 2
+        assert r["tok_s"] > 0 and r["x_full"] > 0 and r["bw_limit_tok_s"] > 0
+        assert r["of_limit"] == r["tok_s"] / r["bw_limit_tok_s"]
+        assert r["bw_limit_tok_s"] == b * meta["bandwidth"] / (shape["weight_read_bytes"] + r["kv_bytes"])
+        assert r["kv_bytes"] > 0 and r["prefill_peak_bytes"] > 0 and r["decode_peak_bytes"] > 0
+        formula = 2 * shape["layers"] * b * shape["kv_heads"] * shape["head_dim"] * 4  # per token
+        if r["cache"] == "full":
+            assert r["x_full"] == 1.0 and r["stored_tokens"] == decoded
+            assert r["kv_bytes"] == formula * decoded <= r["kv_alloc_bytes"]
+            full = r
+        elif r["cache"] == "kivi bits=4":
+            assert r["stored_tokens"] == decoded and r["kv_bytes"] < full["kv_bytes"]
+        elif r["cache"] == "snapkv":  # bounded at prefill; decoded tokens are appended
+            assert r["stored_tokens"] == 48 + 2 * (1 + 2) and r["kv_bytes"] < full["kv_bytes"]
+        else:  # bounded at the budget: flat memory while decoding
+            assert r["stored_tokens"] == 48 and r["kv_bytes"] < full["kv_bytes"]
+            if r["kind"] == "mlx-lm":
+                assert r["kv_bytes"] == formula * 48
+            assert r["decode_live_after_bytes"] <= r["decode_live_before_bytes"] + 4096
