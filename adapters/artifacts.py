@@ -3,16 +3,20 @@
 A method that calibrates registers a ``calibrate(state, arrays) -> state`` hook
 (``velox.registry.register``) that installs one layer's arrays into a fresh state, and a fitter
 here (:data:`FITTERS`): ``fit(keys, params) -> {name: array}`` for one layer, from its post-RoPE
-keys ``[tokens, kv_heads, head_dim]`` (``velox.adapters.calibration.capture_qk``); the artifact
-stacks the layers (``[layers, ...]``).
+keys ``[tokens, kv_heads, head_dim]`` (``velox.adapters.calibration.capture_qk``), every array
+with a leading kv-head axis (``[kv_heads, ...]``: one fit a kv head, heads never pooled); the
+artifact stacks the layers (``[layers, kv_heads, ...]``).
 
 * :func:`calibrate` runs the model over a text and fits (``velox calibrate --method spectral
   --out FILE`` on the embedded SmolLM2);
 * :func:`save_artifact` writes a safetensors file: the arrays, and a ``velox`` metadata entry
   (JSON) with the format, the method, the model, the text's source and token count, the velox
   version, the parameters and the dims (layers, kv heads, head dim);
-* :func:`load_artifact` reads one back and checks it: its format and method, and (given the
-  model) the layer count, kv heads and head dim; any mismatch is a ``ValueError`` that names it;
+* :func:`load_artifact` reads one back and checks it: its format (an artifact of an older
+  format, e.g. ``velox-artifact-1`` with one SpectralQuant basis a layer, is refused: re-run
+  ``velox calibrate``), its method, its arrays' layer and kv-head axes against its provenance,
+  and (given the model) the layer count, kv heads and head dim; any mismatch is a
+  ``ValueError`` that names it;
 * ``make_cache(model, key, artifacts=FILE)`` (``velox.adapters.mlxlm``) loads, checks and
   installs layer ``i``'s arrays into layer ``i``'s state.
 """
@@ -31,23 +35,21 @@ import numpy as np
 __all__ = ["FORMAT", "FITTERS", "fit_spectral", "calibrate", "save_artifact", "load_artifact",
            "model_dims", "layer_arrays"]
 
-FORMAT = "velox-artifact-1"
+#: The artifact format: 2 holds one fit a (layer, kv head); 1 held one a layer (heads pooled).
+FORMAT = "velox-artifact-2"
 
 
 def fit_spectral(keys: np.ndarray, params: dict[str, Any]) -> dict[str, np.ndarray]:
-    """SpectralQuant's calibration of one layer (``velox.codecs.spectral.calibrate``, every kv
-    head's keys pooled): the PCA rotation (rows by decreasing eigenvalue), each rotated
-    coordinate's spread, the eigenvalues and the participation ratio (the measured number of
-    signal dimensions). ``keys`` is ``[tokens, kv_heads, head_dim]``."""
-    from velox.codecs.spectral import calibrate as fit, participation_ratio, pca_rotation
+    """SpectralQuant's calibration of one layer, one fit a kv head
+    (``velox.codecs.spectral.calibrate_heads``): each head's PCA rotation ``[kv_heads, d, d]``
+    (rows by decreasing eigenvalue), each rotated coordinate's spread ``[kv_heads, d]``, the
+    eigenvalues ``[kv_heads, d]`` and the participation ratio ``[kv_heads]`` (the measured
+    number of signal dimensions). ``keys`` is ``[tokens, kv_heads, head_dim]``."""
+    from velox.codecs.spectral import calibrate_heads
 
-    x = np.asarray(keys, np.float64).reshape(-1, keys.shape[-1])
-    out = fit(x)
-    _, eigenvalues = pca_rotation(x)
-    return {"rotation": np.asarray(out["rotation"], np.float32),
-            "scales": np.asarray(out["scales"], np.float32),
-            "eigenvalues": np.asarray(eigenvalues, np.float32),
-            "participation_ratio": np.array(participation_ratio(eigenvalues), np.float32)}
+    out = calibrate_heads(np.asarray(keys, np.float64))
+    return {k: np.asarray(out[k], np.float32)
+            for k in ("rotation", "scales", "eigenvalues", "participation_ratio")}
 
 
 #: method key -> fitter of its artifact from every layer's keys.
@@ -108,7 +110,9 @@ def load_artifact(path: str | Path, *, method: str, model=None) -> tuple[dict, d
     except (KeyError, ValueError):
         raise ValueError(f"{path} has no velox provenance: not a velox artifact") from None
     if info.get("format") != FORMAT:
-        raise ValueError(f"{path}: format {info.get('format')!r}, expected {FORMAT!r}")
+        raise ValueError(f"{path}: format {info.get('format')!r}, expected {FORMAT!r} (one fit a "
+                         f"layer and kv head); re-run `velox calibrate --method "
+                         f"{info.get('method', method)} --out FILE` to fit it again")
     if info.get("method") != method:
         raise ValueError(f"{path} is an artifact of {info.get('method')!r}, not {method!r}")
     if model is not None:
@@ -119,8 +123,12 @@ def load_artifact(path: str | Path, *, method: str, model=None) -> tuple[dict, d
                                  f"{info.get(k)}; this model has {k}={v}")
     out = {k: np.array(v) for k, v in arrays.items()}
     for k, v in out.items():
-        if v.shape[0] != info.get("layers"):
-            raise ValueError(f"{path}: {k} holds {v.shape[0]} layers, its provenance says {info.get('layers')}")
+        if v.ndim < 2 or v.shape[0] != info.get("layers"):
+            raise ValueError(f"{path}: {k} of shape {v.shape} does not hold {info.get('layers')} "
+                             f"layers, as its provenance says")
+        if v.shape[1] != info.get("kv_heads"):
+            raise ValueError(f"{path}: {k} holds {v.shape[1]} kv heads a layer, its provenance "
+                             f"says kv_heads={info.get('kv_heads')}")
     return out, info
 
 

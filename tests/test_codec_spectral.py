@@ -221,3 +221,145 @@ def test_zero_rows_and_errors():
         spectral.tables(16, dict(rotation=np.eye(8)))
     with pytest.raises(ValueError, match="d_eff"):
         spectral.tables(16, dict(d_eff=17))
+
+
+# ---- per-head calibration --------------------------------------------------------------------
+
+def _two_head_keys(t, d, seed=20, strong=3):
+    """Keys ``[t, 2, d]``: head 0 strong (sd 8) along the first ``strong`` columns of one random
+    orthogonal basis, head 1 along the last ``strong`` of it (two disjoint planted subspaces);
+    every other direction sd 0.5. Returns the keys and each head's planted basis ``[strong,
+    d]``."""
+    rng = np.random.default_rng(seed)
+    q = np.linalg.qr(rng.standard_normal((d, d)))[0]
+    planted = (q[:, :strong].T, q[:, -strong:].T)
+    heads = []
+    for i, p in enumerate(planted):
+        rest = np.linalg.qr(np.c_[p.T, rng.standard_normal((d, d - strong))])[0].T  # p first
+        sd = np.r_[np.full(strong, 8.0 - i), np.full(d - strong, 0.5)]
+        heads.append((rng.standard_normal((t, d)) * sd) @ rest)
+    return np.stack(heads, axis=1).astype(np.float32), planted
+
+
+def _captured(top, planted):
+    """Share of the planted subspace's energy the rows ``top [k, d]`` span (1 = all of it)."""
+    return float(np.sum((planted @ top.T) ** 2) / len(planted))
+
+
+def test_per_head_fit_finds_each_heads_own_directions():
+    d, strong = 32, 3
+    keys, planted = _two_head_keys(4000, d, strong=strong)
+    cal = spectral.calibrate_heads(keys)
+    assert cal["rotation"].shape == (2, d, d) and cal["scales"].shape == (2, d)
+    assert cal["eigenvalues"].shape == (2, d) and cal["participation_ratio"].shape == (2,)
+    for h in range(2):
+        top = cal["rotation"][h, :strong].astype(np.float64)
+        assert _captured(top, planted[h]) > 0.99          # its own dominant directions
+        assert _captured(top, planted[1 - h]) < 0.05      # not the other head's
+        np.testing.assert_allclose(cal["scales"][h] @ cal["scales"][h], 1.0, rtol=1e-5)
+        # head h's fit is calibrate() of head h's keys alone
+        alone = spectral.calibrate(keys[:, h])
+        np.testing.assert_array_equal(cal["rotation"][h], alone["rotation"])
+        np.testing.assert_array_equal(cal["scales"][h], alone["scales"])
+    # one pooled basis cannot hold both: its top `strong` rows miss much of one head's subspace
+    pooled = spectral.calibrate(keys.reshape(-1, d))["rotation"][:strong].astype(np.float64)
+    assert min(_captured(pooled, p) for p in planted) < 0.5
+
+
+def test_per_head_tables_code_each_head_in_its_own_basis():
+    d = 32
+    keys, _ = _two_head_keys(600, d)
+    cal = spectral.calibrate_heads(keys[:500])
+    x = np.ascontiguousarray(keys[500:].transpose(1, 0, 2))[None]  # [1, 2, 100, d]
+    for qjl_on in (False, True):
+        p = dict(bits=3, d_eff=3, apply_qjl=qjl_on, seed=5)
+        t = spectral.tables(d, dict(p, rotation=cal["rotation"], scales=cal["scales"]))
+        assert t.rotation.shape == (2, d, d) and t.scales.shape == (2, d)
+        c = spectral.encode(t, mx.array(x))
+        q = _rows((1, 2, 4, d), 21)
+        dec, sc = np.array(spectral.decode(t, c)), np.array(spectral.scores(t, mx.array(q), c))
+        for h in range(2):  # the same as coding head h alone with a shared [d, d] table
+            th = spectral.tables(d, dict(p, rotation=cal["rotation"][h], scales=cal["scales"][h]))
+            ch = spectral.encode(th, mx.array(x[:, h:h + 1]))
+            for a, b in zip(ch, c):
+                assert np.array_equal(np.array(a), np.array(b)[:, h:h + 1])
+            np.testing.assert_allclose(dec[:, h:h + 1], np.array(spectral.decode(th, ch)),
+                                       atol=1e-6)
+            np.testing.assert_allclose(
+                sc[:, h:h + 1], np.array(spectral.scores(th, mx.array(q[:, h:h + 1]), ch)),
+                rtol=1e-5, atol=1e-5)
+        # the NumPy twins agree with per-head tables too
+        tn = numpy_tables(t)
+        cn = spectral.encode_np(tn, x)
+        assert np.mean(np.array(c.codes) == cn.codes) > 0.95
+        np.testing.assert_allclose(spectral.decode_np(tn, c), dec, atol=1e-4)
+        np.testing.assert_allclose(spectral.scores_np(tn, q, c), sc, rtol=1e-4, atol=1e-3)
+
+
+def test_per_head_fit_beats_a_pooled_fit_on_heads_of_different_spectra():
+    d = 32
+    keys, _ = _two_head_keys(3000, d)
+    fit, held = keys[:2000], np.ascontiguousarray(keys[2000:].transpose(1, 0, 2))[None]
+    own = spectral.calibrate_heads(fit)
+    pooled = spectral.calibrate(fit.reshape(-1, d))
+    err = {}
+    for name, rot, sc in (("own", own["rotation"], own["scales"]),
+                          ("pooled", pooled["rotation"], pooled["scales"])):
+        t = spectral.tables(d, dict(bits=2, apply_qjl=False, rotation=rot, scales=sc))
+        xh = np.array(spectral.decode(t, spectral.encode(t, mx.array(held))))
+        err[name] = np.sum((xh - held) ** 2) / np.sum(held ** 2)
+    assert err["own"] < 0.8 * err["pooled"], err
+
+
+def test_per_head_mismatches_are_value_errors():
+    d = 16
+    cal = spectral.calibrate_heads(_two_head_keys(300, d)[0])
+    t = spectral.tables(d, dict(rotation=cal["rotation"], scales=cal["scales"]))
+    with pytest.raises(ValueError, match="2 kv heads"):
+        spectral.encode(t, mx.zeros((1, 3, 2, d)))
+    with pytest.raises(ValueError, match="2 kv heads"):
+        spectral.encode_np(numpy_tables(t), np.zeros((1, 3, 2, d), np.float32))
+    c = spectral.encode(t, mx.zeros((1, 2, 2, d)))
+    c3 = type(c)(*(mx.concatenate([x, x[:, :1]], axis=1) for x in c))
+    with pytest.raises(ValueError, match="2 kv heads"):
+        spectral.decode(t, c3)
+    with pytest.raises(ValueError, match="2 kv heads"):
+        spectral.scores(t, mx.zeros((1, 3, 1, d)), c3)
+    with pytest.raises(ValueError, match="heads"):
+        spectral.tables(d, dict(rotation=cal["rotation"], scales=np.r_[cal["scales"], cal["scales"]]))
+    with pytest.raises(ValueError, match="calibrate_heads|kv_heads"):
+        spectral.calibrate_heads(np.zeros((10, d)))
+
+
+def test_the_method_installs_a_per_head_calibration_and_refuses_another_head_count():
+    import velox
+    from velox.methods import spectral as method
+
+    d = 16
+    keys = _two_head_keys(300, d)[0]
+    cal = spectral.calibrate_heads(keys)
+    st = method.calibrated(velox.init("spectral", 1, 2, d, bits=3), cal)
+    assert np.array_equal(np.array(st.tables.rotation), cal["rotation"])
+    k = mx.array(np.ascontiguousarray(keys[:8].transpose(1, 0, 2))[None])
+    st = velox.update(st, k, k)
+    t = spectral.tables(d, dict(bits=3, rotation=cal["rotation"], scales=cal["scales"]))
+    np.testing.assert_array_equal(np.array(velox.get_kv(st)[0]),
+                                  np.array(spectral.decode(t, spectral.encode(t, k))))
+    three = {n: np.concatenate([v, v[:1]]) for n, v in cal.items()}
+    with pytest.raises(ValueError, match="kv_heads=2"):
+        method.calibrated(velox.init("spectral", 1, 2, d), three)
+    with pytest.raises(ValueError, match="one basis a kv head"):  # a pooled [d, d] fit
+        method.calibrated(velox.init("spectral", 1, 2, d), spectral.calibrate(keys[:, 0]))
+
+
+def test_uncalibrated_tables_are_shared_by_every_head():
+    t = spectral.tables(32, dict(seed=3))
+    assert t.rotation.shape == (32, 32) and t.scales.shape == (32,) and t.gains.shape == (32,)
+
+
+@pytest.mark.parametrize("d", [2, 6, 10, 30, 66])
+def test_head_dim_not_a_multiple_of_4_is_refused_at_init(d):
+    import velox
+
+    with pytest.raises(ValueError, match="head_dim % 4"):
+        velox.init("spectral", 1, 2, d, d_eff=1)

@@ -10,6 +10,14 @@ eigenvalues, ``(sum l)^2 / sum l^2`` (:func:`participation_ratio`), is about 4 o
 covariance's eigenvectors by decreasing eigenvalue) or, when ``params["rotation"]`` is absent or
 ``None``, the data-oblivious ``velox.codecs.rotation.random_rotation(d, seed)``.
 
+Per-head calibration: kv heads of one layer have different key spectra, so a calibrated
+``rotation`` is ``[h, d, d]`` and ``scales`` ``[h, d]`` (:func:`calibrate_heads`: one fit per kv
+head), and head ``i`` of rows ``[b, h, n, d]`` is coded in its own basis with its own spreads
+(``y = x @ rotation.swapaxes(-1, -2)`` broadcasts the head axis). A ``[d, d]`` rotation and
+``[d]`` spreads (the uncalibrated fallback, or one basis given for every head) are shared by all
+heads. The tables keep no batch or token axis either way; the rows' head count must be the
+tables' ``h`` (a ``ValueError`` otherwise).
+
 1. Scalar stage, every coordinate: with the row's norm ``||x||`` (stored in float16) and a
    per-coordinate spread ``s_j`` (``params["scales"]``, ``sum s_j^2 = 1``; absent: ``1/sqrt(d)``
    for every ``j``, the isotropic law of a randomly rotated row), ``u_j = y_j / (||x|| s_j)`` is
@@ -57,15 +65,15 @@ from .rotation import random_rotation
 
 __all__ = ["SpectralTables", "SpectralCodes", "tables", "encode", "decode", "scores",
            "encode_np", "decode_np", "scores_np", "pca_rotation", "participation_ratio",
-           "calibrate", "bytes_per_row", "CODEC"]
+           "calibrate", "calibrate_heads", "bytes_per_row", "CODEC"]
 
 
 class SpectralTables(NamedTuple):
     """The rotation (rows the basis), spreads, the Gaussian codebook, the QJL sketch, widths."""
 
-    rotation: mx.array       # [d, d], y = x @ rotation.T
-    scales: mx.array         # [d] spread s_j of each rotated coordinate (sum s_j^2 = 1)
-    gains: mx.array          # [d] 1 / (sqrt(d) s_j): exactly 1 for the isotropic default
+    rotation: mx.array       # [d, d] shared or [h, d, d] per kv head; y = x @ rotation.T
+    scales: mx.array         # [d] or [h, d]: spread s_j of each rotated coordinate (sum s_j^2 = 1)
+    gains: mx.array          # [d] or [h, d]: 1 / (sqrt(d) s_j), exactly 1 for the isotropic default
     centroids: mx.array      # [2^bits]
     boundaries: mx.array     # [2^bits - 1]
     sketch: mx.array         # [m, d_eff] (m = 0 rows without QJL)
@@ -120,6 +128,21 @@ def calibrate(keys: np.ndarray, floor: float = 1e-4) -> dict:
             "d_eff": max(1, int(round(participation_ratio(lam))))}
 
 
+def calibrate_heads(keys: np.ndarray, floor: float = 1e-4) -> dict:
+    """One :func:`calibrate` per kv head of keys ``[t, h, d]`` (never pooling heads):
+    ``{"rotation" [h, d, d], "scales" [h, d], "eigenvalues" [h, d], "participation_ratio"
+    [h]}``, head ``i``'s basis and spreads from its own keys only."""
+    k = np.asarray(keys, np.float64)
+    if k.ndim != 3:
+        raise ValueError(f"keys must be [tokens, kv_heads, head_dim], got shape {k.shape}")
+    fits = [calibrate(k[:, i], floor) for i in range(k.shape[1])]
+    lams = [pca_rotation(k[:, i])[1] for i in range(k.shape[1])]
+    return {"rotation": np.stack([f["rotation"] for f in fits]),
+            "scales": np.stack([f["scales"] for f in fits]),
+            "eigenvalues": np.stack(lams).astype(np.float32),
+            "participation_ratio": np.array([participation_ratio(v) for v in lams], np.float32)}
+
+
 def tables(head_dim: int, params: dict) -> SpectralTables:
     d = head_dim
     bits = int(params.get("bits", 2))
@@ -135,17 +158,19 @@ def tables(head_dim: int, params: dict) -> SpectralTables:
         raise ValueError(f"jl_dim={jl} must be >= 0 (0 means d_eff)")
     rot = params.get("rotation")
     rot = random_rotation(d, seed) if rot is None else np.asarray(rot, np.float32)
-    if rot.shape != (d, d):
-        raise ValueError(f"rotation of shape {rot.shape} is not [{d}, {d}]")
+    if rot.ndim not in (2, 3) or rot.shape[-2:] != (d, d):
+        raise ValueError(f"rotation of shape {rot.shape} is not [{d}, {d}] nor [heads, {d}, {d}]")
     sc = params.get("scales")
     if sc is None:
         sc, gains = np.full(d, 1 / math.sqrt(d), np.float32), np.ones(d, np.float32)
     else:
         sc = np.asarray(sc, np.float64)
-        if sc.shape != (d,) or not np.all(sc > 0):
-            raise ValueError(f"scales must be {d} positive spreads")
+        if sc.ndim not in (1, 2) or sc.shape[-1] != d or not np.all(sc > 0):
+            raise ValueError(f"scales of shape {sc.shape} must be {d} positive spreads (a head)")
         gains = (1 / (math.sqrt(d) * sc)).astype(np.float32)
         sc = sc.astype(np.float32)
+    if rot.ndim == 3 and sc.ndim == 2 and rot.shape[0] != sc.shape[0]:
+        raise ValueError(f"rotation holds {rot.shape[0]} heads, scales {sc.shape[0]}")
     m = (jl or d_eff) if apply_qjl and d_eff > 0 else 0
     sketch = np.random.default_rng([seed, 1]).standard_normal((m, d_eff)).astype(np.float32)
     c, b = codebook("gaussian", bits)
@@ -165,6 +190,27 @@ def _qjl_scale(t: SpectralTables) -> float:
     return math.sqrt(math.pi / 2) / t.jl_dim
 
 
+def _basis_t(rotation):
+    """``rotation`` transposed on its last two axes (``[d, d]`` or ``[h, d, d]``): rows times it
+    are the rotated rows, head ``i`` by head ``i``'s basis."""
+    return rotation.T if rotation.ndim == 2 else rotation.swapaxes(-1, -2)
+
+
+def _per_head(v):
+    """Spreads or gains ``[d]`` as they are, ``[h, d]`` as ``[h, 1, d]`` (against ``[b, h, n,
+    d]``)."""
+    return v if v.ndim == 1 else v[:, None, :]
+
+
+def _check_heads(t: SpectralTables, shape) -> None:
+    """Per-head tables fit only rows ``[..., h, n, d]`` of their head count ``h``."""
+    for name, a in (("rotation", t.rotation), ("scales", t.scales)):
+        if a.ndim == (3 if name == "rotation" else 2) and (
+                len(shape) < 3 or shape[-3] != a.shape[0]):
+            raise ValueError(f"the tables' {name} holds {a.shape[0]} kv heads; rows of shape "
+                             f"{tuple(shape)} do not have {a.shape[0]} heads")
+
+
 # ---- MLX -----------------------------------------------------------------------------------
 
 def _scalar_rotated(t: SpectralTables, y: mx.array, r: mx.array):
@@ -173,9 +219,10 @@ def _scalar_rotated(t: SpectralTables, y: mx.array, r: mx.array):
     spreads are isotropic."""
     zero = mx.array(0.0, mx.float32)
     inv = mx.where(r > 0, mx.array(math.sqrt(t.head_dim), mx.float32) / r, zero)
-    codes = cell((y * inv[..., None]) * t.gains, t.boundaries, t.bits)
+    codes = cell((y * inv[..., None]) * _per_head(t.gains), t.boundaries, t.bits)
     n16 = r.astype(mx.float16)
-    return codes, mx.take(t.centroids, codes) * (n16.astype(mx.float32)[..., None] * t.scales), n16
+    scale = n16.astype(mx.float32)[..., None] * _per_head(t.scales)
+    return codes, mx.take(t.centroids, codes) * scale, n16
 
 
 def _encode_rotated(t: SpectralTables, y: mx.array, r: mx.array) -> SpectralCodes:
@@ -198,7 +245,8 @@ def _signs(t: SpectralTables, codes: SpectralCodes) -> mx.array:
 
 def _decode_rotated(t: SpectralTables, codes: SpectralCodes) -> mx.array:
     (c,) = unpack_codes(codes.codes, [t.head_dim], [t.bits])
-    yh = mx.take(t.centroids, c) * (codes.norms.astype(mx.float32)[..., None] * t.scales)
+    yh = mx.take(t.centroids, c) * (codes.norms.astype(mx.float32)[..., None]
+                                     * _per_head(t.scales))
     if not t.apply_qjl:
         return yh
     fix = (_signs(t, codes) @ t.sketch) * (_qjl_scale(t) * codes.rnorms.astype(mx.float32))
@@ -206,20 +254,24 @@ def _decode_rotated(t: SpectralTables, codes: SpectralCodes) -> mx.array:
 
 
 def encode(t: SpectralTables, rows: mx.array) -> SpectralCodes:
+    _check_heads(t, rows.shape)
     x = rows.astype(mx.float32)
-    return _encode_rotated(t, x @ t.rotation.T, mx.sqrt(mx.sum(x * x, axis=-1)))
+    return _encode_rotated(t, x @ _basis_t(t.rotation), mx.sqrt(mx.sum(x * x, axis=-1)))
 
 
 def decode(t: SpectralTables, codes: SpectralCodes) -> mx.array:
+    _check_heads(t, (*codes.norms.shape, 0))
     return _decode_rotated(t, codes) @ t.rotation
 
 
 def scores(t: SpectralTables, queries: mx.array, codes: SpectralCodes) -> mx.array:
     """The rotated query against the scalar stage's keys in the rotated basis, plus the QJL
     term from the signs."""
-    q = queries.astype(mx.float32) @ t.rotation.T
+    _check_heads(t, (*codes.norms.shape, 0))
+    q = queries.astype(mx.float32) @ _basis_t(t.rotation)
     (c,) = unpack_codes(codes.codes, [t.head_dim], [t.bits])
-    yh = mx.take(t.centroids, c) * (codes.norms.astype(mx.float32)[..., None] * t.scales)
+    yh = mx.take(t.centroids, c) * (codes.norms.astype(mx.float32)[..., None]
+                                     * _per_head(t.scales))
     s = q @ yh.swapaxes(-1, -2)
     if t.apply_qjl:
         sq = q[..., :t.d_eff] @ t.sketch.T
@@ -233,9 +285,11 @@ def scores(t: SpectralTables, queries: mx.array, codes: SpectralCodes) -> mx.arr
 def _scalar_rotated_np(t: SpectralTables, y: np.ndarray, r: np.ndarray):
     with np.errstate(divide="ignore"):
         inv = np.where(r > 0, np.float32(math.sqrt(t.head_dim)) / r, np.float32(0.0))
-    codes = cell((y * inv.astype(np.float32)[..., None]) * t.gains, t.boundaries, t.bits)
+    u = (y * inv.astype(np.float32)[..., None]) * _per_head(t.gains)
+    codes = cell(u, t.boundaries, t.bits)
     n16 = r.astype(np.float16)
-    return codes, t.centroids[codes] * (n16.astype(np.float32)[..., None] * t.scales), n16
+    scale = n16.astype(np.float32)[..., None] * _per_head(t.scales)
+    return codes, t.centroids[codes] * scale, n16
 
 
 def _encode_rotated_np(t: SpectralTables, y: np.ndarray, r: np.ndarray) -> SpectralCodes:
@@ -257,7 +311,8 @@ def _signs_np(t: SpectralTables, codes: SpectralCodes) -> np.ndarray:
 
 def _scalar_decode_np(t: SpectralTables, codes: SpectralCodes) -> np.ndarray:
     (c,) = unpack_codes_np(np.asarray(codes.codes), [t.head_dim], [t.bits])
-    return t.centroids[c] * (np.asarray(codes.norms).astype(np.float32)[..., None] * t.scales)
+    norms = np.asarray(codes.norms).astype(np.float32)
+    return t.centroids[c] * (norms[..., None] * _per_head(t.scales))
 
 
 def _decode_rotated_np(t: SpectralTables, codes: SpectralCodes) -> np.ndarray:
@@ -272,15 +327,18 @@ def _decode_rotated_np(t: SpectralTables, codes: SpectralCodes) -> np.ndarray:
 def encode_np(t: SpectralTables, rows: np.ndarray) -> SpectralCodes:
     """NumPy twin of :func:`encode` (float32 throughout)."""
     x = np.asarray(rows, np.float32)
-    return _encode_rotated_np(t, x @ t.rotation.T, np.sqrt(np.sum(x * x, axis=-1)))
+    _check_heads(t, x.shape)
+    return _encode_rotated_np(t, x @ _basis_t(t.rotation), np.sqrt(np.sum(x * x, axis=-1)))
 
 
 def decode_np(t: SpectralTables, codes: SpectralCodes) -> np.ndarray:
+    _check_heads(t, (*np.shape(codes.norms), 0))
     return _decode_rotated_np(t, codes) @ t.rotation
 
 
 def scores_np(t: SpectralTables, queries: np.ndarray, codes: SpectralCodes) -> np.ndarray:
-    q = np.asarray(queries, np.float32) @ t.rotation.T
+    _check_heads(t, (*np.shape(codes.norms), 0))
+    q = np.asarray(queries, np.float32) @ _basis_t(t.rotation)
     s = q @ np.swapaxes(_scalar_decode_np(t, codes), -1, -2)
     if t.apply_qjl:
         sq = q[..., :t.d_eff] @ t.sketch.T

@@ -10,9 +10,10 @@ logits over the stored tokens rotate the query once and read the keys in the rot
 the QJL term from the signs (``attend``). Without calibration ``R`` is the seeded random
 rotation and every coordinate has the isotropic spread (the data-oblivious fallback); with a
 calibration artifact (``velox calibrate --method spectral``, then ``make_cache(model,
-"spectral", artifacts=FILE)``) each layer's ``R`` is the PCA basis of its keys and each rotated
-coordinate its measured spread (``velox.codecs.spectral.calibrate``; the ``calibrate`` hook
-installs them, :func:`calibrated`).
+"spectral", artifacts=FILE)``) each kv head of each layer has its own ``R``, the PCA basis of
+that head's keys, and each rotated coordinate its measured spread
+(``velox.codecs.spectral.calibrate_heads``; the ``calibrate`` hook installs them,
+:func:`calibrated`).
 
 Values are per-token 8-bit affine codes (one group a row, float16 scale and zero). Every token
 is kept; both backends (``mlx``, ``reference``: the codec's NumPy twins) give the same codes.
@@ -56,15 +57,17 @@ State = SpectralState
 
 def calibrated(state: SpectralState, arrays: dict) -> SpectralState:
     """``state`` with one layer's calibration installed: the codec's tables rebuilt with the
-    fitted ``rotation [d, d]`` and ``scales [d]`` (``velox.adapters.artifacts``); the state must
-    hold no token yet (codes made with another rotation would not decode)."""
+    fitted per-head ``rotation [kv_heads, d, d]`` and ``scales [kv_heads, d]``
+    (``velox.adapters.artifacts``); the state must hold no token yet (codes made with another
+    rotation would not decode)."""
     if codec_cache.stored_tokens(state):
         raise ValueError("install a calibration into an empty state: this one holds tokens")
-    d = codec_cache.dims(state)[2]
+    _, h, d, _ = codec_cache.dims(state)
     rotation, scales = np.asarray(arrays["rotation"]), np.asarray(arrays["scales"])
-    if rotation.shape != (d, d) or scales.shape != (d,):
+    if rotation.shape != (h, d, d) or scales.shape != (h, d):
         raise ValueError(f"calibration of shapes rotation {rotation.shape}, scales {scales.shape} "
-                         f"does not fit head_dim={d}")
+                         f"does not fit kv_heads={h}, head_dim={d} (expected rotation "
+                         f"{(h, d, d)}, scales {(h, d)}: one basis a kv head)")
     params = dict(codec_cache.codec_params(state), rotation=rotation, scales=scales)
     return state._replace(tables=codec_cache.codec_of(state).tables(d, params))
 
