@@ -9,15 +9,28 @@ State (:func:`state_type`): ``key_codes`` (the codec's codes record, nested, eve
 leading ``[b, h, n]`` axes), ``value_codes`` (:class:`Int8Rows`: per-token 8-bit affine codes,
 one group a row, scales and zeros in ``velox.quant.side_dtype``, float16 for float16 and float32
 caches; or :class:`ExactRows`: the rows in float16, bfloat16 for a bfloat16 cache), ``tables`` (the codec's static
-tables record, nested; its bytes count in the state's), ``next_pos``, then every parameter of
-``init`` as a static field, ``cache_dtype`` and ``backend``. Every token is kept, in order.
+tables record, nested; its bytes count in the state's), ``key_channels`` (methods with outlier
+channels only, below), ``next_pos``, then every parameter of ``init`` as a static field,
+``cache_dtype`` and ``backend``. Every token is kept, in order.
+
+Outlier channels (``state_type(..., split=True)``: an ``init`` with ``n_outlier`` and
+``outlier_bits``): with ``n_outlier > 0`` the key codec is the split codec of the method's codec
+(:func:`velox.codecs.split.of`: the first ``n_outlier`` channels at ``outlier_bits``, the rest at
+``bits``, two instances), and ``key_channels [b, h, d]`` (int32) is the channel order of each
+(batch row, kv head): its outlier channels, then the rest. The outlier channels are the
+``n_outlier`` channels of largest mean squared magnitude over the keys of the first update that
+holds tokens (ties: the lower channel index), chosen then (:func:`velox.codecs.split.channel_order`
+or its NumPy twin on the reference backend) and kept for the state's life; before it the order
+is the identity. Keys are put in that order before they are encoded, queries before they are
+scored, and decoded keys back in place. With ``n_outlier = 0`` the codec is the method's own and
+``key_channels`` is ``[b, h, 0]`` (no bytes): the same codes as a method without the split.
 
 Backends: ``mlx`` encodes with the codec's MLX functions and quantizes values with
 ``velox.quant.quantize``; ``reference`` runs the codec's NumPy twins and
 ``velox.reference.quantize`` on the same inputs, giving the same codes.
 
 Attention (:func:`attend`): logits over the stored tokens are the codec's ``scores`` of the
-scaled queries against the key codes (never decoding the keys); the ``s`` new tokens' logits
+scaled queries against the key codes (:func:`key_scores`, never decoding the keys); the ``s`` new tokens' logits
 are exact; one softmax; the weights multiply the dequantized stored values and the new values.
 Queries are processed in blocks of :data:`QUERY_BLOCK` rows per kv head, so a prefill chunk
 never holds more than one block's scores.
@@ -35,13 +48,13 @@ from . import quant
 from . import reference as ref
 from ._typing import Array, Float, Int, UInt
 from .attention import softmax
-from .codecs import Codec, append, get_codec, numpy_tables
+from .codecs import Codec, append, get_codec, numpy_tables, split
 from .registry import Method, register
 from .spec import param_fields
 
 __all__ = ["Int8Rows", "ExactRows", "VALUE_BITS", "QUERY_BLOCK", "state_type", "empty",
            "register_method", "codec_of", "codec_params", "get_kv", "positions", "dims",
-           "attend", "stored_tokens"]
+           "attend", "stored_tokens", "key_scores"]
 
 #: Bits of the per-token affine value codes.
 VALUE_BITS = 8
@@ -68,35 +81,49 @@ class _Layout(NamedTuple):
     codec: str
     values: type
     rename: dict
+    split: bool = False   # n_outlier / outlier_bits parameters: the channel split
 
 
 _LAYOUT: dict[type, _Layout] = {}
 
 
 def state_type(name: str, init: Callable, doc: str, *, codec: str, codes: type, tables: type,
-               values: type = Int8Rows, rename: dict[str, str] | None = None) -> type:
+               values: type = Int8Rows, rename: dict[str, str] | None = None,
+               split: bool = False) -> type:
     """The state record of a codec cache, from its ``init``: ``key_codes`` (a ``codes``
     record), ``value_codes`` (``values``: :class:`Int8Rows` or :class:`ExactRows`), ``tables``
-    (a ``tables`` record), ``next_pos``, every parameter of ``init``'s signature as a static
-    field (its annotation), ``cache_dtype``, ``backend``.
+    (a ``tables`` record), ``key_channels`` (``split`` only), ``next_pos``, every parameter of
+    ``init``'s signature as a static field (its annotation), ``cache_dtype``, ``backend``.
 
     ``codec`` names the key codec; ``rename`` maps a codec parameter name to the method's
-    parameter of another name (default: the same names).
+    parameter of another name (default: the same names). ``split``: ``init`` has ``n_outlier``
+    and ``outlier_bits`` and the keys' channels split in two (module doc); ``codes`` and
+    ``tables`` are then those of ``n_outlier = 0``.
     """
     if values not in (Int8Rows, ExactRows):
         raise ValueError("values are Int8Rows or ExactRows")
+    if split and not {"n_outlier", "outlier_bits"} <= {n for n, _ in param_fields(init)}:
+        raise ValueError("a split codec cache's init has the parameters n_outlier and outlier_bits")
     fields = [("key_codes", codes), ("value_codes", values), ("tables", tables),
+              *([("key_channels", Int[Array, "b h c"])] if split else []),
               ("next_pos", Int[Array, "b h"])]
     record = NamedTuple(name, [*fields, *param_fields(init), ("cache_dtype", str), ("backend", str)])
     record.__doc__ = doc
     record.__module__ = init.__module__
-    _LAYOUT[record] = _Layout(codec, values, dict(rename or {}))
+    _LAYOUT[record] = _Layout(codec, values, dict(rename or {}), split)
     return record
+
+
+def _codec(lay: _Layout, params: dict[str, Any]) -> Codec:
+    """The key codec of a layout for these parameters (the split codec when ``n_outlier > 0``)."""
+    base = get_codec(lay.codec)
+    return split.of(base) if lay.split and params.get("n_outlier", 0) else base
 
 
 def codec_of(state) -> Codec:
     """The key codec of a codec-cache state."""
-    return get_codec(_LAYOUT[type(state)].codec)
+    lay = _LAYOUT[type(state)]
+    return _codec(lay, {"n_outlier": state.n_outlier} if lay.split else {})
 
 
 def codec_params(state_or_type, params: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -104,8 +131,8 @@ def codec_params(state_or_type, params: dict[str, Any] | None = None) -> dict[st
     (the method's parameters by name) for a state type. A codec parameter the method does not
     have is left out (the codec's default: e.g. SpectralQuant's calibrated rotation)."""
     lay = _LAYOUT[state_or_type if isinstance(state_or_type, type) else type(state_or_type)]
-    names = get_codec(lay.codec).params
     src = params if params is not None else state_or_type._asdict()
+    names = _codec(lay, src).params
     return {n: src[lay.rename.get(n, n)] for n in names if lay.rename.get(n, n) in src}
 
 
@@ -113,7 +140,7 @@ def empty(state_type: type, args: dict) -> tuple:
     """A fresh state from ``init``'s arguments (``locals()`` of an ``init``): the codec's
     tables, no tokens, ``next_pos`` zero, the static fields from ``args`` by name."""
     lay = _LAYOUT[state_type]
-    codec = get_codec(lay.codec)
+    codec = _codec(lay, args)
     b, h, d, dtype = args["batch"], args["kv_heads"], args["head_dim"], args["dtype"]
     tables = codec.tables(d, codec_params(state_type, args))
     # the codes record of no token: one encoded zero row, cut to length 0
@@ -126,6 +153,9 @@ def empty(state_type: type, args: dict) -> tuple:
         value_codes = ExactRows(mx.zeros((b, h, 0, d), quant.side_dtype(dtype)))
     given = dict(key_codes=key_codes, value_codes=value_codes, tables=tables,
                  next_pos=mx.zeros((b, h), mx.int32), cache_dtype=quant.dtype_name(dtype))
+    if lay.split:  # the identity until the first tokens choose the outlier channels
+        c = d if args["n_outlier"] else 0
+        given["key_channels"] = mx.zeros((b, h, c), mx.int32) + mx.arange(c, dtype=mx.int32)
     return state_type(**{f: given[f] if f in given else args[f] for f in state_type._fields})
 
 
@@ -153,16 +183,46 @@ def _values_f32(state) -> Float[Array, "b h n d"]:
     return quant.dequantize_f32(v.codes, v.scales, v.zeros, VALUE_BITS, d)
 
 
+def _split(state) -> bool:
+    """Whether the state's keys are split into outlier channels and the rest."""
+    return _LAYOUT[type(state)].split and bool(state.n_outlier)
+
+
+def _chosen(state, keys, reference: bool):
+    """The state with its outlier channels chosen from ``keys`` if it is split and holds no
+    token yet (the first update that holds tokens); else the state."""
+    if not _split(state) or stored_tokens(state):
+        return state
+    if reference:
+        order = mx.array(split.channel_order_np(ref.to_np(keys, np.float32), state.n_outlier))
+    else:
+        order = split.channel_order(keys, state.n_outlier)
+    return state._replace(key_channels=order)
+
+
+def _in_codec_order(state, x: Float[Array, "b h n d"]) -> Float[Array, "b h n d"]:
+    """Rows or queries with their channels in the key codec's order (outlier channels first)."""
+    return split.gather(x, state.key_channels) if _split(state) else x
+
+
+def key_scores(state, q: Float[Array, "b h m d"]) -> Float[Array, "b h m n"]:
+    """The key codec's ``scores`` of float32 queries ``q`` (scaled) against the stored keys."""
+    return codec_of(state).scores(state.tables, _in_codec_order(state, q), state.key_codes)
+
+
 def get_kv(state) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """Decoded keys (the codec's float32 decode) and dequantized values, in the model's dtype."""
     cd = quant.dtype_of(state.cache_dtype)
     keys = codec_of(state).decode(state.tables, state.key_codes)
+    if _split(state):
+        keys = split.scatter(keys, state.key_channels)
     return keys.astype(cd), _values_f32(state).astype(cd)
 
 
 def _update_mlx(state, keys, values, queries):
     cd, d = quant.dtype_of(state.cache_dtype), keys.shape[3]
-    kc = codec_of(state).encode(state.tables, keys)
+    state = _chosen(state, keys, reference=False)
+    kc = codec_of(state).encode(state.tables, _in_codec_order(state, keys))
     if isinstance(state.value_codes, ExactRows):
         vc = ExactRows(values.astype(quant.side_dtype(cd)))
     else:
@@ -174,8 +234,12 @@ def _update_mlx(state, keys, values, queries):
 
 def _update_reference(state, keys, values, queries):
     cd, d = quant.dtype_of(state.cache_dtype), keys.shape[3]
+    state = _chosen(state, keys, reference=True)
     codec = codec_of(state)
-    codes = codec.encode_np(numpy_tables(state.tables), ref.to_np(keys, np.float32))
+    rows = ref.to_np(keys, np.float32)
+    if _split(state):
+        rows = split.gather_np(rows, np.array(state.key_channels))
+    codes = codec.encode_np(numpy_tables(state.tables), rows)
     # each field in the dtype of the MLX codes (the state's empty record says it)
     kc = type(codes)(*(mx.array(np.ascontiguousarray(x)).astype(e.dtype)
                        for x, e in zip(codes, state.key_codes)))
@@ -200,7 +264,6 @@ def attend(state, queries: Float[Array, "b q s d"], keys: Float[Array, "b h s d"
     b, hq, s, d = queries.shape
     h = keys.shape[1]
     g = hq // h
-    codec = codec_of(state)
     q = (queries.astype(mx.float32) * scale).reshape(b, h, g * s, d)
     kn, vn = keys.astype(mx.float32), values.astype(mx.float32)
     vs = _values_f32(state)
@@ -213,7 +276,7 @@ def attend(state, queries: Float[Array, "b q s d"], keys: Float[Array, "b h s d"
             row = (mx.arange(lo, lo + qb.shape[2]) % s)[:, None]
             new = mx.where(mx.arange(s)[None, :] <= row, new, mx.array(-mx.inf, mx.float32))
         if n:
-            logits = mx.concatenate([codec.scores(state.tables, qb, state.key_codes), new], axis=-1)
+            logits = mx.concatenate([key_scores(state, qb), new], axis=-1)
             p = softmax(logits, axis=-1)
             outs.append(p[..., :n] @ vs + p[..., n:] @ vn)
         else:

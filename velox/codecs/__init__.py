@@ -93,4 +93,4 @@ def codes_nbytes(codes) -> int:
 
 
 # Every codec registers on import (after the definitions above, which the modules use).
-from . import affine, polar, prod, qjl, spectral, turboquant  # noqa: E402,F401
+from . import affine, polar, prod, qjl, spectral, turboquant, split  # noqa: E402,F401

@@ -25,19 +25,26 @@ __all__ = ["TurboQuantMseState", "State", "init", "update", "get_kv", "nbytes", 
 
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-         bits: int = 2, seed: int = 42, backend: str = "auto") -> "TurboQuantMseState":
+         bits: int = 2, seed: int = 42, n_outlier: int = 0, outlier_bits: int = 0,
+         backend: str = "auto") -> "TurboQuantMseState":
     """Empty TurboQuant_mse state.
 
     Args:
         bits: bits per rotated key coordinate (Gaussian Lloyd-Max codebook).
         seed: seed of the random rotation (NumPy's default_rng).
+        n_outlier: outlier channels per (batch row, kv head): the n_outlier channels of largest
+            mean squared magnitude over the keys of the first update that holds tokens (ties:
+            lower channel index first), kept from then on and coded by their own instance of
+            the codec at outlier_bits (its own rotation, seed + 2); the rest at bits. 0: no
+            split.
+        outlier_bits: bits of the outlier channels; 0 means the same as bits.
     """
     return codec_cache.empty(TurboQuantMseState, locals())
 
 
 TurboQuantMseState = codec_cache.state_type(
     "TurboQuantMseState", init, "TurboQuant_mse key indices and norms, per-token 8-bit values, "
-    "the rotation and codebook.", codec="turboquant_mse", codes=MseCodes, tables=TurboQuantTables)
+    "the rotation and codebook.", codec="turboquant_mse", codes=MseCodes, tables=TurboQuantTables, split=True)
 State = TurboQuantMseState
 method = codec_cache.register_method("turboquant_mse", TurboQuantMseState, init)
 init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes

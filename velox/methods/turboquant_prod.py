@@ -26,16 +26,23 @@ __all__ = ["TurboQuantProdState", "State", "init", "update", "get_kv", "nbytes",
 
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-         bits: int = 2, jl_dim: int = 0, seed: int = 42,
-         backend: str = "auto") -> "TurboQuantProdState":
+         bits: int = 2, jl_dim: int = 0, seed: int = 42, n_outlier: int = 0,
+         outlier_bits: int = 0, backend: str = "auto") -> "TurboQuantProdState":
     """Empty TurboQuant_prod state.
 
     Args:
         bits: total bits per key coordinate: bits - 1 for the Lloyd-Max stage, plus the QJL
             sketch of its residual.
         jl_dim: QJL sketch size m; 0 means the seed's rule, m = head_dim at 2 bits, else
-            min(head_dim, 64).
+            min(head_dim, 64). With outlier channels, each part's sketch size (0: the rule
+            for the part's own dimension and bits).
         seed: seed of the random rotation (the residual's sketch uses seed + 1).
+        n_outlier: outlier channels per (batch row, kv head): the n_outlier channels of largest
+            mean squared magnitude over the keys of the first update that holds tokens (ties:
+            lower channel index first), kept from then on and coded by their own instance of
+            the codec at outlier_bits (its own rotation, seed + 2, and sketch, seed + 3); the
+            rest at bits. 0: no split.
+        outlier_bits: bits of the outlier channels; 0 means the same as bits.
     """
     return codec_cache.empty(TurboQuantProdState, locals())
 
@@ -43,7 +50,7 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
 TurboQuantProdState = codec_cache.state_type(
     "TurboQuantProdState", init, "TurboQuant_prod key indices, norms, residual signs and norms, "
     "per-token 8-bit values, the rotation, codebook and sketch.", codec="turboquant_prod",
-    codes=TurboQuantProdCodes, tables=TurboQuantProdTables)
+    codes=TurboQuantProdCodes, tables=TurboQuantProdTables, split=True)
 State = TurboQuantProdState
 method = codec_cache.register_method("turboquant_prod", TurboQuantProdState, init)
 init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes

@@ -25,13 +25,20 @@ __all__ = ["TurboQuantRvqState", "State", "init", "update", "get_kv", "nbytes", 
 
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-         bits: int = 2, seed: int = 42, backend: str = "auto") -> "TurboQuantRvqState":
+         bits: int = 2, seed: int = 42, n_outlier: int = 0, outlier_bits: int = 0,
+         backend: str = "auto") -> "TurboQuantRvqState":
     """Empty TurboQuant RVQ state.
 
     Args:
         bits: bits per rotated key coordinate in each of the two stages (2 * bits a
             coordinate in all).
         seed: seed of the random rotation (NumPy's default_rng).
+        n_outlier: outlier channels per (batch row, kv head): the n_outlier channels of largest
+            mean squared magnitude over the keys of the first update that holds tokens (ties:
+            lower channel index first), kept from then on and coded by their own instance of
+            the codec at outlier_bits (its own rotation, seed + 2); the rest at bits. 0: no
+            split.
+        outlier_bits: bits of the outlier channels; 0 means the same as bits.
     """
     return codec_cache.empty(TurboQuantRvqState, locals())
 
@@ -39,7 +46,7 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
 TurboQuantRvqState = codec_cache.state_type(
     "TurboQuantRvqState", init, "TurboQuant RVQ key indices (two stages), norms and gains, exact "
     "values, the rotation and codebooks.", codec="turboquant_rvq", codes=RvqCodes,
-    tables=RvqTables, values=codec_cache.ExactRows)
+    tables=RvqTables, values=codec_cache.ExactRows, split=True)
 State = TurboQuantRvqState
 method = codec_cache.register_method("turboquant_rvq", TurboQuantRvqState, init)
 init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
