@@ -3,19 +3,29 @@
 Query head ``i`` reads kv head ``i // g`` (``g = q / h``), the grouping of mlx-lm and of
 every GQA model. Without real queries, methods use the *key-as-query proxy*: the new
 keys stand in for the queries of their own tokens (one "query head" per kv head).
+
+Stored keys are rows (``[b, h, n, d]``) or :class:`CodedKeys`, a codec's codes: a score that
+reads the stored keys only through :func:`candidate_logits` (and :func:`candidate_weights`,
+:func:`candidate_mass`, :func:`accumulated_scores`; one head of a ``reference`` score:
+:func:`head_weights`) then gets the codec's estimates ``codec.scores`` as their logits,
+never a decode (``velox.compose`` hands them over; ``velox.evict.score_and_keep``'s
+``logits_only`` declares such a score). The new keys are always rows, scored exactly.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
+from . import reference as ref
 from ._typing import Array, Bool, Float, Int
 
 __all__ = ["group_queries", "scoring_queries", "causal_mask", "chunk_mask", "candidate_logits",
-           "candidate_weights", "candidate_mass", "accumulated_scores", "softmax"]
+           "candidate_weights", "candidate_mass", "accumulated_scores", "softmax", "CodedKeys",
+           "stored_count", "stored_logits", "head_weights"]
 
 _LOG2E = 1.4426950408889634
 # 2**f = e**(f ln 2) for f in [-1/2, 1/2]: Taylor coefficients to degree 6 (error < 2e-7)
@@ -47,6 +57,74 @@ def softmax(x: Float[Array, "..."], axis: int = -1) -> Float[Array, "..."]:
     x = x.astype(mx.float32)
     e = _exp2_nonpositive((x - x.max(axis=axis, keepdims=True)) * _LOG2E)
     return e / e.sum(axis=axis, keepdims=True)
+
+
+class CodedKeys(NamedTuple):
+    """Stored keys held as a codec's codes (``velox.codecs``): logits of queries against them
+    are the codec's estimates, ``codec.scores`` (``scores_np`` where the codes and tables are
+    NumPy arrays: one head of a ``reference`` score), never a decode.
+
+    ``codes`` holds the first :attr:`coded` keys (leading axes ``[b, h, n]``; ``[1, 1, n]``
+    for one head). ``rows`` are the keys as rows for whatever reads rows rather than logits
+    (the eviction skeleton's gather of the survivors): the coded keys decoded, and for one
+    head of a ``reference`` score (``[N, d]``: every candidate) the ``N - n`` new keys after
+    them, exact. MLX computes the decoded rows only where something reads them.
+    """
+
+    rows: Any
+    codes: Any
+    tables: Any
+    codec: Any
+
+    @property
+    def coded(self) -> int:
+        """Keys held as codes."""
+        return self.codes[0].shape[2]
+
+    def numpy(self) -> "CodedKeys":
+        """The codes and tables as NumPy arrays (rows unchanged), for ``scores_np``."""
+        def conv(x):  # bfloat16 (side data of a bfloat16 cache) has no NumPy dtype: float32
+            if not isinstance(x, mx.array):
+                return x
+            return np.array(x.astype(mx.float32) if x.dtype == mx.bfloat16 else x)
+
+        return self._replace(codes=type(self.codes)(*map(conv, self.codes)),
+                             tables=type(self.tables)(*map(conv, self.tables)))
+
+    def head(self, i: int, j: int, rows: np.ndarray) -> "CodedKeys":
+        """Row ``i``, kv head ``j`` of NumPy codes (:meth:`numpy`), with one head's ``rows``."""
+        return self._replace(rows=rows, codes=type(self.codes)(*(x[i:i + 1, j:j + 1] for x in self.codes)))
+
+
+def stored_count(stored: Float[Array, "b h n d"] | CodedKeys) -> int:
+    """``n``: the stored keys (rows or codes)."""
+    return stored.coded if isinstance(stored, CodedKeys) else stored.shape[2]
+
+
+def stored_logits(q: Float[Array, "b h m d"], stored: Float[Array, "b h n d"] | CodedKeys) -> Float[Array, "b h m n"]:
+    """``q . k`` of float32 queries (already scaled) and every stored key: a matmul over rows,
+    or the codec's ``scores`` over codes."""
+    if isinstance(stored, CodedKeys):
+        return stored.codec.scores(stored.tables, q, stored.codes)
+    return q @ stored.astype(mx.float32).swapaxes(-1, -2)
+
+
+def head_weights(q: np.ndarray, keys: np.ndarray | CodedKeys, key_pos: np.ndarray,
+                 query_pos: np.ndarray) -> np.ndarray:
+    """One head of a ``reference`` score: causal weights ``[g, m, N]`` of queries ``[g, m, d]``
+    (float64) over the candidates' keys, rows ``[N, d]`` (``velox.reference.attention_weights``)
+    or one head's :class:`CodedKeys` (NumPy): the coded keys' logits from the codec's
+    ``scores_np`` of the scaled queries (float32), the new keys' exact, one softmax."""
+    if not isinstance(keys, CodedKeys) or keys.coded == 0:
+        return ref.attention_weights(q, keys if not isinstance(keys, CodedKeys) else keys.rows,
+                                     key_pos, query_pos)
+    g, m, d = q.shape
+    n = keys.coded
+    scaled = (q / np.sqrt(d)).astype(np.float32).reshape(1, 1, g * m, d)
+    coded = keys.codec.scores_np(keys.tables, scaled, keys.codes).reshape(g, m, n).astype(np.float64)
+    logits = np.concatenate([coded, q @ keys.rows[n:].T / np.sqrt(d)], axis=-1)
+    visible = key_pos[None, None, :] <= query_pos[None, :, None]
+    return ref.softmax(np.where(visible, logits, -np.inf))
 
 
 def group_queries(queries: Float[Array, "b q s d"], kv_heads: int) -> Float[Array, "b h g s d"]:
@@ -88,19 +166,20 @@ def _chunk_mask_np(n: int, s: int, m: int) -> np.ndarray:
     return np.arange(n + s)[None, :] - n <= np.arange(s - m, s)[:, None]
 
 
-def candidate_logits(queries: Float[Array, "b h g m d"], stored: Float[Array, "b h n d"],
+def candidate_logits(queries: Float[Array, "b h g m d"], stored: Float[Array, "b h n d"] | CodedKeys,
                      new: Float[Array, "b h s d"], scale: float | None = None) -> Float[Array, "b h g m ns"]:
     """Scaled float32 logits of the chunk's last ``m`` queries over stored + new keys, causal.
 
-    The two key sets are scored separately, so no concatenated key array is built.
+    The two key sets are scored separately, so no concatenated key array is built; stored
+    :class:`CodedKeys` are scored by their codec (:func:`stored_logits`).
     """
     b, h, g, m, d = queries.shape
-    n, s = stored.shape[2], new.shape[2]
+    n, s = stored_count(stored), new.shape[2]
     scale = d ** -0.5 if scale is None else scale
     q = queries.reshape(b, h, g * m, d).astype(mx.float32) * scale
     parts = [q @ new.astype(mx.float32).swapaxes(-1, -2)]
     if n:
-        parts.insert(0, q @ stored.astype(mx.float32).swapaxes(-1, -2))
+        parts.insert(0, stored_logits(q, stored))
     logits = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
     logits = logits.reshape(b, h, g, m, n + s)
     if m > 1 or s > 1:
@@ -108,13 +187,13 @@ def candidate_logits(queries: Float[Array, "b h g m d"], stored: Float[Array, "b
     return logits
 
 
-def candidate_weights(queries: Float[Array, "b h g m d"], stored: Float[Array, "b h n d"],
+def candidate_weights(queries: Float[Array, "b h g m d"], stored: Float[Array, "b h n d"] | CodedKeys,
                       new: Float[Array, "b h s d"]) -> Float[Array, "b h g m ns"]:
     """Softmax attention weights of the chunk's last ``m`` queries over stored + new keys."""
     return softmax(candidate_logits(queries, stored, new))
 
 
-def candidate_mass(queries: Float[Array, "b h g m d"], stored: Float[Array, "b h n d"],
+def candidate_mass(queries: Float[Array, "b h g m d"], stored: Float[Array, "b h n d"] | CodedKeys,
                    new: Float[Array, "b h s d"], coef: Float[Array, "m"] | None = None,
                    block: int = 256, noise=None) -> Float[Array, "b h ns"]:
     """Attention each candidate receives from the chunk's last ``m`` queries.
@@ -147,7 +226,7 @@ def candidate_mass(queries: Float[Array, "b h g m d"], stored: Float[Array, "b h
 
 
 def accumulated_scores(scores: Float[Array, "b h n"], queries: Float[Array, "b h g s d"],
-                       stored: Float[Array, "b h n d"], new: Float[Array, "b h s d"], decay: float,
+                       stored: Float[Array, "b h n d"] | CodedKeys, new: Float[Array, "b h s d"], decay: float,
                        mass=candidate_mass) -> tuple[Float[Array, "b h n"], Float[Array, "b h s"]]:
     """H2O's accumulation over one chunk: stored scores decayed by ``decay**s`` plus the
     chunk's attention mass, query ``i`` of ``s`` weighted by ``decay**(s-1-i)`` (equal to
@@ -156,7 +235,7 @@ def accumulated_scores(scores: Float[Array, "b h n"], queries: Float[Array, "b h
     ``mass(queries, stored, new, coef)`` computes the weighted mass (a variant may perturb it);
     ``coef`` is ``None`` for a single query (weight 1).
     """
-    n, s = stored.shape[2], new.shape[2]
+    n, s = stored_count(stored), new.shape[2]
     # one query (a decode step) has weight decay**0 = 1
     coef = decay ** mx.arange(s - 1, -1, -1, dtype=mx.float32) if s > 1 else None
     m = mass(queries, stored, new, coef)

@@ -2,17 +2,34 @@
 
     tova_q = velox.compose.evict_then_store("tova")          # a registered method, key "tova+affine"
     state = tova_q.init(1, 8, 128, budget=256, n_sink=4, bits=2)
+    tq = velox.compose.evict_then_store("tova", codec="turboquant_prod", bits=3)
+    state = tq.init(1, 8, 128, budget=256)                   # bits=3 unless given
 
 The composed state keeps the policy's own bookkeeping (positions, scores, ...) and holds the
-survivors only as per-token affine codes (keys and values grouped along channels, packed in
-MLX's layout); its bytes are those arrays. At each update the policy scores the candidates
-with the dequantized stored keys, then the codec keeps the survivors' codes as they are
-(pure eviction) or re-encodes what the policy keeps (merging policies change kept values).
-Per-token groups make rows independent, so dropping a token never touches another's codes.
+survivors only as codes: per-token affine codes of keys and values (``codec="affine"``, groups
+along channels, packed in MLX's layout), or keys as another codec's codes and values as
+per-token 8-bit codes (``velox.codec_cache``); its bytes are those arrays. At each update the
+policy scores the candidates, then the codec keeps the survivors' codes as they are (pure
+eviction) or codes what the policy keeps afresh (merging policies change kept values). Rows
+are coded independently, so dropping a token never touches another's codes.
+
+How the policy sees the stored keys: a policy whose scores read them only as attention logits
+(``velox.evict.score_and_keep``'s ``logits_only``: TOVA, H2O, SnapKV) gets them as
+:class:`velox.attention.CodedKeys`, so its logits over the stored tokens are the codec's
+estimates ``codec.scores`` of the queries against the key codes (``scores_np`` on the
+``reference`` backend), the new tokens' exact, as the composition's attention reads them. Any
+other policy (KNorm's key norms, ...) scores the decoded stored keys. The composed spec says
+which (``contract.policy_keys``: ``"codes"`` or ``"decoded"``, and a deviation line).
+
+Keyword parameters of :func:`evict_then_store` (``bits=3``) become the defaults of the returned
+method's ``init``, checked against the composed spec; the registered method (``velox.init(key,
+...)``) keeps the spec's defaults.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import typing
 from typing import Any, NamedTuple
 
@@ -21,10 +38,11 @@ import numpy as np
 
 from . import evict, quant
 from . import reference as ref
+from .attention import CodedKeys
 from .codecs import affine
 from .qattention import AffineRows, attend_segments
 from .registry import Method, get_method, method_keys, register
-from .spec import Param, Spec
+from .spec import Param, Spec, validate_params
 
 __all__ = ["evict_then_store", "composable"]
 
@@ -76,8 +94,22 @@ def _kept_index(cand: mx.array, kept: mx.array) -> mx.array:
     return (cand[:, :, None, :] < kept[:, :, :, None]).sum(-1).astype(mx.int32)
 
 
-def _spec(policy: Spec, key: str) -> Spec:
-    contract = dict(policy.contract, exact_rows=False)
+def _scoring(codec: str, by_logits: bool) -> tuple[dict, str]:
+    """The composed spec's ``contract.policy_keys`` and deviation line on how the policy reads
+    the stored keys."""
+    if by_logits:
+        return {"policy_keys": "codes"}, (
+            f"The policy scores candidates through the codec's estimates: its attention logits "
+            f"over the stored tokens are the {codec} codec's scores of the queries against the "
+            "key codes (the new tokens' are exact), not logits of decoded keys.")
+    return {"policy_keys": "decoded"}, (
+        "The policy scores candidates with the decoded stored keys (the codec's decode), "
+        "not with the codec's score estimates.")
+
+
+def _spec(policy: Spec, key: str, by_logits: bool) -> Spec:
+    keys_contract, keys_line = _scoring("affine", by_logits)
+    contract = dict(policy.contract, exact_rows=False, **keys_contract)
     return Spec(
         key=key, name=f"{policy.name} + per-token affine codes", title=policy.title,
         arxiv=policy.arxiv, venue=policy.venue, family="composed", phases=policy.phases,
@@ -87,8 +119,7 @@ def _spec(policy: Spec, key: str) -> Spec:
         constraints=policy.constraints + ("head_dim % group_size == 0",),
         contract=contract, tolerance=dict(policy.tolerance, atol=1e-6, rtol=1e-6),
         deviations=policy.deviations + (
-            "Survivors are stored as per-token affine codes; the policy scores candidates "
-            "with the dequantized stored keys.",),
+            "Survivors are stored as per-token affine codes (keys and values).", keys_line),
         backends=policy.backends)
 
 
@@ -103,7 +134,7 @@ def composable(policy: str) -> Method:
     return P
 
 
-def evict_then_store(policy: str, codec: str = "affine") -> Method:
+def evict_then_store(policy: str, codec: str = "affine", **defaults: Any) -> Method:
     """The method ``"<policy>+<codec>"``: ``policy`` decides which tokens live, ``codec``
     (``velox.codecs``) holds their keys.
 
@@ -113,15 +144,52 @@ def evict_then_store(policy: str, codec: str = "affine") -> Method:
     another codec (``"turboquant_prod"``, ``"qjl"``, ...: a codec whose method of the same key
     is registered) keys are that codec's codes, values per-token 8-bit affine codes
     (``velox.codec_cache``), and the parameters are the policy's plus the codec method's; the
-    attention reads the key codes (the codec's ``scores``).
+    attention reads the key codes (the codec's ``scores``), and so does a policy whose scores
+    read the keys only as attention logits (see the module docstring).
+
+    ``defaults`` (``bits=3``) become the defaults of the returned method's ``init`` (its
+    signature shows them, its ``spec`` holds them; arguments given to ``init`` still win). They
+    are checked against the composed spec: an unknown name, a value out of range or a broken
+    constraint raises ``ValueError``. Without them the registered method itself is returned.
     """
-    if codec != "affine":
-        return _evict_then_code(policy, codec)
+    m = _evict_then_code(policy, codec) if codec != "affine" else _evict_then_affine(policy)
+    return _with_defaults(m, defaults) if defaults else m
+
+
+def _with_defaults(m: Method, given: dict[str, Any]) -> Method:
+    """``m`` with ``given`` as the defaults of its ``init`` and its spec (not registered:
+    states it makes are ``m``'s, updated by ``m``)."""
+    checked = validate_params(m.spec, given)  # unknown names, types, ranges, constraints
+    defaults = {name: checked[name] for name in given}
+    spec = dataclasses.replace(m.spec, params={
+        name: dataclasses.replace(p, default=defaults[name]) if name in defaults else p
+        for name, p in m.spec.params.items()})
+    registered = m.init
+
+    def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
+             backend: str = "auto", **params: Any):
+        return registered(batch, kv_heads, head_dim, dtype=dtype, backend=backend,
+                          **{**defaults, **params})
+
+    sig = inspect.signature(init)
+    kw = inspect.Parameter.KEYWORD_ONLY
+    init.__signature__ = sig.replace(parameters=[
+        *(q for q in sig.parameters.values() if q.kind is not q.VAR_KEYWORD and q.name != "backend"),
+        *(inspect.Parameter(name, kw, default=p.default) for name, p in spec.params.items()),
+        sig.parameters["backend"]])
+    init.__doc__ = (f"Empty {m.key} state; parameters as ``velox.init({m.key!r}, ...)``, with "
+                    f"the defaults {', '.join(f'{k}={v!r}' for k, v in defaults.items())}.")
+    return dataclasses.replace(m, init=init, spec_override=spec, _spec=None)
+
+
+def _evict_then_affine(policy: str) -> Method:
+    """``policy`` + keys and values as per-token affine codes (see :func:`evict_then_store`)."""
     key = f"{policy}+affine"
     if key in method_keys():
         return get_method(key)
     P = composable(policy)
-    spec = _spec(P.spec, key)
+    by_logits = evict.scores_by_logits(P)
+    spec = _spec(P.spec, key, by_logits)
     pure = bool(P.spec.contract.get("exact_rows", False))
     hints = typing.get_type_hints(P.state_type)
     # The policy's own bookkeeping: its state's fields but the rows the codec holds.
@@ -144,7 +212,13 @@ def evict_then_store(policy: str, codec: str = "affine") -> Method:
                      bits, group, quant.dtype_name(dtype), pstate.backend)
 
     def _policy_state(state, k_hat, v_hat):
-        return P.state_type(**state.policy._asdict(), keys=k_hat, values=v_hat, next_pos=state.next_pos)
+        stored = k_hat
+        if by_logits:  # the policy's logits over stored keys: the affine codec's scores
+            codes = affine.AffineCodes(state.key_codes, state.key_scales, state.key_zeros)
+            t = affine.tables(k_hat.shape[3], dict(bits=state.bits, group_size=state.group_size,
+                                                   dtype=state.cache_dtype))
+            stored = CodedKeys(k_hat, codes, t, affine.CODEC)
+        return P.state_type(**state.policy._asdict(), keys=stored, values=v_hat, next_pos=state.next_pos)
 
     def _update(state, keys, values, queries):
         k_hat, v_hat = _decode(state)
@@ -190,7 +264,9 @@ def evict_then_store(policy: str, codec: str = "affine") -> Method:
     return m
 
 
-def _code_spec(policy: Spec, codec_spec: Spec, key: str, codec_params: tuple[str, ...]) -> Spec:
+def _code_spec(policy: Spec, codec_spec: Spec, key: str, codec_params: tuple[str, ...],
+               by_logits: bool) -> Spec:
+    keys_contract, keys_line = _scoring(codec_spec.key, by_logits)
     taken = sorted(set(policy.params) & set(codec_params))
     if taken:
         raise ValueError(f"{policy.key} and {codec_spec.key} both name parameter(s) {', '.join(taken)}")
@@ -205,12 +281,10 @@ def _code_spec(policy: Spec, codec_spec: Spec, key: str, codec_params: tuple[str
             c for c in codec_spec.constraints
             if {t for t in c.replace("(", " ").replace(")", " ").split() if t.isidentifier()}
             <= set(codec_params) | {"head_dim", "batch", "kv_heads", "min", "max"}),
-        contract=dict(policy.contract, exact_rows=False, quantized=True,
+        contract=dict(policy.contract, exact_rows=False, quantized=True, **keys_contract,
                       **{k: v for k, v in codec_spec.contract.items() if k == "estimator"}),
         tolerance=dict(codec_spec.tolerance),
-        deviations=policy.deviations + codec_spec.deviations + (
-            "The policy scores candidates with the decoded stored keys (the codec's decode), "
-            "not with the codec's score estimates.",),
+        deviations=policy.deviations + codec_spec.deviations + (keys_line,),
         backends=tuple(b for b in policy.backends if b in ("reference", "mlx")))
 
 
@@ -225,7 +299,8 @@ def _evict_then_code(policy: str, codec_name: str) -> Method:
     P = composable(policy)
     codec = get_codec(codec_name)
     C = get_method(codec_name)  # the codec's own method: its parameters' spec
-    spec = _code_spec(P.spec, C.spec, key, codec.params)
+    by_logits = evict.scores_by_logits(P)
+    spec = _code_spec(P.spec, C.spec, key, codec.params, by_logits)
     pure = bool(P.spec.contract.get("exact_rows", False))
     hints = typing.get_type_hints(P.state_type)
     Policy = NamedTuple(f"{P.state_type.__name__}Policy",
@@ -259,7 +334,9 @@ def _evict_then_code(policy: str, codec_name: str) -> Method:
 
     def _update(state, keys, values, queries):
         k_hat, v_hat = codec_cache.get_kv(state)
-        pstate = P.state_type(**state.policy._asdict(), keys=k_hat, values=v_hat,
+        # a policy scoring by logits reads the stored keys' through the codec's scores
+        stored = CodedKeys(k_hat, state.key_codes, state.tables, codec) if by_logits else k_hat
+        pstate = P.state_type(**state.policy._asdict(), keys=stored, values=v_hat,
                               next_pos=state.next_pos)
         new = P.backends[state.backend](pstate, keys, values, queries)
         n, s = k_hat.shape[2], keys.shape[2]

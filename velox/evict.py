@@ -27,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from ._typing import Array, Bool, Float, Int, Shaped
+from .attention import CodedKeys
 from .ordering import order_key
 from .registry import dims_of
 from .spec import param_fields
@@ -34,7 +35,7 @@ from .spec import param_fields
 __all__ = ["empty_rows", "new_positions", "protected", "ranked", "top_budget", "row_offsets", "all_but",
            "take_rows", "append_rows", "keep_rows", "dims", "row_sq_norms", "row_norms",
            "cuda_update", "with_compacted", "cached_const", "CONST_BYTES", "score_and_keep", "Scored",
-           "empty_state", "state_type"]
+           "empty_state", "state_type", "scores_by_logits"]
 
 
 def empty_rows(batch: int, heads: int, head_dim: int, dtype: mx.Dtype):
@@ -345,7 +346,7 @@ def _protected_index(n: int, n_sink: int, recent: int) -> np.ndarray:
 
 def score_and_keep(score: Callable | None, reference: Callable | None, *,
                    kernel: Callable | None = None, carry: tuple[str, ...] = (),
-                   fields: tuple[str, ...] = ()) -> Callable:
+                   fields: tuple[str, ...] = (), logits_only: bool = False) -> Callable:
     """The backends of a score-and-keep eviction method, built from its score.
 
     Every update appends the ``s`` new rows to the ``n`` stored ones, and when the method
@@ -378,6 +379,13 @@ def score_and_keep(score: Callable | None, reference: Callable | None, *,
             updates hold their values over the candidates.
         fields: other state fields the score's updates refresh every update (Q-Filters'
             running filters).
+        logits_only: both scores read the stored keys only as attention logits, through
+            ``velox.attention`` (``candidate_logits``, ``candidate_weights``,
+            ``candidate_mass``; one head: ``head_weights``). The state's ``keys`` may then be
+            :class:`velox.attention.CodedKeys` (a composition's, ``velox.compose``): the
+            skeleton appends and gathers their decoded ``rows``, the scores see the codes
+            (the ``reference`` score one head's NumPy codes, its ``Head.keys``) and so read
+            the codec's logit estimates. Without it a score sees the decoded rows.
 
     Returns:
         ``spec -> {backend: update}``, for :func:`velox.registry.register`'s ``backends``.
@@ -387,8 +395,9 @@ def score_and_keep(score: Callable | None, reference: Callable | None, *,
 
     def build(spec) -> dict[str, Callable]:
         plan = _plan(spec)
-        mlx_update = _mlx_backend(score, carry, fields, plan)
-        out = {"reference": _reference_backend(reference, carry, fields, plan), "mlx": mlx_update}
+        mlx_update = _mlx_backend(score, carry, fields, plan, logits_only)
+        out = {"reference": _reference_backend(reference, carry, fields, plan, logits_only),
+               "mlx": mlx_update}
         if "cuda" in spec.backends:
             out["cuda"] = cuda_update(mlx_update, plan.capacity,
                                       _kernel_step(score, kernel, carry, fields, plan))
@@ -397,13 +406,31 @@ def score_and_keep(score: Callable | None, reference: Callable | None, *,
     return build
 
 
-def _mlx_backend(score, carry, fields, plan: _Plan) -> Callable:
+def scores_by_logits(method) -> bool:
+    """Whether ``method`` (a registered method) is a score-and-keep method whose scores read
+    the stored keys only as attention logits (:func:`score_and_keep`'s ``logits_only``): its
+    state's ``keys`` may be :class:`velox.attention.CodedKeys`."""
+    return all(getattr(method.backends.get(b), "logits_only", False) for b in ("reference", "mlx"))
+
+
+def _rows_and_scored(state, logits_only: bool) -> tuple:
+    """``(state with rows as keys, state the score reads)``: a state whose ``keys`` are
+    :class:`CodedKeys` holds their decoded rows for the skeleton; its score sees the codes
+    when it reads keys only as logits, else the rows."""
+    if not isinstance(state.keys, CodedKeys):
+        return state, state
+    rows = state._replace(keys=state.keys.rows)
+    return rows, (state if logits_only else rows)
+
+
+def _mlx_backend(score, carry, fields, plan: _Plan, logits_only: bool = False) -> Callable:
     def update(state, keys, values, queries):
+        state, seen = _rows_and_scored(state, logits_only)
         n, s = state.keys.shape[2], keys.shape[2]
         evicting = _evicting(plan, state, n, s)
         scored = Scored(None, {})
         if score is not None and (evicting or carry or fields):
-            scored = _scored(score(state, keys, values, queries, evicting))
+            scored = _scored(score(seen, keys, values, queries, evicting))
         idx = None
         if evicting:
             b, h = state.positions.shape[:2]
@@ -431,13 +458,16 @@ def _mlx_backend(score, carry, fields, plan: _Plan) -> Callable:
         return state._replace(keys=out[0], values=out[1], positions=out[2],
                               next_pos=state.next_pos + s, **kept)
 
+    update.logits_only = logits_only
     return update
 
 
-def _reference_backend(reference, carry, fields, plan: _Plan) -> Callable:
+def _reference_backend(reference, carry, fields, plan: _Plan, logits_only: bool = False) -> Callable:
     from . import reference as ref
 
     def update(state, keys, values, queries):
+        state, seen = _rows_and_scored(state, logits_only)
+        coded = seen.keys.numpy() if isinstance(seen.keys, CodedKeys) else None
         c = ref.candidates(state, keys, values, queries)
         b, h, N = c.positions.shape
         s = keys.shape[2]
@@ -449,6 +479,8 @@ def _reference_backend(reference, carry, fields, plan: _Plan) -> Callable:
             for i in range(b):
                 for j in range(h):
                     head = ref.head(c, i, j, {k: v[i, j] for k, v in old.items()}, evicting)
+                    if coded is not None:  # one head's codes, with its candidates' rows
+                        head = head._replace(keys=coded.head(i, j, head.keys))
                     out = _scored(reference(state, head))
                     if out.scores is not None:
                         scores[i, j] = out.scores
@@ -467,6 +499,7 @@ def _reference_backend(reference, carry, fields, plan: _Plan) -> Callable:
         return new._replace(**{name: ref.to_mx(stacked[name], getattr(state, name).dtype)
                                for name in fields})
 
+    update.logits_only = logits_only
     return update
 
 

@@ -5,7 +5,8 @@ H2O's rule, and the score of every method built on it: H2O and SqueezeAttention 
 Keyformer perturbs its attention with Gumbel noise, CaM merges its losers, ChunkKV averages it
 over chunks. Each function works on any state with ``keys``, ``scores`` and ``decay`` fields;
 the three are the ``mlx`` score, the one-head ``reference`` and the ``cuda`` kernel input of
-``velox.evict.score_and_keep``.
+``velox.evict.score_and_keep``. Both scores read the stored keys only as attention logits
+(``velox.attention``: :class:`velox.attention.CodedKeys` are scored by their codec).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 
 from . import evict
 from . import reference as ref
-from .attention import accumulated_scores, candidate_mass, scoring_queries
+from .attention import accumulated_scores, candidate_mass, head_weights, scoring_queries
 
 __all__ = ["heavy_hitter_scores", "heavy_hitter_reference", "heavy_hitter_kernel"]
 
@@ -36,7 +37,7 @@ def heavy_hitter_reference(state, head: ref.Head) -> tuple:
     acc = np.zeros(N)
     acc[: N - s] = head.carried["scores"]
     for t in range(s):
-        w = ref.attention_weights(head.probes[:, t:t + 1], head.keys, pos, pos[N - s + t:][:1])
+        w = head_weights(head.probes[:, t:t + 1], head.keys, pos, pos[N - s + t:][:1])
         acc = acc * state.decay + w[:, 0].mean(0)
     return acc, {"scores": acc}
 

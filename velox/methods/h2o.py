@@ -3,7 +3,9 @@
 A candidate's score is the attention it has received, accumulated over every query since it
 arrived (decayed by ``decay`` per token) and carried in the state (``velox.heavy_hitters``). Backends: ``reference``,
 ``mlx`` and ``cuda`` (fused kernels for a decode step at a full cache, ``velox.kernels.evict``;
-every other step runs the ``mlx`` ops).
+every other step runs the ``mlx`` ops). The score reads the stored keys only as attention
+logits (``logits_only``): composed with a codec (``velox.compose``), the attention it
+accumulates over the stored tokens comes from the codec's estimates on the key codes.
 """
 
 from __future__ import annotations
@@ -40,5 +42,6 @@ H2OState = State = evict.state_type(
 
 method = register("h2o", H2OState, init,
                   evict.score_and_keep(heavy_hitter_scores, heavy_hitter_reference,
-                                       kernel=heavy_hitter_kernel, carry=("scores",)))
+                                       kernel=heavy_hitter_kernel, carry=("scores",),
+                                       logits_only=True))
 init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes

@@ -17,7 +17,7 @@ import numpy as np
 from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float
-from ..attention import candidate_mass, scoring_queries
+from ..attention import candidate_mass, head_weights, scoring_queries, stored_count
 from ..registry import register
 
 __all__ = ["SnapKVState", "State", "init", "update", "get_kv", "nbytes", "votes",
@@ -90,7 +90,7 @@ def votes(state, keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"],
     the kv head's query heads; the new keys stand in for absent queries), pooled over
     ``kernel_size`` neighbours in the prefix before the ``obs_window`` newest candidates (the
     window itself, always kept, keeps its own votes)."""
-    n, s = state.keys.shape[2], keys.shape[2]
+    n, s = stored_count(state.keys), keys.shape[2]
     w = min(state.obs_window, s)
     mass = candidate_mass(scoring_queries(keys, queries)[:, :, :, s - w:], state.keys, keys)
     prefix = max(0, n + s - state.obs_window)
@@ -103,12 +103,12 @@ def votes_reference(state, head: ref.Head, *, pooling: str | None = None) -> np.
     its queries, averaged over the query heads, the prefix pooled."""
     N, s, pos = len(head.positions), head.s, head.positions
     w = min(state.obs_window, s)
-    weights = ref.attention_weights(head.probes[:, s - w:], head.keys, pos, pos[N - w:])  # [g, w, N]
+    weights = head_weights(head.probes[:, s - w:], head.keys, pos, pos[N - w:])  # [g, w, N]
     v = weights.sum(axis=1).mean(axis=0)
     prefix = max(0, N - state.obs_window)
     v[:prefix] = _pool_reference(v[:prefix], state.kernel_size, pooling or state.pooling)
     return v
 
 
-method = register("snapkv", SnapKVState, init, evict.score_and_keep(votes, votes_reference))
+method = register("snapkv", SnapKVState, init, evict.score_and_keep(votes, votes_reference, logits_only=True))
 init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes

@@ -3,7 +3,9 @@
 A candidate's score is the attention the newest query pays it (averaged over the query heads
 of its kv head; with ``per_head=False``, over every head of the layer, one selection for all).
 Backends: ``reference``, ``mlx`` and ``cuda`` (fused kernels for a decode step at a full cache,
-``velox.kernels.evict``; every other step runs the ``mlx`` ops).
+``velox.kernels.evict``; every other step runs the ``mlx`` ops). The score reads the stored keys
+only as attention logits (``logits_only``): composed with a codec (``velox.compose``), the
+stored tokens' logits are the codec's estimates from the key codes.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import mlx.core as mx
 
 from .. import evict
 from .. import reference as ref
-from ..attention import candidate_weights, scoring_queries
+from ..attention import candidate_weights, head_weights, scoring_queries
 from ..registry import register
 
 __all__ = ["TovaState", "State", "init", "update", "get_kv", "nbytes"]
@@ -43,7 +45,7 @@ def _score(state: TovaState, keys, values, queries, evicting):
 
 def _score_reference(state: TovaState, head: ref.Head):
     pos = head.positions  # attention of the newest query, averaged over the group's heads
-    return ref.attention_weights(head.probes[:, -1:], head.keys, pos, pos[-1:])[:, 0].mean(0)
+    return head_weights(head.probes[:, -1:], head.keys, pos, pos[-1:])[:, 0].mean(0)
 
 
 def _kernel(state: TovaState, keys, values, queries):
@@ -51,5 +53,6 @@ def _kernel(state: TovaState, keys, values, queries):
     return dict(by=weights(queries, state.keys, keys)[0])
 
 
-method = register("tova", TovaState, init, evict.score_and_keep(_score, _score_reference, kernel=_kernel))
+method = register("tova", TovaState, init,
+                  evict.score_and_keep(_score, _score_reference, kernel=_kernel, logits_only=True))
 init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
