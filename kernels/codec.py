@@ -1,0 +1,483 @@
+"""A CUDA decode step of attention on key codes (``mx.fast.cuda_kernel``): flash-decoding over
+the codes of TurboQuant (``turboquant_mse``, ``turboquant_rvq``, ``turboquant_prod``) and QJL.
+
+One query token per sequence (``s == 1``), the ``g`` query heads of a kv head together, so each
+stored token's codes are read once. The query is rotated (``q R^T``) and projected (``S q``)
+once with MLX matmuls, then two kernels run:
+
+* ``split``: a block per (batch row, kv head, token split) of 128 threads. Phase 1, a thread
+  per stored token: the ``g`` logits from the codes, in the rotated domain (TurboQuant: the
+  ``bits``-bit indices unpacked from the little-endian bit stream of ``velox.quant.pack``, the
+  centroid looked up in a table in shared memory, dotted with the rotated query, times
+  ``norm / sqrt(d)``; RVQ: two index streams, the second scaled by the row's gain; prod: that
+  MSE part plus ``sqrt(pi/2) / m * ||r|| * <S q, sign(S r)>`` from the packed sign bits; QJL
+  alone: the sign part times the key norm). Phase 2: each head's maximum and sum of
+  exponentials over the split (block reductions). Phase 3, a thread per value coordinate
+  (two per coordinate at head_dim 64): the weights times the values (``Int8Rows``: the 8-bit
+  codes of a ``uint32`` word times the row's scale plus its zero; ``ExactRows``: the rows).
+  It writes each split's ``(max, sum, weighted values)``, float32.
+* ``merge``: a block per (batch row, kv head): the new token's exact logit (its own key),
+  then every split and the new token combined into the output, in the queries' dtype.
+
+Everything is float32; the sums run in another order than ``velox.codec_cache.attend``'s
+matmuls, so the two agree within float32 rounding (the tests' tolerance: ``TOLERANCE``).
+:func:`supports` says which states and queries the kernels take (the four codecs' own codes
+records, head_dim 64 or 128, ``g <= 32``, float16 / bfloat16 / float32 queries, one query
+token, a CUDA device); anything else goes to the MLX path. ``velox.kernels.nvrtc`` compiles
+every variant's source without a GPU (``tests/test_codec_kernel.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import NamedTuple
+
+import mlx.core as mx
+
+__all__ = ["supports", "decode_attend", "TOLERANCE", "CODECS", "HEAD_DIMS", "MAX_GROUPS"]
+
+THREADS = 128            # threads per block of the split kernel (a power of two, >= head_dim)
+TARGET_BLOCKS = 528      # split blocks aimed at per step: 4 per SM of an H100 / H200 (132 SMs)
+MIN_SPAN = 64            # fewest stored tokens a split block takes (unless fewer are stored)
+SHARED_LIMIT = 48 * 1024  # static shared memory of one block
+HEAD_DIMS = (64, 128)
+MAX_GROUPS = 32
+#: The codecs the kernels read, and the kernel variant of each.
+CODECS = {"turboquant_mse": "mse", "turboquant_rvq": "rvq", "turboquant_prod": "prod", "qjl": "qjl"}
+#: ``|decode_attend - attend| <= atol + rtol * |attend|`` per element (output in the queries'
+#: dtype): float32 rounding of the two summation orders (atol, rtol ~ 1e-5), plus one rounding
+#: step of the output dtype (the same float32 result may round to either neighbour).
+TOLERANCE = {mx.float32: (3e-5, 3e-5), mx.float16: (3e-5, 2.0 ** -10 + 3e-5),
+             mx.bfloat16: (3e-5, 2.0 ** -7 + 3e-5)}
+
+_HEADER = """
+template <typename T> __device__ void velox_put(T* p, float x) { *p = static_cast<T>(x); }
+"""
+
+# One block per (batch row, kv head, split) of NT threads; see the module docstring. The
+# placeholders are filled per codec (SHARED, LOAD, LOGITS) and per value layout (SIDE, VALUE).
+_SPLIT_BODY = """
+    const unsigned int tid = threadIdx.x;
+    const int nb = knorm_shape[0], nh = knorm_shape[1], n = knorm_shape[2];
+    const int nsplit = (int)(gridDim.x / (unsigned int)(nb * nh));
+    const size_t bh = blockIdx.x / nsplit;
+    const int split = blockIdx.x % nsplit;
+    const int span = (n + nsplit - 1) / nsplit;
+    const int start = split * span;
+    const int len = n - start >= span ? span : (n - start > 0 ? n - start : 0);
+    const float inf = __int_as_float(0x7f800000);
+    __shared__ float lg[G * SPLIT];
+    __shared__ float red[G * NT];
+    SHARED
+    LOAD
+    __syncthreads();
+    // phase 1: a thread per stored token, the G logits from its codes
+    for (int t = (int)tid; t < len; t += NT) {
+        const size_t row = bh * n + start + t;
+        float lgt[G];
+        #pragma unroll
+        for (int j = 0; j < G; ++j) lgt[j] = 0.0f;
+        LOGITS
+        #pragma unroll
+        for (int j = 0; j < G; ++j) lg[j * SPLIT + t] = lgt[j];
+        SIDE
+    }
+    __syncthreads();
+    // phase 2: each head's maximum, then exponentials and their sum, over the split
+    float mh[G], lh[G];
+    #pragma unroll
+    for (int j = 0; j < G; ++j) {
+        float m = -inf;
+        for (int t = (int)tid; t < len; t += NT) m = fmaxf(m, lg[j * SPLIT + t]);
+        red[j * NT + tid] = m;
+    }
+    __syncthreads();
+    for (int w = NT / 2; w > 0; w >>= 1) {
+        if ((int)tid < w)
+            for (int j = 0; j < G; ++j) red[j * NT + tid] = fmaxf(red[j * NT + tid], red[j * NT + tid + w]);
+        __syncthreads();
+    }
+    #pragma unroll
+    for (int j = 0; j < G; ++j) mh[j] = red[j * NT];
+    __syncthreads();
+    #pragma unroll
+    for (int j = 0; j < G; ++j) {
+        float s = 0.0f;
+        for (int t = (int)tid; t < len; t += NT) {
+            const float p = expf(lg[j * SPLIT + t] - mh[j]);
+            lg[j * SPLIT + t] = p;
+            s += p;
+        }
+        red[j * NT + tid] = s;
+    }
+    __syncthreads();
+    for (int w = NT / 2; w > 0; w >>= 1) {
+        if ((int)tid < w)
+            for (int j = 0; j < G; ++j) red[j * NT + tid] += red[j * NT + tid + w];
+        __syncthreads();
+    }
+    #pragma unroll
+    for (int j = 0; j < G; ++j) lh[j] = red[j * NT];
+    __syncthreads();
+    // phase 3: a thread per value coordinate (PARTS per coordinate), weights times values
+    constexpr int PARTS = NT / HEAD_DIM;
+    const int c = (int)tid % HEAD_DIM, part = (int)tid / HEAD_DIM;
+    float acc[G];
+    #pragma unroll
+    for (int j = 0; j < G; ++j) acc[j] = 0.0f;
+    #pragma unroll 4
+    for (int t = part; t < len; t += PARTS) {
+        const size_t row = bh * n + start + t;
+        VALUE
+        #pragma unroll
+        for (int j = 0; j < G; ++j) acc[j] += lg[j * SPLIT + t] * v;
+    }
+    if (PARTS > 1) {
+        #pragma unroll
+        for (int j = 0; j < G; ++j) red[j * NT + tid] = acc[j];
+        __syncthreads();
+        if (part == 0)
+            for (int j = 0; j < G; ++j)
+                for (int p = 1; p < PARTS; ++p) acc[j] += red[j * NT + p * HEAD_DIM + c];
+    }
+    const size_t o = bh * nsplit + split;
+    if (part == 0)
+        for (int j = 0; j < G; ++j) pa[(o * G + j) * HEAD_DIM + c] = acc[j];
+    if (tid == 0)
+        for (int j = 0; j < G; ++j) {
+            pm[o * G + j] = mh[j];
+            pl[o * G + j] = lh[j];
+        }
+"""
+
+# TurboQuant's MSE stage: the rotated query, the centroids (and RVQ's second codebook).
+_MSE_SHARED = """__shared__ __align__(16) float q_s[G * HEAD_DIM];
+    __shared__ float c_s[1 << BITS];"""
+_RVQ_SHARED = "__shared__ float r_s[1 << BITS];"
+_QJL_SHARED = "__shared__ __align__(16) float s_s[G * SIGN_WORDS * 32];"
+_MSE_LOAD = """for (int i = (int)tid; i < G * HEAD_DIM; i += NT) q_s[i] = qr[bh * (G * HEAD_DIM) + i];
+    for (int i = (int)tid; i < (1 << BITS); i += NT) c_s[i] = cent[i];"""
+_RVQ_LOAD = "for (int i = (int)tid; i < (1 << BITS); i += NT) r_s[i] = rcent[i];"
+_QJL_LOAD = ("for (int i = (int)tid; i < G * SIGN_WORDS * 32; i += NT) "
+             "s_s[i] = sq[bh * (G * SIGN_WORDS * 32) + i];")
+
+# Coordinate c's index sits at bit c * BITS of the row's little-endian word stream (the layout
+# of velox.quant.pack for every bits), spilling into the next word where it crosses one.
+_UNPACK = """{
+            constexpr int WORDS = HEAD_DIM * BITS / 32;
+            unsigned int wd[WORDS];
+            #pragma unroll
+            for (int k = 0; k < WORDS; ++k) wd[k] = SRC[row * WORDS + k];
+            #pragma unroll
+            for (int c = 0; c < HEAD_DIM; ++c) {
+                const int bit = c * BITS, wi = bit >> 5, sh = bit & 31;
+                unsigned int v = wd[wi] >> sh;
+                if (sh + BITS > 32) v |= wd[wi + 1] << (32 - sh);
+                const float cv = TABLE[v & ((1u << BITS) - 1u)];
+                #pragma unroll
+                for (int j = 0; j < G; ++j) ACC[j] += q_s[j * HEAD_DIM + c] * cv;
+            }
+        }"""
+
+_MSE_LOGITS = """float a[G];
+        #pragma unroll
+        for (int j = 0; j < G; ++j) a[j] = 0.0f;
+        """ + _UNPACK.replace("SRC", "idx").replace("TABLE", "c_s").replace("ACC", "a") + """
+        const float ks = __fmul_rn(static_cast<float>(knorm[row]), params[0]);
+        #pragma unroll
+        for (int j = 0; j < G; ++j) lgt[j] = __fmul_rn(a[j], ks);"""
+
+_RVQ_LOGITS = """float a[G], a2[G];
+        #pragma unroll
+        for (int j = 0; j < G; ++j) { a[j] = 0.0f; a2[j] = 0.0f; }
+        """ + _UNPACK.replace("SRC", "idx").replace("TABLE", "c_s").replace("ACC", "a") + """
+        """ + _UNPACK.replace("SRC", "ridx").replace("TABLE", "r_s").replace("ACC", "a2") + """
+        const float ks = __fmul_rn(static_cast<float>(knorm[row]), params[0]);
+        const float gn = static_cast<float>(gain[row]);
+        #pragma unroll
+        for (int j = 0; j < G; ++j) lgt[j] = __fmul_rn(a[j] + gn * a2[j], ks);"""
+
+# QJL's estimate: sum over the sketch rows of +-(S q)_i by sign bit i, times sqrt(pi/2) / m
+# (params[1]) and the norm NORM (the key's for qjl, the residual's for prod).
+_QJL_LOGITS = """{
+            float sg[G];
+            #pragma unroll
+            for (int j = 0; j < G; ++j) sg[j] = 0.0f;
+            #pragma unroll
+            for (int k = 0; k < SIGN_WORDS; ++k) {
+                const unsigned int sw = signs[row * SIGN_WORDS + k];
+                #pragma unroll
+                for (int i = 0; i < 32; ++i) {
+                    const bool on = (sw >> i) & 1u;
+                    #pragma unroll
+                    for (int j = 0; j < G; ++j) {
+                        const float x = s_s[(j * SIGN_WORDS + k) * 32 + i];
+                        sg[j] += on ? x : -x;
+                    }
+                }
+            }
+            const float qf = __fmul_rn(params[1], static_cast<float>(NORM[row]));
+            #pragma unroll
+            for (int j = 0; j < G; ++j) lgt[j] = lgt[j] + __fmul_rn(sg[j], qf);
+        }"""
+
+# Values: 8-bit codes (4 to a uint32 word, code c in bits 8 (c % 4)), q * scale + zero with
+# each operation rounded as MLX's dequantize rounds it; or the exact rows.
+_INT8_SHARED = "__shared__ float vsc[SPLIT], vze[SPLIT];"
+_INT8_SIDE = """vsc[t] = static_cast<float>(vs[row]);
+        vze[t] = static_cast<float>(vz[row]);"""
+_INT8_VALUE = """const float v = __fadd_rn(__fmul_rn((float)((vq[row * (HEAD_DIM / 4) + (c >> 2)] >> ((c & 3) * 8)) & 255u), vsc[t]), vze[t]);"""
+_EXACT_VALUE = "const float v = static_cast<float>(vr[row * HEAD_DIM + c]);"
+
+# One block per (batch row, kv head) of HEAD_DIM threads: the new token's logits (block sums),
+# then the splits and the new token merged into the output.
+_MERGE_BODY = """
+    const unsigned int c = threadIdx.x;
+    const size_t bh = blockIdx.x;
+    const int ns = pm_shape[2];
+    __shared__ float red[G * HEAD_DIM];
+    const float kc = static_cast<float>(kn[bh * HEAD_DIM + c]);
+    #pragma unroll
+    for (int j = 0; j < G; ++j) red[j * HEAD_DIM + c] = qs[(bh * G + j) * HEAD_DIM + c] * kc;
+    __syncthreads();
+    for (int w = HEAD_DIM / 2; w > 0; w >>= 1) {
+        if ((int)c < w)
+            for (int j = 0; j < G; ++j) red[j * HEAD_DIM + c] += red[j * HEAD_DIM + c + w];
+        __syncthreads();
+    }
+    const float vc = static_cast<float>(vn[bh * HEAD_DIM + c]);
+    for (int j = 0; j < G; ++j) {
+        const float ln = red[j * HEAD_DIM];
+        float m = ln;
+        for (int s = 0; s < ns; ++s) m = fmaxf(m, pm[(bh * ns + s) * G + j]);
+        const float e = expf(ln - m);
+        float tot = e, acc = e * vc;
+        for (int s = 0; s < ns; ++s) {
+            const size_t o = (bh * ns + s) * G + j;
+            const float f = expf(pm[o] - m);
+            tot += f * pl[o];
+            acc += f * pa[o * HEAD_DIM + c];
+        }
+        velox_put(out + (bh * G + j) * HEAD_DIM + c, acc / tot);
+    }
+"""
+
+_CODEC_INPUTS = {
+    "mse": ["qr", "cent", "idx", "knorm"],
+    "rvq": ["qr", "cent", "rcent", "idx", "ridx", "knorm", "gain"],
+    "prod": ["qr", "sq", "cent", "idx", "knorm", "signs", "rnorm"],
+    "qjl": ["sq", "knorm", "signs"],
+}
+_VALUE_INPUTS = {"int8": ["vq", "vs", "vz"], "exact": ["vr"]}
+
+
+def split_spec(codec: str, values: str) -> dict:
+    """The ``mx.fast.cuda_kernel`` arguments of the split kernel for ``codec`` (``mse``,
+    ``rvq``, ``prod``, ``qjl``) and ``values`` (``int8``, ``exact``). Template values:
+    ``HEAD_DIM``, ``G``, ``SPLIT``, and ``BITS`` (the MSE stage's) and / or ``SIGN_WORDS``."""
+    if codec not in _CODEC_INPUTS or values not in _VALUE_INPUTS:
+        raise ValueError(f"unknown split kernel variant: codec={codec!r}, values={values!r}")
+    mse, qjl = codec != "qjl", codec in ("prod", "qjl")
+    shared = ([_MSE_SHARED] if mse else []) + ([_RVQ_SHARED] if codec == "rvq" else []) \
+        + ([_QJL_SHARED] if qjl else []) + ([_INT8_SHARED] if values == "int8" else [])
+    load = ([_MSE_LOAD] if mse else []) + ([_RVQ_LOAD] if codec == "rvq" else []) \
+        + ([_QJL_LOAD] if qjl else [])
+    logits = {"mse": _MSE_LOGITS, "rvq": _RVQ_LOGITS, "prod": _MSE_LOGITS, "qjl": ""}[codec]
+    if qjl:
+        logits += "\n        " + _QJL_LOGITS.replace("NORM", "rnorm" if codec == "prod" else "knorm")
+    src = (_SPLIT_BODY.replace("SHARED", "\n    ".join(shared)).replace("LOAD", "\n    ".join(load))
+           .replace("LOGITS", logits)
+           .replace("SIDE", _INT8_SIDE if values == "int8" else "")
+           .replace("VALUE", _INT8_VALUE if values == "int8" else _EXACT_VALUE)
+           .replace("NT", str(THREADS)))
+    return dict(name=f"velox_codec_split_{codec}_{values}",
+                input_names=_CODEC_INPUTS[codec] + _VALUE_INPUTS[values] + ["params"],
+                output_names=["pm", "pl", "pa"], source=src, header=_HEADER)
+
+
+def merge_spec() -> dict:
+    """The ``mx.fast.cuda_kernel`` arguments of the merge kernel (template ``HEAD_DIM``, ``G``)."""
+    return dict(name="velox_codec_merge", input_names=["qs", "kn", "vn", "pm", "pl", "pa"],
+                output_names=["out"], source=_MERGE_BODY, header=_HEADER)
+
+
+@lru_cache(maxsize=None)
+def _kernel(codec: str | None, values: str | None):
+    spec = merge_spec() if codec is None else split_spec(codec, values)
+    return mx.fast.cuda_kernel(**spec)
+
+
+def _run_kernel(codec, values, inputs, grid, threadgroup, output_shapes, output_dtypes, template):
+    """One launch (``codec`` None: the merge kernel). The tests replace it by an emulation."""
+    return _kernel(codec, values)(inputs=inputs, grid=grid, threadgroup=threadgroup,
+                                  output_shapes=output_shapes, output_dtypes=output_dtypes,
+                                  template=template)
+
+
+class _Layout(NamedTuple):
+    codec: str       # kernel variant: mse, rvq, prod, qjl
+    values: str      # int8, exact
+    bits: int        # the MSE stage's bits (0 for qjl)
+    sign_words: int  # uint32 words of sign bits per token (0 for mse, rvq)
+    groups: int
+    head_dim: int
+    split: int       # most stored tokens one split block holds
+
+
+def split_size(groups: int) -> int:
+    """Most tokens one split block holds: ``2048 / groups`` rounded down to a power of two,
+    at most 512 (its logits take 8 KiB of shared memory)."""
+    return max(32, min(512, 1 << (2048 // groups).bit_length() - 1))
+
+
+def shared_bytes(lay: _Layout) -> int:
+    """Static shared memory of a split block."""
+    g, d, sp = lay.groups, lay.head_dim, lay.split
+    floats = g * sp + g * THREADS
+    if lay.codec != "qjl":
+        floats += g * d + (2 << lay.bits if lay.codec == "rvq" else 1 << lay.bits)
+    if lay.sign_words:
+        floats += g * 32 * lay.sign_words
+    if lay.values == "int8":
+        floats += 2 * sp
+    return 4 * floats
+
+
+_ROW_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+
+
+def _layout(state, queries) -> _Layout | None:
+    """The kernel layout of ``state`` and ``queries``, or None where the kernels do not apply."""
+    from velox import codec_cache
+    from velox.codecs import prod, qjl, turboquant as tq
+    try:
+        name = codec_cache.codec_of(state).name
+    except (KeyError, AttributeError, TypeError):
+        return None
+    codec = CODECS.get(name)
+    if codec is None:
+        return None
+    kinds = {"mse": (tq.TurboQuantTables, tq.MseCodes), "rvq": (tq.RvqTables, tq.RvqCodes),
+             "prod": (prod.TurboQuantProdTables, prod.TurboQuantProdCodes),
+             "qjl": (qjl.QJLTables, qjl.QJLCodes)}[codec]
+    t, kc, vc = state.tables, state.key_codes, state.value_codes
+    if type(t) is not kinds[0] or type(kc) is not kinds[1]:
+        return None  # another codes layout (e.g. with outlier channels): the MLX path
+    if not isinstance(queries, mx.array) or queries.ndim != 4 or queries.shape[2] != 1:
+        return None
+    if queries.dtype not in _ROW_DTYPES:
+        return None
+    b, hq, _, d = queries.shape
+    bs, h = state.next_pos.shape
+    if d not in HEAD_DIMS or bs != b or h == 0 or hq % h or not 1 <= hq // h <= MAX_GROUPS:
+        return None
+    g = hq // h
+    if codec_cache.dims(state)[2] != d:
+        return None
+    bits = sign_words = 0
+    if codec != "qjl":
+        bits = t.bits - 1 if codec == "prod" else t.bits
+        if t.head_dim != d or t.padded != d or not 1 <= bits <= 8:
+            return None
+        streams = [kc.idx] + ([kc.res_idx] if codec == "rvq" else [])
+        if any(x.dtype != mx.uint32 or x.shape[-1] != d * bits // 32 for x in streams):
+            return None
+        if t.centroids.shape != (1 << bits,) or t.centroids.dtype != mx.float32:
+            return None
+        if codec == "rvq" and (t.res_centroids.shape != (1 << bits,) or kc.gain.dtype != mx.float16):
+            return None
+        if kc.norm.dtype != mx.float16:
+            return None
+    if codec in ("prod", "qjl"):
+        sign_words = kc.signs.shape[-1]
+        norm = kc.res_norm if codec == "prod" else kc.norms
+        if kc.signs.dtype != mx.uint32 or t.sketch.shape != (32 * sign_words, d) \
+                or norm.dtype != mx.float16 or not 0 < t.jl_dim <= 32 * sign_words:
+            return None
+    if isinstance(vc, codec_cache.Int8Rows):
+        values = "int8"
+        if codec_cache.VALUE_BITS != 8 or vc.codes.dtype != mx.uint32 or vc.codes.shape[-1] != d // 4 \
+                or vc.scales.shape[-1] != 1 or vc.scales.dtype not in _ROW_DTYPES \
+                or vc.zeros.dtype != vc.scales.dtype:
+            return None
+    elif isinstance(vc, codec_cache.ExactRows):
+        values = "exact"
+        if vc.rows.shape[-1] != d or vc.rows.dtype not in _ROW_DTYPES:
+            return None
+    else:
+        return None
+    lay = _Layout(codec, values, bits, sign_words, g, d, split_size(g))
+    return lay if shared_bytes(lay) <= SHARED_LIMIT else None
+
+
+def supports(state, queries) -> bool:
+    """Whether :func:`decode_attend` takes ``state`` and ``queries`` (else use the MLX path):
+    a TurboQuant (mse, rvq, prod) or QJL state with its own codes record and 8-bit or exact
+    values, one query token, head_dim 64 or 128, at most 32 query heads per kv head, float16,
+    bfloat16 or float32 queries, on a CUDA device."""
+    from velox.backend import device_supports
+    return device_supports("cuda") and mx.default_device() == mx.gpu and _layout(state, queries) is not None
+
+
+@lru_cache(maxsize=None)
+def _params(head_dim: int, jl_dim: int) -> mx.array:
+    """``[1 / sqrt(d), sqrt(pi/2) / m]`` as float32, as the codecs round them."""
+    return mx.array([1.0 / math.sqrt(head_dim), math.sqrt(math.pi / 2) / jl_dim if jl_dim else 0.0],
+                    mx.float32)
+
+
+def plan_splits(batch: int, kv_heads: int, n: int, split: int) -> int:
+    """Split blocks per (batch row, kv head) for ``n`` stored tokens: about
+    :data:`TARGET_BLOCKS` blocks in all, each of ``MIN_SPAN`` to ``split`` tokens."""
+    span = min(split, max(MIN_SPAN, -(-batch * kv_heads * n // TARGET_BLOCKS)))
+    return -(-n // span)
+
+
+def decode_attend(state, queries, keys, values, *, scale: float):
+    """``velox.codec_cache.attend(state, queries, keys, values, scale=scale)`` for one query
+    token (``queries [b, hq, 1, d]``, the step's ``keys`` / ``values [b, h, 1, d]``), by the
+    kernels: ``[b, hq, 1, d]`` in the queries' dtype, equal to ``attend`` within
+    :data:`TOLERANCE`. Refuses (``ValueError``) what :func:`supports` would not take (the
+    device aside)."""
+    lay = _layout(state, queries)
+    if lay is None:
+        raise ValueError("decode_attend does not take this state and queries (see supports)")
+    b, hq, _, d = queries.shape
+    h, g = state.next_pos.shape[1], lay.groups
+    if keys.shape != (b, h, 1, d) or values.shape != (b, h, 1, d):
+        raise ValueError(f"keys and values must be [{b}, {h}, 1, {d}], got {keys.shape}, {values.shape}")
+    t, kc, vc = state.tables, state.key_codes, state.value_codes
+    qs = (queries.astype(mx.float32) * scale).reshape(b, h, g, d)
+    n = vc[0].shape[2]
+    if n == 0:  # the new token alone: weight 1
+        out = mx.broadcast_to(values.astype(mx.float32), (b, h, g, d))
+        return out.reshape(b, hq, 1, d).astype(queries.dtype)
+    jl = t.jl_dim if lay.codec in ("prod", "qjl") else 0
+    ins = {"params": _params(d, jl)}
+    if lay.codec != "qjl":
+        ins.update(qr=qs @ t.rotation.T, cent=t.centroids, idx=kc.idx, knorm=kc.norm)
+    if lay.codec == "rvq":
+        ins.update(rcent=t.res_centroids, ridx=kc.res_idx, gain=kc.gain)
+    if lay.codec == "prod":
+        ins.update(sq=qs @ t.sketch.T, signs=kc.signs, rnorm=kc.res_norm)
+    if lay.codec == "qjl":
+        ins.update(sq=qs @ t.sketch.T, signs=kc.signs, knorm=kc.norms)
+    if lay.values == "int8":
+        ins.update(vq=vc.codes, vs=vc.scales, vz=vc.zeros)
+    else:
+        ins.update(vr=vc.rows)
+    spec = split_spec(lay.codec, lay.values)
+    nsplit = plan_splits(b, h, n, lay.split)
+    template = [("HEAD_DIM", d), ("G", g), ("SPLIT", lay.split)]
+    if lay.bits:
+        template.append(("BITS", lay.bits))
+    if lay.sign_words:
+        template.append(("SIGN_WORDS", lay.sign_words))
+    pm, pl, pa = _run_kernel(
+        lay.codec, lay.values, [ins[k] for k in spec["input_names"]],
+        (b * h * nsplit * THREADS, 1, 1), (THREADS, 1, 1),
+        [(b, h, nsplit, g), (b, h, nsplit, g), (b, h, nsplit, g, d)], [mx.float32] * 3, template)
+    (out,) = _run_kernel(None, None, [qs, keys, values, pm, pl, pa], (b * h * d, 1, 1), (d, 1, 1),
+                         [(b, h, g, d)], [queries.dtype], [("HEAD_DIM", d), ("G", g)])
+    return out.reshape(b, hq, 1, d)
