@@ -6,6 +6,8 @@ attends to a state holding that many tokens plus one new token, two ways, interl
 * ``attend``: the method's own attention (scores read from the codes);
 * ``dequantize + SDPA``: ``get_kv`` (decode every stored key and value) then
   ``mx.fast.scaled_dot_product_attention`` over stored + new;
+* ``cuda kernel``: ``velox.kernels.codec.decode_attend`` (the flash-decoding kernels over the
+  codes), where ``supports`` takes the state on a CUDA device (else ``-``, ``null`` in JSON);
 * and, beside them, a full-precision cache of the same length (SDPA on float rows).
 
 Prints median microseconds and the ratios; ``--json FILE`` writes them.
@@ -23,6 +25,7 @@ import time
 import velox  # first: loads OpenBLAS before mlx.core
 import mlx.core as mx
 
+from velox.kernels import codec as codec_kernel
 from velox.registry import get_method, method_keys
 
 
@@ -70,8 +73,8 @@ def main(argv=None) -> int:
     scale = d ** -0.5
     rows = []
     print(f"device {mx.default_device()}, b={b} kv_heads={h} q_heads={h * g} d={d} {args.dtype}")
-    print(f"{'method':16} {'stored':>7} {'attend us':>10} {'deq+sdpa us':>12} {'full us':>9} "
-          f"{'attend/deq':>10} {'attend/full':>11}")
+    print(f"{'method':16} {'stored':>7} {'attend us':>10} {'deq+sdpa us':>12} {'kernel us':>10} "
+          f"{'full us':>9} {'attend/deq':>10} {'attend/full':>11} {'kernel/full':>11}")
     for n in args.lengths:
         fk = mx.random.normal((b, h, n, d)).astype(dtype)
         fv = mx.random.normal((b, h, n, d)).astype(dtype)
@@ -97,12 +100,22 @@ def main(argv=None) -> int:
                 v2 = mx.concatenate([v.astype(dtype), vn], axis=2)
                 return mx.fast.scaled_dot_product_attention(q, k2, v2, scale=scale)
 
-            t = _timed({"attend": attend, "deq": deq, "full": full}, args.reps)
+            def kernel(st=st):
+                return codec_kernel.decode_attend(st, q, kn, vn, scale=scale)
+
+            fns = {"attend": attend, "deq": deq, "full": full}
+            if codec_kernel.supports(st, q):
+                fns = {"attend": attend, "deq": deq, "kernel": kernel, "full": full}
+            t = _timed(fns, args.reps)
+            kt = t.get("kernel")
             row = dict(method=key, stored=n, attend_us=t["attend"] * 1e6, deq_us=t["deq"] * 1e6,
-                       full_us=t["full"] * 1e6, bytes=velox.nbytes(st))
+                       kernel_us=None if kt is None else kt * 1e6, full_us=t["full"] * 1e6,
+                       bytes=velox.nbytes(st))
             rows.append(row)
-            print(f"{key:16} {n:7d} {row['attend_us']:10.0f} {row['deq_us']:12.0f} "
-                  f"{row['full_us']:9.0f} {t['attend'] / t['deq']:10.2f} {t['attend'] / t['full']:11.2f}")
+            ks = ("-", "-") if kt is None else (f"{kt * 1e6:.0f}", f"{kt / t['full']:.2f}")
+            print(f"{key:16} {n:7d} {row['attend_us']:10.0f} {row['deq_us']:12.0f} {ks[0]:>10} "
+                  f"{row['full_us']:9.0f} {t['attend'] / t['deq']:10.2f} {t['attend'] / t['full']:11.2f} "
+                  f"{ks[1]:>11}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=str(mx.default_device()), dtype=args.dtype, heads=h, groups=g,
