@@ -339,3 +339,35 @@ def test_rvq_beats_stage_one_statistically(d):
             assert cos >= 0.92  # loose regression bounds (cosine on Gaussian keys)
         if bits == 2:
             assert cos >= 0.98
+
+
+# --- head dimensions the codec methods take ------------------------------------------------------
+
+@pytest.mark.parametrize("key", ["turboquant_mse", "turboquant_prod", "qjl", "polar"])
+@pytest.mark.parametrize("d", [1, 2, 3, 5, 6, 10, 33])
+def test_methods_with_8_bit_values_refuse_head_dim_not_a_multiple_of_4(key, d, no_shape_checks):
+    """Values are per-token 8-bit codes packed 4 to a uint32 word: a spec constraint says so at
+    init, before any packing (the key codes are padded and would take any head_dim)."""
+    import velox
+
+    # polar: block 2 takes an even head_dim (6, 10), the values do not; an odd one is no whole
+    # number of blocks either
+    odd_polar = key == "polar" and d % 2
+    with pytest.raises(ValueError, match=r"head_dim % (4|block)" if odd_polar else r"head_dim % 4"):
+        velox.init(key, 1, 2, d, **({"block": 2} if key == "polar" and not odd_polar else {}))
+
+
+@pytest.mark.parametrize("backend", ["mlx", "reference"])
+@pytest.mark.parametrize("d", [1, 3, 5, 6, 33, 100])
+def test_rvq_takes_any_head_dim(d, backend):
+    """Exact values and padded key codes: any head_dim (with or without outlier channels)."""
+    import velox
+
+    rng = np.random.default_rng(d)
+    k = mx.array(rng.standard_normal((1, 2, 5, d)).astype(np.float32))
+    for extra in ({}, {"n_outlier": d // 3, "outlier_bits": 3} if d >= 3 else {}):
+        st = velox.update(velox.init("turboquant_rvq", 1, 2, d, backend=backend, **extra), k, k)
+        kh, vh = velox.get_kv(st)
+        assert kh.shape == vh.shape == (1, 2, 5, d)
+        np.testing.assert_array_equal(np.array(vh), np.array(k.astype(mx.float16).astype(mx.float32)))
+        assert float(mx.sum((kh - k) ** 2)) < float(mx.sum(k * k))
