@@ -5,8 +5,10 @@ each cache the way mlx-lm's ``generate`` prefills (chunks of ``--chunk`` tokens,
 states evaluated after each chunk; the prompt minus its last token), then ``--steps`` greedy
 single-token decode steps run with every cache in interleaved blocks: round robin over the
 caches, ``--reps`` blocks each, the starting cache rotating from one round to the next, one
-untimed warm-up step per block. tok/s is ``batch * steps / time`` of a block (median over
-the blocks), and ``x full`` is its ratio to the full cache's median.
+untimed warm-up step per block, after ``--warmup-rounds`` untimed rounds. tok/s is ``batch *
+steps / time`` of a block (median over the blocks); ``x full`` is its ratio to the full
+cache's median, and ``x full per round`` the median (and range) of the ratios of each block to
+the full cache's block of the same round (robust to a drift of the machine's speed).
 
 Caches: mlx-lm's ``KVCache`` (full) and ``RotatingKVCache(max_size=budget, keep=4)``, always;
 then every velox method of ``--methods`` through ``make_cache`` (budgeted methods keep
@@ -25,8 +27,10 @@ Bandwidth limit: the tok/s the device would reach if a step only read the weight
 embedding table once, as the tied or separate output layer reads it) and the cache's KV
 bytes once: ``batch * bandwidth / (weight bytes + KV bytes)``; ``of limit`` is the measured
 fraction of it. ``--bandwidth`` defaults to 3.2e12 B/s on a GPU (an H200's measured copy
-bandwidth); on a CPU the copy bandwidth of a large array is measured (read + written bytes
-over the time of ``y = x + 1``) and used.
+bandwidth). Two bandwidths are measured and printed on any device: the copy bandwidth of a
+large array (read + written bytes over the time of ``y = x + 1``) and the bytes a
+matrix-vector product reads per second; on a CPU the larger of the two is used (MLX's
+elementwise copy runs on one thread there, the BLAS product on all of them).
 
 Memory residency (``--resident``): ``all`` keeps every cache prefilled at once (the round
 robin above); ``one`` keeps the full cache resident and prefills the other caches one at a
@@ -137,6 +141,20 @@ def copy_bandwidth(mib: int) -> float:
     return 2 * mib * 2**20 / statistics.median(times[1:])
 
 
+def gemv_bandwidth(mib: int) -> float:
+    """Bytes/s a matrix-vector product reads (a ``mib`` MiB float32 matrix, once per call)."""
+    w = mx.random.uniform(shape=(mib * 2**8, 1024))
+    v = mx.random.uniform(shape=(1024,))
+    mx.eval(w, v)
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        mx.eval(w @ v)
+        times.append(time.perf_counter() - t0)
+    del w
+    return mib * 2**20 / statistics.median(times[1:])
+
+
 # --- caches ---------------------------------------------------------------------------
 
 def cache_configs(methods: list[str], budget: int, params: list[str]) -> list[tuple[str, str, dict]]:
@@ -240,7 +258,9 @@ class Run:
         self.caches: list | None = None
         self.y: mx.array | None = None
         self.times: list[float] = []
-        self.full_times: list[float] = []  # resident="one": the full cache's paired blocks
+        # the full cache's block of the same round (resident="all") or pair ("one")
+        self.full_times: list[float] = []
+        self.paired = False  # resident="one": measured in a session of its own with the full cache
         self.row: dict[str, Any] = dict(cache=label, method=method, params=params,
                                         kind="mlx-lm" if method in (FULL, ROTATING) else "velox")
         self.live = 0  # bytes attributed to this cache now
@@ -264,7 +284,7 @@ class Run:
         self.row["backend"] = backend_of(self.caches)
         self.y = tokens[:, -1:]
 
-    def block(self, model, steps: int) -> float:
+    def block(self, model, steps: int, timed: bool = True) -> float:
         before = mx.get_active_memory()
         if self.live_before_decode is None:
             self.live_before_decode = self.live
@@ -272,7 +292,8 @@ class Run:
         dt, self.y = decode_block(model, self.caches, self.y, steps)
         self.decode_peak = max(self.decode_peak, self.live + int(mx.get_peak_memory() - before))
         self.live += int(mx.get_active_memory() - before)
-        self.times.append(dt)
+        if timed:
+            self.times.append(dt)
         return dt
 
     def free(self) -> None:
@@ -290,10 +311,16 @@ def finish_row(run: Run, batch: int, context: int, steps: int, full_tok_s: float
         return r
     r["tok_s"] = statistics.median(rates)
     r["tok_s_blocks"] = rates
-    if run.full_times:  # paired with the full cache's blocks of its own session
+    if run.paired:  # against the full cache's blocks of its own session
         full_tok_s = statistics.median(batch * steps / t for t in run.full_times)
         r["full_tok_s_paired"] = full_tok_s
     r["x_full"] = r["tok_s"] / full_tok_s if full_tok_s else None
+    if run.method == FULL:
+        r["x_full_rounds"] = [1.0] * len(rates)
+    elif run.full_times:  # block by block against the full cache's block of the same round
+        r["x_full_rounds"] = [f / t for t, f in zip(run.times, run.full_times)]
+    if r.get("x_full_rounds"):
+        r["x_full_round_median"] = statistics.median(r["x_full_rounds"])
     held, alloc = kv_bytes(run.caches)
     r["kv_bytes"], r["kv_alloc_bytes"] = held, alloc
     r["stored_tokens"] = stored_tokens(run.caches)
@@ -338,19 +365,27 @@ def mib(x) -> str:
     return f"{m:.1f}" if abs(m) >= 10 else f"{m:.2f}"
 
 
+def rounds(r: dict) -> str:
+    q = r.get("x_full_rounds")
+    if not q:
+        return "-"
+    return f"{statistics.median(q):.2f} ({min(q):.2f}-{max(q):.2f})"
+
+
 def table(rows: list[dict]) -> str:
-    out = ["| batch | context | cache | backend | stored | KV MiB | tok/s | x full | BW-limit tok/s "
+    out = ["| batch | context | cache | backend | stored | KV MiB | tok/s | x full | x full per round "
+           "| BW-limit tok/s "
            "| of limit | prefill s | prefill peak MiB | decode peak MiB | live MiB before -> after |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "tok_s" not in r:
             out.append(f"| {r['batch']} | {r['context']} | {r['cache']} | - | - | - | "
-                       f"{r.get('error', 'not measured')} | - | - | - | - | - | - | - |")
+                       f"{r.get('error', 'not measured')} | - | - | - | - | - | - | - | - |")
             continue
         out.append(
             f"| {r['batch']} | {r['context']} | {r['cache']} | {r.get('backend', '-')} "
             f"| {r['stored_tokens']} | {mib(r['kv_bytes'])} | {r['tok_s']:.1f} "
-            f"| {'-' if r['x_full'] is None else format(r['x_full'], '.2f')} | {r['bw_limit_tok_s']:.0f} | {r['of_limit']:.2f} "
+            f"| {'-' if r['x_full'] is None else format(r['x_full'], '.2f')} | {rounds(r)} | {r['bw_limit_tok_s']:.0f} | {r['of_limit']:.2f} "
             f"| {r['prefill_s']:.2f} | {mib(r['prefill_peak_bytes'])} | {mib(r['decode_peak_bytes'])} "
             f"| {mib(r['decode_live_before_bytes'])} -> {mib(r['decode_live_after_bytes'])} |")
     return "\n".join(out)
@@ -406,10 +441,15 @@ def measure(model, shape, configs, batch, context, args, bandwidth, emit) -> lis
     if resident == "all":
         live = [full] + [r for r in runs[1:] if prefill_one(r)]
         emit(rows_now())
+        for _ in range(args.warmup_rounds):
+            for run in live:
+                run.block(model, args.steps, timed=False)
         for rep in range(args.reps):
             k = rep % len(live)
             for run in live[k:] + live[:k]:
                 run.block(model, args.steps)
+            for run in live[1:]:
+                run.full_times.append(full.times[-1])
             say(f"  round {rep + 1}/{args.reps}: " + ", ".join(
                 f"{r.label} {batch * args.steps / r.times[-1]:.1f}" for r in live))
             emit(rows_now())
@@ -417,6 +457,10 @@ def measure(model, shape, configs, batch, context, args, bandwidth, emit) -> lis
         for run in runs[1:]:
             if not prefill_one(run):
                 continue
+            run.paired = True
+            for _ in range(args.warmup_rounds):
+                for r in (full, run):
+                    r.block(model, args.steps, timed=False)
             for rep in range(args.reps):
                 for r in ((full, run) if rep % 2 == 0 else (run, full)):
                     r.block(model, args.steps)
@@ -446,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a velox parameter (method.key=value for one method)")
     ap.add_argument("--steps", type=int, default=32, help="timed steps per block")
     ap.add_argument("--reps", type=int, default=5, help="blocks per cache")
+    ap.add_argument("--warmup-rounds", type=int, default=1,
+                    help="untimed blocks per cache before the timed rounds")
     ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk (mlx-lm's default)")
     ap.add_argument("--bandwidth", type=float, help="bytes/s for the limit (default: 3.2e12 on "
                     "a GPU, the measured copy bandwidth on a CPU)")
@@ -455,15 +501,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="start no new (batch, context) after this many seconds")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    if args.steps < 1 or args.reps < 1 or args.chunk < 1:
-        ap.error("--steps, --reps and --chunk must be at least 1")
+    if args.steps < 1 or args.reps < 1 or args.chunk < 1 or args.warmup_rounds < 0:
+        ap.error("--steps, --reps and --chunk must be at least 1, --warmup-rounds at least 0")
 
     t_start = time.perf_counter()
     model, label = build_model(args.model, args.dtype, args.seed)
     shape = model_shape(model)
     configs = cache_configs(args.methods, args.budget, args.param)
     measured_bw = copy_bandwidth(1024 if on_gpu() else 256)
-    bandwidth = args.bandwidth or (GPU_BANDWIDTH if on_gpu() else measured_bw)
+    read_bw = gemv_bandwidth(1024 if on_gpu() else 256)
+    # on a CPU the larger measurement: a limit must bound what a step's BLAS reads reach
+    bandwidth = args.bandwidth or (GPU_BANDWIDTH if on_gpu() else max(measured_bw, read_bw))
     info = mx.device_info()
     meta = dict(
         date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -473,10 +521,11 @@ def main(argv: list[str] | None = None) -> int:
         mlx_lm=__import__("mlx_lm").__version__, python=platform.python_version(),
         machine=platform.machine(), model=args.model, model_label=label, shape=shape,
         budget=args.budget, steps=args.steps, reps=args.reps, chunk=args.chunk,
+        warmup_rounds=args.warmup_rounds,
         resident=args.resident, seed=args.seed, bandwidth=bandwidth,
-        bandwidth_source="--bandwidth" if args.bandwidth else ("H200 default" if on_gpu()
-                                                                else "measured copy"),
-        measured_copy_bandwidth=measured_bw,
+        bandwidth_source="--bandwidth" if args.bandwidth else (
+            "H200 default" if on_gpu() else "measured: max of copy and gemv read"),
+        measured_copy_bandwidth=measured_bw, measured_gemv_read_bandwidth=read_bw,
         configs=[dict(label=l, method=m, params=p) for l, m, p in configs])
     header = (f"{label} on {meta['device']} ({meta['device_name']}), MLX {mx.__version__}, "
               f"mlx-lm {meta['mlx_lm']}, {shape['dtype']}: {shape['layers']} layers, hidden "
@@ -485,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({shape['weight_read_bytes'] / 2**20:.0f} MiB read per step)\n"
               f"budget {args.budget}, {args.steps} steps x {args.reps} blocks per cache, prefill "
               f"chunk {args.chunk}; bandwidth {bandwidth / 1e9:.0f} GB/s ({meta['bandwidth_source']}; "
-              f"measured copy {measured_bw / 1e9:.1f} GB/s)")
+              f"measured: copy {measured_bw / 1e9:.1f} GB/s, gemv read {read_bw / 1e9:.1f} GB/s)")
     say(header)
     done: list[dict] = []
 

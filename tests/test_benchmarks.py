@@ -88,7 +88,8 @@ def test_decode_speed_short_run(tmp_path, capsys):
     methods = ["tova", "h2o", "streaming_llm", "snapkv", "kivi"]
     assert bench.main(["--model", "tiny-random", "--batch", "1", "2", "--context", "96",
                        "--budget", "48", "--methods", *methods, "--steps", "2", "--reps", "2",
-                       "--chunk", "32", "--resident", "all", "--json", str(out)]) == 0
+                       "--warmup-rounds", "1", "--chunk", "32", "--resident", "all",
+                       "--json", str(out)]) == 0
     assert "| x full |" in capsys.readouterr().out
     data = json.loads(out.read_text())
     meta, rows = data["meta"], data["rows"]
@@ -96,12 +97,13 @@ def test_decode_speed_short_run(tmp_path, capsys):
     assert meta["mlx"] and meta["device"] and meta["bandwidth"] > 0
     labels = ["full", "rotating", "tova", "h2o", "streaming_llm", "snapkv", "kivi bits=4"]
     assert [(r["batch"], r["cache"]) for r in rows] == [(b, c) for b in (1, 2) for c in labels]
-    decoded = 96 - 1 + 2 * (1 + 2)  # prefill, then two blocks of a warm-up and two steps
+    decoded = 96 - 1 + 3 * (1 + 2)  # prefill, then 1 + 2 blocks of a warm-up and two steps
     for r in rows:
         assert "error" not in r, r
         b = r["batch"]
         assert r["tokens_seen"] == decoded and len(r["tok_s_blocks"]) == 2
         assert r["tok_s"] > 0 and r["x_full"] > 0 and r["bw_limit_tok_s"] > 0
+        assert len(r["x_full_rounds"]) == 2 and min(r["x_full_rounds"]) > 0
         assert r["of_limit"] == r["tok_s"] / r["bw_limit_tok_s"]
         assert r["bw_limit_tok_s"] == b * meta["bandwidth"] / (shape["weight_read_bytes"] + r["kv_bytes"])
         assert r["kv_bytes"] > 0 and r["prefill_peak_bytes"] > 0 and r["decode_peak_bytes"] > 0
@@ -113,7 +115,7 @@ def test_decode_speed_short_run(tmp_path, capsys):
         elif r["cache"] == "kivi bits=4":
             assert r["stored_tokens"] == decoded and r["kv_bytes"] < full["kv_bytes"]
         elif r["cache"] == "snapkv":  # bounded at prefill; decoded tokens are appended
-            assert r["stored_tokens"] == 48 + 2 * (1 + 2) and r["kv_bytes"] < full["kv_bytes"]
+            assert r["stored_tokens"] == 48 + 3 * (1 + 2) and r["kv_bytes"] < full["kv_bytes"]
         else:  # bounded at the budget: flat memory while decoding
             assert r["stored_tokens"] == 48 and r["kv_bytes"] < full["kv_bytes"]
             if r["kind"] == "mlx-lm":
