@@ -325,9 +325,10 @@ def test_per_head_mismatches_are_value_errors():
         spectral.decode(t, c3)
     with pytest.raises(ValueError, match="2 kv heads"):
         spectral.scores(t, mx.zeros((1, 3, 1, d)), c3)
-    with pytest.raises(ValueError, match="heads"):
-        spectral.tables(d, dict(rotation=cal["rotation"], scales=np.r_[cal["scales"], cal["scales"]]))
-    with pytest.raises(ValueError, match="calibrate_heads|kv_heads"):
+    four = np.r_[cal["scales"], cal["scales"]]
+    with pytest.raises(ValueError, match="rotation holds 2 heads, scales 4"):
+        spectral.tables(d, dict(rotation=cal["rotation"], scales=four))
+    with pytest.raises(ValueError, match=r"\[tokens, kv_heads, head_dim\]"):
         spectral.calibrate_heads(np.zeros((10, d)))
 
 
