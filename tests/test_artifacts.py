@@ -63,10 +63,12 @@ def test_each_kv_head_has_its_own_fit(smollm2, fitted):
     _, keys = capture_qk(model, tokenizer.encode("The quick brown fox. " * 40))
     for layer in (0, len(keys) - 1):
         for h in range(keys[layer].shape[1]):
-            one = fit_one(keys[layer][:, h])
-            np.testing.assert_allclose(np.abs(np.sum(one["rotation"][:4] * arrays["rotation"][layer, h, :4], -1)),
-                                       1.0, atol=1e-3)
-            np.testing.assert_allclose(arrays["scales"][layer, h], one["scales"], rtol=1e-4, atol=1e-6)
+            one, got = fit_one(keys[layer][:, h]), arrays["rotation"][layer, h]
+            # the top directions agree up to sign
+            cos = np.abs(np.sum(one["rotation"][:4] * got[:4], -1))
+            np.testing.assert_allclose(cos, 1.0, atol=1e-3)
+            np.testing.assert_allclose(arrays["scales"][layer, h], one["scales"], rtol=1e-4,
+                                       atol=1e-6)
         assert not np.allclose(arrays["scales"][layer, 0], arrays["scales"][layer, 1], rtol=0.05)
 
 
