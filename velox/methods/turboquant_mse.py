@@ -8,6 +8,13 @@ each coordinate of ``R x * sqrt(d) / ||x||``, ``R`` a random orthogonal matrix f
 rotate the query once and look up the centroids (``attend``); they are ``q . decode(k)``, which
 minimizes the mean squared error and is biased toward 0 at low bits.
 
+Outlier channels (``n_outlier > 0``, the paper's fractional bit widths): per (batch row, kv
+head) the ``n_outlier`` channels of largest mean squared magnitude over the keys of the first
+update that holds tokens (ties: the lower channel index) are chosen then and kept
+(``key_channels``); they and the other channels are coded by two instances of the codec, each
+its own rotation of its own dimension, the outliers at ``outlier_bits`` (``velox.codecs.split``;
+``velox.codec_cache``).
+
 Values are per-token 8-bit affine codes (one group a row, float16 scale and zero). Every token
 is kept; both backends (``mlx``, ``reference``: the codec's NumPy twins) give the same codes.
 Built by ``velox.codec_cache``.

@@ -9,6 +9,14 @@ are the unbiased estimate ``<q, x_mse> + sqrt(pi/2) / m * ||r|| * <S q, sign(S r
 rotated and projected once (``attend``); ``get_kv`` returns the estimator's implied keys (an
 unbiased estimate of each key, not a reconstruction within a bound).
 
+Outlier channels (``n_outlier > 0``, the paper's fractional bit widths): per (batch row, kv
+head) the ``n_outlier`` channels of largest mean squared magnitude over the keys of the first
+update that holds tokens (ties: the lower channel index) are chosen then and kept
+(``key_channels``); they and the other channels are coded by two instances of the codec, each
+its own rotation and sketch of its own dimension, the outliers at ``outlier_bits``
+(``velox.codecs.split``; ``velox.codec_cache``). Each part's estimate is unbiased for its share of
+``q . k``, so the logits stay unbiased.
+
 Values are per-token 8-bit affine codes (one group a row, float16 scale and zero). Every token
 is kept; both backends (``mlx``, ``reference``: the codec's NumPy twins) give the same codes.
 Built by ``velox.codec_cache``.

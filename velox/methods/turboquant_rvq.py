@@ -9,6 +9,13 @@ so stage 2 never increases a key's error. Both index streams are packed; the nor
 The codec is ``velox.codecs.turboquant`` (``"turboquant_rvq"``); attention logits over the
 stored tokens rotate the query once and look up both stages' centroids (``attend``).
 
+Outlier channels (``n_outlier > 0``, the paper's fractional bit widths): per (batch row, kv
+head) the ``n_outlier`` channels of largest mean squared magnitude over the keys of the first
+update that holds tokens (ties: the lower channel index) are chosen then and kept
+(``key_channels``); they and the other channels are coded by two instances of the codec, each
+its own rotation of its own dimension, the outliers at ``outlier_bits`` (``velox.codecs.split``;
+``velox.codec_cache``).
+
 Values are held exact in float16 (bfloat16 for a bfloat16 cache), as the seed holds them. Every token is kept; both backends (``mlx``,
 ``reference``: the codec's NumPy twins) give the same codes. Built by ``velox.codec_cache``.
 """
