@@ -247,7 +247,7 @@ def test_constraint_violations_name_the_parameters(key, no_shape_checks):
     import itertools
 
     m = get_method(key)
-    dim_values = dict(batch=[1, 2], kv_heads=[1, 2], head_dim=[8, 16, 24, 32, 40, 48, 96])
+    dim_values = dict(batch=[1, 2], kv_heads=[1, 2], head_dim=[8, 16, 24, 32, 40, 48, 96, 6])
     for expr in m.spec.constraints:
         names = sorted({n.id for n in ast.walk(ast.parse(expr, mode="eval"))
                         if isinstance(n, ast.Name) and (n.id in m.spec.params or n.id in dim_values)})
