@@ -77,3 +77,15 @@ def test_query_block_bounds():
     assert query_block(8, 32768, 4096, tile_bytes=64 << 20) == 64  # 64 MiB / (8 * 32768 * 4 B)
     assert query_block(8, 10, 4, tile_bytes=64 << 20) == 4         # never more than the rows
     assert query_block(256, 1 << 20, 4, tile_bytes=1 << 20) == 1   # at least one row
+
+
+def test_output_takes_the_queries_dtype_with_segments_of_another_dtype():
+    """A bfloat16 model over float16 residual rows (KIVI's default residual dtype) gets
+    bfloat16 back: the next layer's keys must not turn float32."""
+    b, h, d = 1, 2, 64
+    segs, _, _ = _segments(b, h, d, 4, 32, 2, seed=3)
+    segs = [Dense(segs[0].keys.astype(mx.float16), segs[0].values.astype(mx.float16))] + segs[1:]
+    q = mx.ones((b, 2 * h, 1, d), mx.bfloat16)
+    k = mx.ones((b, h, 1, d), mx.bfloat16)
+    out = attend_segments(q, segs, k, k, scale=0.125)
+    assert out.dtype == mx.bfloat16

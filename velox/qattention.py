@@ -84,7 +84,7 @@ def attend_segments(queries: Float[Array, "b q s d"], segments: list,
     outs = [_attend_block(q[:, :, lo:lo + rows], lo, s, segs, keys, values, mask, queries.dtype)
             for lo in range(0, g * s, rows)]
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
-    return out.reshape(b, hq, s, d)
+    return out.reshape(b, hq, s, d).astype(queries.dtype)
 
 
 def query_block(heads: int, n: int, rows: int, tile_bytes: int | None = None) -> int:
