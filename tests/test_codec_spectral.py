@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from velox.codecs import codes_nbytes, get_codec, numpy_tables, spectral, turboquant
 from velox.codecs.lloyd import cell, codebook
+from velox.codecs.polar import unpack_codes_np
 
 
 def _rows(shape, seed=0):
@@ -32,7 +33,7 @@ def _rotated(t, codes):
 def test_registered():
     c = get_codec("spectral")
     assert c.decode is spectral.decode
-    assert {"bits", "d_eff", "apply_qjl", "jl_dim", "seed", "rotation"} <= set(c.params)
+    assert {"bits", "signal_bits", "d_eff", "apply_qjl", "jl_dim", "seed", "rotation"} <= set(c.params)
 
 
 @pytest.mark.parametrize("d", [8, 16, 32, 64, 128, 48])
@@ -76,12 +77,12 @@ def test_participation_ratio_extremes():
 
 
 @given(seed=st.integers(0, 999), d_eff=st.integers(1, 16), bits=st.integers(1, 4),
-       jl=st.sampled_from([0, 3, 16, 40]))
-def test_qjl_touches_only_signal_coordinates(seed, d_eff, bits, jl):
+       jl=st.sampled_from([0, 3, 16, 40]), sbits=st.integers(0, 6))
+def test_qjl_touches_only_signal_coordinates(seed, d_eff, bits, jl, sbits):
     d = 32
     rot = spectral.pca_rotation(_anisotropic(300, d, 9))[0]
     x = mx.array(_anisotropic(40, d, 10).reshape(1, 2, 20, d))
-    base = dict(bits=bits, d_eff=d_eff, jl_dim=jl, rotation=rot)
+    base = dict(bits=bits, signal_bits=sbits, d_eff=d_eff, jl_dim=jl, rotation=rot)
     plain_t = spectral.tables(d, dict(base, apply_qjl=False, seed=seed))
     plain = _rotated(plain_t, spectral.encode(plain_t, x))
     outs = []
@@ -155,9 +156,10 @@ def test_qjl_unbiased_over_seeds():
     assert np.all(np.abs(est.mean(axis=0) - want) <= 5 * np.sqrt(var / n_seeds) + 1e-4)
 
 
-def test_scores_are_dot_with_decode():
+@pytest.mark.parametrize("sbits", [0, 1, 5])
+def test_scores_are_dot_with_decode(sbits):
     d = 64
-    t = spectral.tables(d, dict(bits=3, d_eff=8, seed=1))
+    t = spectral.tables(d, dict(bits=3, signal_bits=sbits, d_eff=8, seed=1))
     k, q = _rows((2, 2, 10, d), 17), _rows((2, 2, 4, d), 18)
     c = spectral.encode(t, mx.array(k))
     want = q @ np.swapaxes(np.array(spectral.decode(t, c)), -1, -2)
@@ -174,9 +176,9 @@ def test_determinism_per_seed():
 
 
 @given(d=st.sampled_from([8, 16, 32, 64, 128]), bits=st.integers(1, 8), qjl=st.booleans(),
-       calibrated=st.booleans(), seed=st.integers(0, 999))
-def test_mx_equals_np(d, bits, qjl, calibrated, seed):
-    p = dict(bits=bits, apply_qjl=qjl, d_eff=min(4, d), seed=seed)
+       calibrated=st.booleans(), seed=st.integers(0, 999), sbits=st.integers(0, 8))
+def test_mx_equals_np(d, bits, qjl, calibrated, seed, sbits):
+    p = dict(bits=bits, signal_bits=sbits, apply_qjl=qjl, d_eff=min(4, d), seed=seed)
     if calibrated:
         cal = spectral.calibrate(_anisotropic(400, d, seed, strong=min(4, d)))
         p.update(rotation=cal["rotation"], scales=cal["scales"])
@@ -213,6 +215,102 @@ def test_bytes_formula():
     assert spectral.bytes_per_row(128, dict(bits=2, d_eff=4)) * 8 / 128 == 2.3125
 
 
+def test_bytes_with_signal_bits_by_hand():
+    # SmolLM2's head_dim 64, d_eff 4, QJL of 4 signs: 4 * 4 + 60 * 2 = 136 index bits = 17 bytes,
+    # a float16 norm, 1 byte of signs and a float16 residual norm: 22 bytes (20 at signal_bits 0)
+    cases = {(64, 2, 4, 4, True): 17 + 2 + 1 + 2, (64, 2, 0, 4, True): 16 + 2 + 1 + 2,
+             (64, 3, 5, 4, True): 25 + 2 + 1 + 2,    # 4 * 5 + 60 * 3 = 200 bits
+             (128, 2, 8, 4, False): 35 + 2,          # 4 * 8 + 124 * 2 = 280 bits
+             (16, 1, 3, 3, False): 3 + 2,            # 3 * 3 + 13 * 1 = 22 bits: 3 bytes
+             (32, 4, 1, 8, True): 13 + 2 + 1 + 2}    # 8 * 1 + 24 * 4 = 104 bits
+    for (d, bits, sbits, d_eff, qjl), want in cases.items():
+        p = dict(bits=bits, signal_bits=sbits, d_eff=d_eff, apply_qjl=qjl)
+        assert spectral.bytes_per_row(d, p) == want, (d, bits, sbits, d_eff, qjl)
+        t = spectral.tables(d, p)
+        c = spectral.encode(t, mx.array(_rows((2, 3, 5, d), 30)))
+        assert codes_nbytes(c) == 30 * want
+        assert codes_nbytes(spectral.encode_np(numpy_tables(t), _rows((2, 3, 5, d), 30))) == 30 * want
+
+
+def test_signal_bits_zero_or_equal_is_the_uniform_codec():
+    d = 32
+    cal = spectral.calibrate(_anisotropic(500, d, 31))
+    x = mx.array(_anisotropic(24, d, 32).reshape(1, 2, 12, d))
+    for p in (dict(bits=2, d_eff=4, seed=3), dict(bits=3, d_eff=4, rotation=cal["rotation"],
+                                                  scales=cal["scales"]),
+              dict(bits=2, d_eff=0, apply_qjl=False)):
+        plain = spectral.tables(d, p)
+        ref = spectral.encode(plain, x)
+        for sb in (0, p["bits"]):
+            t = spectral.tables(d, dict(p, signal_bits=sb))
+            assert t.signal_bits == p["bits"] and t.signal_centroids.shape == (0,)
+            for a, b in zip(t, plain):
+                if isinstance(a, mx.array):
+                    assert np.array_equal(np.array(a), np.array(b))
+                else:
+                    assert a == b
+            for a, b in zip(spectral.encode(t, x), ref):
+                assert np.array_equal(np.array(a), np.array(b))
+    # no signal coordinate: signal_bits has nothing to apply to, the uniform codec
+    assert spectral.tables(d, dict(bits=2, d_eff=0, signal_bits=5)).signal_bits == 2
+
+
+@given(bits=st.integers(1, 8), sbits=st.integers(1, 8), d_eff=st.integers(1, 16),
+       seed=st.integers(0, 999))
+def test_signal_bits_codes_by_hand_and_in_range(bits, sbits, d_eff, seed):
+    """The packed stream is the signal coordinates' sbits-bit codes then the rest's bits-bit
+    codes, each the Gaussian Lloyd-Max cell of its unit coordinate."""
+    d = 16
+    cal = spectral.calibrate(_anisotropic(400, d, seed, strong=3))
+    t = spectral.tables(d, dict(bits=bits, signal_bits=sbits, d_eff=d_eff, apply_qjl=False,
+                                rotation=cal["rotation"], scales=cal["scales"]))
+    x = _anisotropic(20, d, seed + 1, strong=3).reshape(1, 1, 20, d)
+    tn = numpy_tables(t)
+    y = x @ tn.rotation.T
+    r = np.sqrt(np.sum(x * x, axis=-1))
+    c = spectral._encode_rotated(t, mx.array(y), mx.array(r))
+    widths = [sbits, bits] if d_eff < d else [sbits]
+    counts = [d_eff, d - d_eff] if d_eff < d else [d_eff]
+    parts = unpack_codes_np(np.array(c.codes), counts, widths)
+    assert np.array(c.codes).shape[-1] == math.ceil((d_eff * sbits + (d - d_eff) * bits) / 8)
+    u = (y * (np.float32(math.sqrt(d)) / r)[..., None]) * tn.gains
+    for part, w, lo, hi in zip(parts, widths, [0, d_eff], [d_eff, d]):
+        assert part.max() < 2 ** w
+        cb = codebook("gaussian", w)[1]
+        ok = part == cell(u[..., lo:hi], cb, w)   # float32 arithmetic: a boundary may round
+        assert ok.mean() > 0.99
+    # decode is the centroids of each part times the norm and spread
+    want = np.concatenate([codebook("gaussian", w)[0][p] for p, w in zip(parts, widths)], -1)
+    want = want * np.float16(r).astype(np.float32)[..., None] * tn.scales
+    np.testing.assert_allclose(_rotated(t, c), want, rtol=1e-6, atol=1e-6)
+
+
+def test_signal_mse_non_increasing_in_signal_bits_rest_untouched():
+    d, d_eff = 64, 4
+    keys = _anisotropic(3000, d, 33, strong=d_eff)
+    cal = spectral.calibrate(keys[:2000])
+    x = mx.array(keys[2000:].reshape(1, 4, 250, d))
+    y = np.array(x) @ cal["rotation"].T
+    mse, rest = [], None
+    for sb in range(1, 9):
+        t = spectral.tables(d, dict(bits=2, signal_bits=sb, d_eff=d_eff, apply_qjl=False,
+                                    rotation=cal["rotation"], scales=cal["scales"]))
+        yh = _rotated(t, spectral.encode(t, x))
+        mse.append(float(np.mean((yh[..., :d_eff] - y[..., :d_eff]) ** 2)))
+        if rest is None:
+            rest = yh[..., d_eff:]
+        np.testing.assert_array_equal(yh[..., d_eff:], rest)  # the rest: bits=2 whatever sb
+    assert all(b <= a for a, b in zip(mse, mse[1:])), mse
+    assert mse[-1] < 0.01 * mse[0], mse
+    # and the whole key's error falls too: the signal coordinates hold most of its energy here
+    t2, t5 = (spectral.tables(d, dict(bits=2, signal_bits=sb, d_eff=d_eff, apply_qjl=False,
+                                      rotation=cal["rotation"], scales=cal["scales"]))
+              for sb in (0, 5))
+    err = [np.sum((np.array(spectral.decode(t, spectral.encode(t, x))) - np.array(x)) ** 2)
+           for t in (t2, t5)]
+    assert err[1] < 0.5 * err[0], err
+
+
 def test_zero_rows_and_errors():
     t = spectral.tables(16, dict(seed=0))
     c = spectral.encode(t, mx.zeros((1, 1, 2, 16)))
@@ -221,6 +319,24 @@ def test_zero_rows_and_errors():
         spectral.tables(16, dict(rotation=np.eye(8)))
     with pytest.raises(ValueError, match="d_eff"):
         spectral.tables(16, dict(d_eff=17))
+    for bad in (-1, 9):
+        with pytest.raises(ValueError, match="signal_bits"):
+            spectral.tables(16, dict(signal_bits=bad))
+        with pytest.raises(ValueError, match="signal_bits"):
+            spectral.bytes_per_row(16, dict(signal_bits=bad))
+
+
+def test_method_signal_bits_range_and_constraint():
+    import velox
+
+    st_ = velox.init("spectral", 1, 2, 16, bits=2, signal_bits=4)
+    assert st_.signal_bits == 4 and st_.tables.signal_bits == 4
+    for bad in (-1, 9):
+        with pytest.raises(ValueError, match="signal_bits"):
+            velox.init("spectral", 1, 2, 16, signal_bits=bad)
+    with pytest.raises(ValueError, match="signal_bits.*d_eff|d_eff.*signal_bits"):
+        velox.init("spectral", 1, 2, 16, d_eff=0, signal_bits=4)
+    velox.init("spectral", 1, 2, 16, d_eff=0, signal_bits=0)
 
 
 # ---- per-head calibration --------------------------------------------------------------------

@@ -21,8 +21,11 @@ tables' ``h`` (a ``ValueError`` otherwise).
 1. Scalar stage, every coordinate: with the row's norm ``||x||`` (stored in float16) and a
    per-coordinate spread ``s_j`` (``params["scales"]``, ``sum s_j^2 = 1``; absent: ``1/sqrt(d)``
    for every ``j``, the isotropic law of a randomly rotated row), ``u_j = y_j / (||x|| s_j)`` is
-   roughly N(0, 1) and takes the ``bits``-bit Lloyd-Max code of the unit Gaussian
-   (``velox.codecs.lloyd``); ``y^_j = ||x|| s_j c[code_j]``. With the isotropic spreads this is
+   roughly N(0, 1) and takes the Lloyd-Max code of the unit Gaussian (``velox.codecs.lloyd``):
+   ``y^_j = ||x|| s_j c[code_j]``. The first ``d_eff`` (signal) coordinates take
+   ``signal_bits``-bit codes, the others ``bits``-bit codes (non-uniform allocation;
+   ``signal_bits = 0``, the default, is ``bits`` for every coordinate: one codebook, the same
+   codes and bytes as without the parameter). With the isotropic spreads this is
    exactly the ``turboquant_mse`` codec's arithmetic in the given basis (the same codes, the same
    decode). A calibrated basis needs its spreads: one norm for coordinates of very unequal
    variance would saturate the top ones. :func:`calibrate`
@@ -38,8 +41,10 @@ Float32 arithmetic in the same order in the MLX functions and their NumPy twins:
 from the same rotated rows (from the same rows, codes differ only where the two rotation matmuls
 round a coordinate across a cell boundary). Norms are float16; rows of norm above 65504 overflow.
 
-A row holds ``ceil(d * bits / 8)`` bytes of packed codes and a float16 norm, plus, with QJL,
-``ceil(m / 8)`` bytes of signs and a float16 residual norm (``bytes_per_row``).
+A row holds ``ceil((d_eff * signal_bits + (d - d_eff) * bits) / 8)`` bytes of packed codes (one
+little-endian bit stream: the signal coordinates' codes first; ``ceil(d * bits / 8)`` with equal
+bits) and a float16 norm, plus, with QJL, ``ceil(m / 8)`` bytes of signs and a float16 residual
+norm (``bytes_per_row``).
 
 Scores rotate the query once and take its dot product with the keys rebuilt in the rotated basis
 (a centroid lookup times the row's norm and spread, no unrotation of the keys), plus the QJL
@@ -76,9 +81,12 @@ class SpectralTables(NamedTuple):
     gains: mx.array          # [d] or [h, d]: 1 / (sqrt(d) s_j), exactly 1 for the isotropic default
     centroids: mx.array      # [2^bits]
     boundaries: mx.array     # [2^bits - 1]
+    signal_centroids: mx.array   # [2^signal_bits]; [0] with equal bits (centroids serve all)
+    signal_boundaries: mx.array  # [2^signal_bits - 1]; [0] with equal bits
     sketch: mx.array         # [m, d_eff] (m = 0 rows without QJL)
     head_dim: int
     bits: int
+    signal_bits: int         # bits of the first d_eff coordinates (bits when not set)
     d_eff: int
     jl_dim: int              # m; 0 when apply_qjl is off
     apply_qjl: bool
@@ -87,7 +95,7 @@ class SpectralTables(NamedTuple):
 class SpectralCodes(NamedTuple):
     """Packed scalar codes, the row norm, the QJL signs and residual norm (empty without QJL)."""
 
-    codes: mx.array          # uint8 [b, h, n, ceil(d * bits / 8)]
+    codes: mx.array          # uint8 [b, h, n, ceil((d_eff sbits + (d - d_eff) bits) / 8)]
     norms: mx.array          # float16 [b, h, n]
     signs: mx.array          # uint8 [b, h, n, ceil(m / 8)]
     rnorms: mx.array         # float16 [b, h, n, 1] (with QJL) or [b, h, n, 0]
@@ -154,6 +162,7 @@ def tables(head_dim: int, params: dict) -> SpectralTables:
         raise ValueError(f"bits={bits} must lie in 1..8")
     if not 0 <= d_eff <= d:
         raise ValueError(f"d_eff={d_eff} must lie in 0..head_dim={d}")
+    sbits = _signal_bits(params)
     if jl < 0:
         raise ValueError(f"jl_dim={jl} must be >= 0 (0 means d_eff)")
     rot = params.get("rotation")
@@ -174,16 +183,41 @@ def tables(head_dim: int, params: dict) -> SpectralTables:
     m = (jl or d_eff) if apply_qjl and d_eff > 0 else 0
     sketch = np.random.default_rng([seed, 1]).standard_normal((m, d_eff)).astype(np.float32)
     c, b = codebook("gaussian", bits)
+    sc_c, sc_b = codebook("gaussian", sbits) if sbits != bits else (np.zeros(0), np.zeros(0))
     f = lambda a: mx.array(np.asarray(a, np.float32))  # noqa: E731
-    return SpectralTables(f(rot), f(sc), f(gains), f(c), f(b), f(sketch), d, bits, d_eff, m,
-                          m > 0)
+    return SpectralTables(f(rot), f(sc), f(gains), f(c), f(b), f(sc_c), f(sc_b), f(sketch), d,
+                          bits, sbits, d_eff, m, m > 0)
+
+
+def _signal_bits(params: dict) -> int:
+    """The signal coordinates' bits: ``params["signal_bits"]``, 0 (or absent) meaning ``bits``
+    (also with no signal coordinate, ``d_eff = 0``)."""
+    bits, d_eff = int(params.get("bits", 2)), int(params.get("d_eff", 4))
+    sbits = int(params.get("signal_bits", 0))
+    if not 0 <= sbits <= 8:
+        raise ValueError(f"signal_bits={sbits} must lie in 0..8 (0: the same as bits={bits})")
+    return sbits if sbits and d_eff else bits
+
+
+def _parts(t: SpectralTables) -> list[tuple[int, int, int, object, object]]:
+    """``(start, stop, bits, centroids, boundaries)`` of each run of rotated coordinates coded
+    with one codebook, in bit-stream order: all ``d`` at ``bits`` with equal bits, else the
+    ``d_eff`` signal coordinates at ``signal_bits`` and then the rest (an empty run left out)."""
+    d, k = t.head_dim, t.d_eff
+    if t.signal_centroids.shape[0] == 0:
+        return [(0, d, t.bits, t.centroids, t.boundaries)]
+    parts = [(0, k, t.signal_bits, t.signal_centroids, t.signal_boundaries),
+             (k, d, t.bits, t.centroids, t.boundaries)]
+    return [p for p in parts if p[1] > p[0]]
 
 
 def bytes_per_row(head_dim: int, params: dict) -> int:
     """Bytes :func:`encode` holds a row."""
     bits, d_eff = int(params.get("bits", 2)), int(params.get("d_eff", 4))
+    sbits = _signal_bits(params)
     m = (int(params.get("jl_dim", 0)) or d_eff) if params.get("apply_qjl", True) and d_eff else 0
-    return -(-head_dim * bits // 8) + 2 + (-(-m // 8) + 2 if m else 0)
+    code_bits = d_eff * sbits + (head_dim - d_eff) * bits
+    return -(-code_bits // 8) + 2 + (-(-m // 8) + 2 if m else 0)
 
 
 def _qjl_scale(t: SpectralTables) -> float:
@@ -219,10 +253,23 @@ def _scalar_rotated(t: SpectralTables, y: mx.array, r: mx.array):
     spreads are isotropic."""
     zero = mx.array(0.0, mx.float32)
     inv = mx.where(r > 0, mx.array(math.sqrt(t.head_dim), mx.float32) / r, zero)
-    codes = cell((y * inv[..., None]) * _per_head(t.gains), t.boundaries, t.bits)
+    u = (y * inv[..., None]) * _per_head(t.gains)
+    codes = [cell(u[..., a:z], bnd, w) for a, z, w, _, bnd in _parts(t)]
     n16 = r.astype(mx.float16)
-    scale = n16.astype(mx.float32)[..., None] * _per_head(t.scales)
-    return codes, mx.take(t.centroids, codes) * scale, n16
+    return codes, _lookup(t, codes, n16), n16
+
+
+def _lookup(t: SpectralTables, codes: list[mx.array], norms: mx.array) -> mx.array:
+    """The scalar stage's rotated rows from each run's codes and the float16 norms."""
+    cents = [mx.take(cen, c) for c, (_, _, _, cen, _) in zip(codes, _parts(t))]
+    cents = cents[0] if len(cents) == 1 else mx.concatenate(cents, axis=-1)
+    return cents * (norms.astype(mx.float32)[..., None] * _per_head(t.scales))
+
+
+def _unpacked(t: SpectralTables, codes: SpectralCodes) -> mx.array:
+    parts = _parts(t)
+    c = unpack_codes(codes.codes, [z - a for a, z, *_ in parts], [p[2] for p in parts])
+    return _lookup(t, c, codes.norms)
 
 
 def _encode_rotated(t: SpectralTables, y: mx.array, r: mx.array) -> SpectralCodes:
@@ -235,7 +282,7 @@ def _encode_rotated(t: SpectralTables, y: mx.array, r: mx.array) -> SpectralCode
         rn = mx.sqrt((e * e).sum(axis=-1, keepdims=True)).astype(mx.float16)
     else:
         signs, rn = mx.zeros((*lead, 0), mx.uint8), mx.zeros((*lead, 0), mx.float16)
-    return SpectralCodes(pack_codes([codes], [t.bits]), n16, signs, rn)
+    return SpectralCodes(pack_codes(codes, [p[2] for p in _parts(t)]), n16, signs, rn)
 
 
 def _signs(t: SpectralTables, codes: SpectralCodes) -> mx.array:
@@ -244,9 +291,7 @@ def _signs(t: SpectralTables, codes: SpectralCodes) -> mx.array:
 
 
 def _decode_rotated(t: SpectralTables, codes: SpectralCodes) -> mx.array:
-    (c,) = unpack_codes(codes.codes, [t.head_dim], [t.bits])
-    yh = mx.take(t.centroids, c) * (codes.norms.astype(mx.float32)[..., None]
-                                     * _per_head(t.scales))
+    yh = _unpacked(t, codes)
     if not t.apply_qjl:
         return yh
     fix = (_signs(t, codes) @ t.sketch) * (_qjl_scale(t) * codes.rnorms.astype(mx.float32))
@@ -269,10 +314,7 @@ def scores(t: SpectralTables, queries: mx.array, codes: SpectralCodes) -> mx.arr
     term from the signs."""
     _check_heads(t, (*codes.norms.shape, 0))
     q = queries.astype(mx.float32) @ _basis_t(t.rotation)
-    (c,) = unpack_codes(codes.codes, [t.head_dim], [t.bits])
-    yh = mx.take(t.centroids, c) * (codes.norms.astype(mx.float32)[..., None]
-                                     * _per_head(t.scales))
-    s = q @ yh.swapaxes(-1, -2)
+    s = q @ _unpacked(t, codes).swapaxes(-1, -2)
     if t.apply_qjl:
         sq = q[..., :t.d_eff] @ t.sketch.T
         rn = codes.rnorms.astype(mx.float32)[..., 0]
@@ -286,10 +328,16 @@ def _scalar_rotated_np(t: SpectralTables, y: np.ndarray, r: np.ndarray):
     with np.errstate(divide="ignore"):
         inv = np.where(r > 0, np.float32(math.sqrt(t.head_dim)) / r, np.float32(0.0))
     u = (y * inv.astype(np.float32)[..., None]) * _per_head(t.gains)
-    codes = cell(u, t.boundaries, t.bits)
+    codes = [cell(u[..., a:z], bnd, w) for a, z, w, _, bnd in _parts(t)]
     n16 = r.astype(np.float16)
-    scale = n16.astype(np.float32)[..., None] * _per_head(t.scales)
-    return codes, t.centroids[codes] * scale, n16
+    return codes, _lookup_np(t, codes, n16), n16
+
+
+def _lookup_np(t: SpectralTables, codes: list, norms) -> np.ndarray:
+    """NumPy twin of :func:`_lookup` (``norms`` NumPy or MLX float16)."""
+    cents = [cen[c] for c, (_, _, _, cen, _) in zip(codes, _parts(t))]
+    cents = cents[0] if len(cents) == 1 else np.concatenate(cents, axis=-1)
+    return cents * (np.asarray(norms).astype(np.float32)[..., None] * _per_head(t.scales))
 
 
 def _encode_rotated_np(t: SpectralTables, y: np.ndarray, r: np.ndarray) -> SpectralCodes:
@@ -301,7 +349,7 @@ def _encode_rotated_np(t: SpectralTables, y: np.ndarray, r: np.ndarray) -> Spect
         rn = np.sqrt((e * e).sum(axis=-1, keepdims=True)).astype(np.float16)
     else:
         signs, rn = np.zeros((*lead, 0), np.uint8), np.zeros((*lead, 0), np.float16)
-    return SpectralCodes(pack_codes_np([codes], [t.bits]), n16, signs, rn)
+    return SpectralCodes(pack_codes_np(codes, [p[2] for p in _parts(t)]), n16, signs, rn)
 
 
 def _signs_np(t: SpectralTables, codes: SpectralCodes) -> np.ndarray:
@@ -310,9 +358,9 @@ def _signs_np(t: SpectralTables, codes: SpectralCodes) -> np.ndarray:
 
 
 def _scalar_decode_np(t: SpectralTables, codes: SpectralCodes) -> np.ndarray:
-    (c,) = unpack_codes_np(np.asarray(codes.codes), [t.head_dim], [t.bits])
-    norms = np.asarray(codes.norms).astype(np.float32)
-    return t.centroids[c] * (norms[..., None] * _per_head(t.scales))
+    parts = _parts(t)
+    c = unpack_codes_np(np.asarray(codes.codes), [z - a for a, z, *_ in parts], [p[2] for p in parts])
+    return _lookup_np(t, c, codes.norms)
 
 
 def _decode_rotated_np(t: SpectralTables, codes: SpectralCodes) -> np.ndarray:
@@ -351,8 +399,8 @@ def scores_np(t: SpectralTables, queries: np.ndarray, codes: SpectralCodes) -> n
 CODEC = register_codec(Codec(
     name="spectral", tables=tables, encode=encode, decode=decode, scores=scores,
     encode_np=encode_np, decode_np=decode_np, scores_np=scores_np,
-    params=("bits", "d_eff", "apply_qjl", "jl_dim", "seed", "rotation", "scales"),
+    params=("bits", "signal_bits", "d_eff", "apply_qjl", "jl_dim", "seed", "rotation", "scales"),
     error="the QJL term is unbiased for the signal residual's share of q.k with variance <= "
           "(pi/2)||q[:d_eff]||^2||r||^2/m; the other coordinates carry the Gaussian Lloyd-Max "
           "scalar error of their spread (E (y_j - y^_j)^2 = distortion(bits) ||x||^2 s_j^2 for "
-          "Gaussian coordinates)"))
+          "Gaussian coordinates; distortion(signal_bits) on the signal coordinates)"))

@@ -2,7 +2,8 @@
 correction on the first ``d_eff`` (signal) coordinates only; values per-token 8-bit.
 
 A key ``x`` is rotated (``y = x @ R.T``), each rotated coordinate, scaled by the key's float16
-norm, gets its ``bits``-bit Gaussian Lloyd-Max code; with ``apply_qjl`` the residual of the first
+norm, gets its Gaussian Lloyd-Max code, at ``signal_bits`` for the first ``d_eff`` (signal)
+coordinates and at ``bits`` for the others (``signal_bits = 0``: ``bits`` for all); with ``apply_qjl`` the residual of the first
 ``d_eff`` coordinates is held as ``sign(S r)`` (``m = jl_dim`` bits, ``S [m, d_eff]`` from
 ``seed``) and ``||r||`` (float16), and corrects those coordinates by its unbiased QJL estimate;
 the other coordinates are never touched by it. The codec is ``velox.codecs.spectral``; attention
@@ -33,14 +34,17 @@ __all__ = ["SpectralState", "State", "init", "update", "get_kv", "nbytes", "posi
 
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-         bits: int = 2, d_eff: int = 4, apply_qjl: bool = True, jl_dim: int = 0, seed: int = 42,
-         backend: str = "auto") -> "SpectralState":
+         bits: int = 2, d_eff: int = 4, signal_bits: int = 0, apply_qjl: bool = True,
+         jl_dim: int = 0, seed: int = 42, backend: str = "auto") -> "SpectralState":
     """Empty SpectralQuant state.
 
     Args:
-        bits: bits per rotated key coordinate (Gaussian Lloyd-Max codebook).
+        bits: bits per rotated key coordinate (Gaussian Lloyd-Max codebook); with
+            signal_bits set, those of the coordinates after the first d_eff.
         d_eff: signal coordinates (the first d_eff of the rotated basis) that the QJL stage
             corrects.
+        signal_bits: bits of each signal coordinate (non-uniform allocation: more bits where a
+            calibrated basis puts the keys' variance); 0 means the same as bits.
         apply_qjl: QJL error correction of the signal coordinates' residual.
         jl_dim: QJL sketch size m; 0 means m = d_eff (one sign bit a signal coordinate).
         seed: seed of the random rotation and of the sketch (NumPy's default_rng).
