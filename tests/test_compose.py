@@ -86,3 +86,30 @@ def test_a_policy_composes_with_another_codec():
     assert velox.nbytes(plain) == 1 * 2 * 16 * (2 * 256 + 4) + 8
     with pytest.raises(ValueError, match="unknown codec"):
         compose.evict_then_store("tova", "nope")
+
+
+def test_keyword_parameters_become_the_init_defaults():
+    import inspect
+
+    m = compose.evict_then_store("tova", codec="turboquant_prod", bits=3)
+    registered = velox.get_method("tova+turboquant_prod")
+    assert compose.evict_then_store("tova", codec="turboquant_prod") is registered
+    assert m is not registered and m.key == registered.key
+    assert m.spec.defaults["bits"] == 3 and registered.spec.defaults["bits"] == 2
+    assert inspect.signature(m.init).parameters["bits"].default == 3
+    st = m.init(1, 2, 32, budget=16)
+    assert st.bits == 3 and st.tables.bits == 3 and st.policy.budget == 16
+    assert m.init(1, 2, 32, bits=4).bits == 4  # an argument still wins
+    assert velox.init("tova+turboquant_prod", 1, 2, 32).bits == 2
+    k = mx.random.normal((1, 2, 20, 32), key=mx.random.key(0))
+    st = velox.update(m.init(1, 2, 32, budget=8, n_sink=1), k, k)  # a state of the registered method
+    assert velox.positions(st).shape == (1, 2, 8)
+    assert compose.evict_then_store("tova", bits=2, group_size=64).init(1, 1, 64).group_size == 64
+    with pytest.raises(ValueError, match="unknown parameter.*bitz.*valid"):
+        compose.evict_then_store("tova", codec="turboquant_prod", bitz=3)
+    with pytest.raises(ValueError, match="bits"):
+        compose.evict_then_store("tova", codec="turboquant_prod", bits=99)
+    with pytest.raises(ValueError, match="budget"):
+        compose.evict_then_store("h2o", codec="turboquant_mse", budget=0)
+    with pytest.raises(ValueError, match="n_sink"):  # the policy's constraint budget > n_sink
+        compose.evict_then_store("tova", codec="qjl", budget=4, n_sink=4)
