@@ -16,7 +16,7 @@ once with MLX matmuls, then two kernels run:
   (two per coordinate at head_dim 64): the weights times the values (``Int8Rows``: the 8-bit
   codes of a ``uint32`` word times the row's scale plus its zero; ``ExactRows``: the rows).
   It writes each split's ``(max, sum, weighted values)``, float32.
-* ``merge``: a block per (batch row, kv head): the new token's exact logit (its own key),
+* ``merge``: a block per (batch row, query head): the new token's exact logit (its own key),
   then every split and the new token combined into the output, in the queries' dtype.
 
 Everything is float32; the sums run in another order than ``velox.codec_cache.attend``'s
@@ -230,37 +230,42 @@ _INT8_SIDE = """vsc[t] = static_cast<float>(vs[row]);
 _INT8_VALUE = """const float v = __fadd_rn(__fmul_rn((float)((vq[row * (HEAD_DIM / 4) + (c >> 2)] >> ((c & 3) * 8)) & 255u), vsc[t]), vze[t]);"""
 _EXACT_VALUE = "const float v = static_cast<float>(vr[row * HEAD_DIM + c]);"
 
-# One block per (batch row, kv head) of HEAD_DIM threads: the new token's logits (block sums),
-# then the splits and the new token merged into the output.
+# One block per (batch row, kv head, query head) of HEAD_DIM threads: the new token's logit (a
+# block sum), the largest logit over it and the splits, then the splits and the new token merged.
 _MERGE_BODY = """
     const unsigned int c = threadIdx.x;
-    const size_t bh = blockIdx.x;
+    const size_t bh = blockIdx.x / G;
+    const int j = blockIdx.x % G;
     const int ns = pm_shape[2];
-    __shared__ float red[G * HEAD_DIM];
-    const float kc = static_cast<float>(kn[bh * HEAD_DIM + c]);
-    #pragma unroll
-    for (int j = 0; j < G; ++j) red[j * HEAD_DIM + c] = qs[(bh * G + j) * HEAD_DIM + c] * kc;
+    const float inf = __int_as_float(0x7f800000);
+    __shared__ float red[HEAD_DIM];
+    red[c] = qs[(bh * G + j) * HEAD_DIM + c] * static_cast<float>(kn[bh * HEAD_DIM + c]);
     __syncthreads();
     for (int w = HEAD_DIM / 2; w > 0; w >>= 1) {
-        if ((int)c < w)
-            for (int j = 0; j < G; ++j) red[j * HEAD_DIM + c] += red[j * HEAD_DIM + c + w];
+        if ((int)c < w) red[c] += red[c + w];
         __syncthreads();
     }
-    const float vc = static_cast<float>(vn[bh * HEAD_DIM + c]);
-    for (int j = 0; j < G; ++j) {
-        const float ln = red[j * HEAD_DIM];
-        float m = ln;
-        for (int s = 0; s < ns; ++s) m = fmaxf(m, pm[(bh * ns + s) * G + j]);
-        const float e = expf(ln - m);
-        float tot = e, acc = e * vc;
-        for (int s = 0; s < ns; ++s) {
-            const size_t o = (bh * ns + s) * G + j;
-            const float f = expf(pm[o] - m);
-            tot += f * pl[o];
-            acc += f * pa[o * HEAD_DIM + c];
-        }
-        velox_put(out + (bh * G + j) * HEAD_DIM + c, acc / tot);
+    const float ln = red[0];
+    __syncthreads();
+    float m = c == 0 ? ln : -inf;
+    for (int s = (int)c; s < ns; s += HEAD_DIM) m = fmaxf(m, pm[(bh * ns + s) * G + j]);
+    red[c] = m;
+    __syncthreads();
+    for (int w = HEAD_DIM / 2; w > 0; w >>= 1) {
+        if ((int)c < w) red[c] = fmaxf(red[c], red[c + w]);
+        __syncthreads();
     }
+    m = red[0];
+    const float e = expf(ln - m);
+    float tot = e, acc = e * static_cast<float>(vn[bh * HEAD_DIM + c]);
+    #pragma unroll 4
+    for (int s = 0; s < ns; ++s) {
+        const size_t o = (bh * ns + s) * G + j;
+        const float f = expf(pm[o] - m);
+        tot += f * pl[o];
+        acc += f * pa[o * HEAD_DIM + c];
+    }
+    velox_put(out + (bh * G + j) * HEAD_DIM + c, acc / tot);
 """
 
 _CODEC_INPUTS = {
@@ -478,6 +483,6 @@ def decode_attend(state, queries, keys, values, *, scale: float):
         lay.codec, lay.values, [ins[k] for k in spec["input_names"]],
         (b * h * nsplit * THREADS, 1, 1), (THREADS, 1, 1),
         [(b, h, nsplit, g), (b, h, nsplit, g), (b, h, nsplit, g, d)], [mx.float32] * 3, template)
-    (out,) = _run_kernel(None, None, [qs, keys, values, pm, pl, pa], (b * h * d, 1, 1), (d, 1, 1),
+    (out,) = _run_kernel(None, None, [qs, keys, values, pm, pl, pa], (b * h * g * d, 1, 1), (d, 1, 1),
                          [(b, h, g, d)], [queries.dtype], [("HEAD_DIM", d), ("G", g)])
     return out.reshape(b, hq, 1, d)
