@@ -388,7 +388,9 @@ def score_and_keep(score: Callable | None, reference: Callable | None, *,
             the codec's logit estimates. Without it a score sees the decoded rows.
 
     Returns:
-        ``spec -> {backend: update}``, for :func:`velox.registry.register`'s ``backends``.
+        ``spec -> {backend: update}``, for :func:`velox.registry.register`'s ``backends``;
+        the ``reference`` and ``mlx`` updates carry ``logits_only`` as an attribute (read by
+        :func:`scores_by_logits`).
     """
     if score is None and (carry or fields or reference is not None):
         raise ValueError("a rule without a score keeps the protected slots only: it carries nothing")
