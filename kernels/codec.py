@@ -2,10 +2,12 @@
 the codes of TurboQuant (``turboquant_mse``, ``turboquant_rvq``, ``turboquant_prod``) and QJL.
 
 One query token per sequence (``s == 1``), the ``g`` query heads of a kv head together, so each
-stored token's codes are read once. The query is rotated (``q R^T``) and projected (``S q``)
-once with MLX matmuls, then two kernels run:
+stored token's codes are read once. A step is two kernel launches and no other GPU op:
 
-* ``split``: a block per (batch row, kv head, token split) of 128 threads. Phase 1, a thread
+* ``split``: a block per (batch row, kv head, token split) of 128 threads. It first scales its
+  ``g`` queries, rotates them (``q R^T``) and / or projects them (``S q``) into shared memory
+  (``g d^2`` multiply-adds a block, the matrices read through the cache: cheaper than the
+  three or four MLX ops, each a launch, that would do it once). Phase 1, a thread
   per stored token: the ``g`` logits from the codes, in the rotated domain (TurboQuant: the
   ``bits``-bit indices unpacked from the little-endian bit stream of ``velox.quant.pack``, the
   centroid looked up in a table in shared memory, dotted with the rotated query, times
@@ -70,6 +72,10 @@ _SPLIT_BODY = """
     __shared__ float lg[G * SPLIT];
     __shared__ float red[G * NT];
     SHARED
+    // the G queries times the scale (float32, rounded as MLX rounds queries * scale), in red
+    for (int i = (int)tid; i < G * HEAD_DIM; i += NT)
+        red[i] = __fmul_rn(static_cast<float>(qry[bh * (G * HEAD_DIM) + i]), params[2]);
+    __syncthreads();
     LOAD
     __syncthreads();
     // phase 1: a thread per stored token, the G logits from its codes
@@ -156,11 +162,26 @@ _MSE_SHARED = """__shared__ __align__(16) float q_s[G * HEAD_DIM];
     __shared__ float c_s[1 << BITS];"""
 _RVQ_SHARED = "__shared__ float r_s[1 << BITS];"
 _QJL_SHARED = "__shared__ __align__(16) float s_s[G * SIGN_WORDS * 32];"
-_MSE_LOAD = """for (int i = (int)tid; i < G * HEAD_DIM; i += NT) q_s[i] = qr[bh * (G * HEAD_DIM) + i];
+# The queries rotated (q R^T: coordinate c is row c of R dotted with q) and projected (S q,
+# the sketch's zero padding rows giving zeros), once per block, from the scaled queries in red.
+_MSE_LOAD = """for (int i = (int)tid; i < G * HEAD_DIM; i += NT) {
+        const int j = i / HEAD_DIM, c = i % HEAD_DIM;
+        const float* rr = rot + (size_t)c * HEAD_DIM;
+        float a = 0.0f;
+        #pragma unroll 8
+        for (int k = 0; k < HEAD_DIM; ++k) a += rr[k] * red[j * HEAD_DIM + k];
+        q_s[i] = a;
+    }
     for (int i = (int)tid; i < (1 << BITS); i += NT) c_s[i] = cent[i];"""
 _RVQ_LOAD = "for (int i = (int)tid; i < (1 << BITS); i += NT) r_s[i] = rcent[i];"
-_QJL_LOAD = ("for (int i = (int)tid; i < G * SIGN_WORDS * 32; i += NT) "
-             "s_s[i] = sq[bh * (G * SIGN_WORDS * 32) + i];")
+_QJL_LOAD = """for (int i = (int)tid; i < G * SIGN_WORDS * 32; i += NT) {
+        const int j = i / (SIGN_WORDS * 32), p = i % (SIGN_WORDS * 32);
+        const float* sr = sk + (size_t)p * HEAD_DIM;
+        float a = 0.0f;
+        #pragma unroll 8
+        for (int k = 0; k < HEAD_DIM; ++k) a += sr[k] * red[j * HEAD_DIM + k];
+        s_s[i] = a;
+    }"""
 
 # Coordinate c's index sits at bit c * BITS of the row's little-endian word stream (the layout
 # of velox.quant.pack for every bits), spilling into the next word where it crosses one.
@@ -239,7 +260,8 @@ _MERGE_BODY = """
     const int ns = pm_shape[2];
     const float inf = __int_as_float(0x7f800000);
     __shared__ float red[HEAD_DIM];
-    red[c] = qs[(bh * G + j) * HEAD_DIM + c] * static_cast<float>(kn[bh * HEAD_DIM + c]);
+    red[c] = __fmul_rn(static_cast<float>(qry[(bh * G + j) * HEAD_DIM + c]), params[2])
+             * static_cast<float>(kn[bh * HEAD_DIM + c]);
     __syncthreads();
     for (int w = HEAD_DIM / 2; w > 0; w >>= 1) {
         if ((int)c < w) red[c] += red[c + w];
@@ -269,14 +291,15 @@ _MERGE_BODY = """
 """
 
 _CODEC_INPUTS = {
-    "mse": ["qr", "cent", "idx", "knorm"],
-    "rvq": ["qr", "cent", "rcent", "idx", "ridx", "knorm", "gain"],
-    "prod": ["qr", "sq", "cent", "idx", "knorm", "signs", "rnorm"],
-    "qjl": ["sq", "knorm", "signs"],
+    "mse": ["qry", "rot", "cent", "idx", "knorm"],
+    "rvq": ["qry", "rot", "cent", "rcent", "idx", "ridx", "knorm", "gain"],
+    "prod": ["qry", "rot", "sk", "cent", "idx", "knorm", "signs", "rnorm"],
+    "qjl": ["qry", "sk", "knorm", "signs"],
 }
 _VALUE_INPUTS = {"int8": ["vq", "vs", "vz"], "exact": ["vr"]}
 
 
+@lru_cache(maxsize=None)
 def split_spec(codec: str, values: str) -> dict:
     """The ``mx.fast.cuda_kernel`` arguments of the split kernel for ``codec`` (``mse``,
     ``rvq``, ``prod``, ``qjl``) and ``values`` (``int8``, ``exact``). Template values:
@@ -301,9 +324,10 @@ def split_spec(codec: str, values: str) -> dict:
                 output_names=["pm", "pl", "pa"], source=src, header=_HEADER)
 
 
+@lru_cache(maxsize=None)
 def merge_spec() -> dict:
     """The ``mx.fast.cuda_kernel`` arguments of the merge kernel (template ``HEAD_DIM``, ``G``)."""
-    return dict(name="velox_codec_merge", input_names=["qs", "kn", "vn", "pm", "pl", "pa"],
+    return dict(name="velox_codec_merge", input_names=["qry", "kn", "vn", "pm", "pl", "pa", "params"],
                 output_names=["out"], source=_MERGE_BODY, header=_HEADER)
 
 
@@ -426,10 +450,11 @@ def supports(state, queries) -> bool:
 
 
 @lru_cache(maxsize=None)
-def _params(head_dim: int, jl_dim: int) -> mx.array:
-    """``[1 / sqrt(d), sqrt(pi/2) / m]`` as float32, as the codecs round them."""
-    return mx.array([1.0 / math.sqrt(head_dim), math.sqrt(math.pi / 2) / jl_dim if jl_dim else 0.0],
-                    mx.float32)
+def _params(head_dim: int, jl_dim: int, scale: float) -> mx.array:
+    """``[1 / sqrt(d), sqrt(pi/2) / m, scale]`` as float32, as the codecs and ``attend`` round
+    them (one cached device array per setting)."""
+    return mx.array([1.0 / math.sqrt(head_dim), math.sqrt(math.pi / 2) / jl_dim if jl_dim else 0.0,
+                     scale], mx.float32)
 
 
 def plan_splits(batch: int, kv_heads: int, n: int, split: int) -> int:
@@ -453,21 +478,21 @@ def decode_attend(state, queries, keys, values, *, scale: float):
     if keys.shape != (b, h, 1, d) or values.shape != (b, h, 1, d):
         raise ValueError(f"keys and values must be [{b}, {h}, 1, {d}], got {keys.shape}, {values.shape}")
     t, kc, vc = state.tables, state.key_codes, state.value_codes
-    qs = (queries.astype(mx.float32) * scale).reshape(b, h, g, d)
     n = vc[0].shape[2]
     if n == 0:  # the new token alone: weight 1
         out = mx.broadcast_to(values.astype(mx.float32), (b, h, g, d))
         return out.reshape(b, hq, 1, d).astype(queries.dtype)
     jl = t.jl_dim if lay.codec in ("prod", "qjl") else 0
-    ins = {"params": _params(d, jl)}
+    params = _params(d, jl, float(scale))
+    ins = {"params": params, "qry": queries}
     if lay.codec != "qjl":
-        ins.update(qr=qs @ t.rotation.T, cent=t.centroids, idx=kc.idx, knorm=kc.norm)
+        ins.update(rot=t.rotation, cent=t.centroids, idx=kc.idx, knorm=kc.norm)
     if lay.codec == "rvq":
         ins.update(rcent=t.res_centroids, ridx=kc.res_idx, gain=kc.gain)
     if lay.codec == "prod":
-        ins.update(sq=qs @ t.sketch.T, signs=kc.signs, rnorm=kc.res_norm)
+        ins.update(sk=t.sketch, signs=kc.signs, rnorm=kc.res_norm)
     if lay.codec == "qjl":
-        ins.update(sq=qs @ t.sketch.T, signs=kc.signs, knorm=kc.norms)
+        ins.update(sk=t.sketch, signs=kc.signs, knorm=kc.norms)
     if lay.values == "int8":
         ins.update(vq=vc.codes, vs=vc.scales, vz=vc.zeros)
     else:
@@ -483,6 +508,6 @@ def decode_attend(state, queries, keys, values, *, scale: float):
         lay.codec, lay.values, [ins[k] for k in spec["input_names"]],
         (b * h * nsplit * THREADS, 1, 1), (THREADS, 1, 1),
         [(b, h, nsplit, g), (b, h, nsplit, g), (b, h, nsplit, g, d)], [mx.float32] * 3, template)
-    (out,) = _run_kernel(None, None, [qs, keys, values, pm, pl, pa], (b * h * g * d, 1, 1), (d, 1, 1),
+    (out,) = _run_kernel(None, None, [queries, keys, values, pm, pl, pa, params], (b * h * g * d, 1, 1), (d, 1, 1),
                          [(b, h, g, d)], [queries.dtype], [("HEAD_DIM", d), ("G", g)])
     return out.reshape(b, hq, 1, d)

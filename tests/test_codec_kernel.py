@@ -58,9 +58,12 @@ def _template(codec, head_dim=128, groups=4, bits=2, sign_words=2):
     return t
 
 
-def _split_dtypes(spec, side):
-    """Input dtypes of a split launch whose value side data (scales, zeros, exact rows) is
-    ``side``; key norms and gains are float16 as the codecs store them."""
+def _split_dtypes(spec, dtype):
+    """Input dtypes of a split launch for a cache and queries of ``dtype``: the value side data
+    (scales, zeros, exact rows) in ``velox.quant.side_dtype`` of it; key norms and gains
+    float16 as the codecs store them; tables float32."""
+    side = "bfloat16" if dtype == "bfloat16" else "float16"
+
     def of(name):
         if name in ("idx", "ridx", "signs", "vq"):
             return "uint32"
@@ -68,7 +71,7 @@ def _split_dtypes(spec, side):
             return "float16"
         if name in ("vs", "vz", "vr"):
             return side
-        return "float32"
+        return dtype if name == "qry" else "float32"
     return {k: of(k) for k in spec["input_names"]}
 
 
@@ -80,7 +83,7 @@ def test_split_sources_are_complete(codec, values):
     """Placeholders filled, every declared input and output used, and no upper-case name but
     the template values the wrapper passes."""
     spec = ck.split_spec(codec, values)
-    src = spec["source"]
+    src = re.sub(r"//[^\n]*", "", spec["source"])  # code, not comments
     for token in ("SHARED", "LOAD", "LOGITS", "SIDE", "VALUE", "NT", "SRC", "TABLE", "ACC", "NORM"):
         assert not re.search(rf"\b{token}\b", src), (codec, values, token)
     for name in spec["input_names"] + spec["output_names"]:
@@ -91,25 +94,31 @@ def test_split_sources_are_complete(codec, values):
 
 def test_merge_source_is_complete():
     spec = ck.merge_spec()
+    src = re.sub(r"//[^\n]*", "", spec["source"])
     for name in spec["input_names"] + spec["output_names"]:
-        assert re.search(rf"\b{name}\b", spec["source"]), name
-    assert set(re.findall(r"\b[A-Z][A-Z_]*\b", spec["source"])) == {"HEAD_DIM", "G"}
+        assert re.search(rf"\b{name}\b", src), name
+    assert set(re.findall(r"\b[A-Z][A-Z_]*\b", src)) == {"HEAD_DIM", "G"}
 
 
 # The MSE stage's bits classes: dividing 32 (no index crosses a word) and not (indices spill
-# into the next word); prod's MSE stage runs at bits - 1. QJL: its sign words.
-BITS_CLASSES = {"mse": (2, 3), "rvq": (4, 5), "prod": (1, 3), "qjl": (2, 4)}
-COMPILE_CASES = [(c, v, side, d, k) for c, v in SPLIT_VARIANTS for side in ("float16", "bfloat16")
-                 for d in ck.HEAD_DIMS for k in BITS_CLASSES[c]]
+# into the next word); prod's MSE stage runs at bits - 1. QJL: one and four sign words.
+BITS_CLASSES = {"mse": (2, 3), "rvq": (4, 5), "prod": (1, 3), "qjl": (1, 4)}
+# Each codec with the value layout its method holds (rvq: exact rows, the others 8-bit codes)
+# at every dtype x head_dim x bits class; the other layouts at one setting each.
+METHOD_VALUES = {"mse": "int8", "rvq": "exact", "prod": "int8", "qjl": "int8"}
+COMPILE_CASES = ([(c, v, dt, d, k) for c, v in METHOD_VALUES.items()
+                  for dt in ("float32", "float16", "bfloat16") for d in ck.HEAD_DIMS for k in BITS_CLASSES[c]]
+                 + [(c, "exact" if v == "int8" else "int8", "float16", 128, BITS_CLASSES[c][1])
+                    for c, v in METHOD_VALUES.items()])
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("codec,values,side,head_dim,k", COMPILE_CASES, ids=str)
-def test_split_sources_compile(codec, values, side, head_dim, k):
+@pytest.mark.parametrize("codec,values,dtype,head_dim,k", COMPILE_CASES, ids=str)
+def test_split_sources_compile(codec, values, dtype, head_dim, k):
     """Every split variant compiles for sm_90 as MLX wraps it at a launch (no GPU needed)."""
     spec = ck.split_spec(codec, values)
     tmpl = _template(codec, head_dim, 4, bits=k, sign_words=k)
-    ptx = nvrtc.compile_source(nvrtc.kernel_source(spec, _split_dtypes(spec, side), ["float32"] * 3, tmpl))
+    ptx = nvrtc.compile_source(nvrtc.kernel_source(spec, _split_dtypes(spec, dtype), ["float32"] * 3, tmpl))
     assert f".entry {spec['name']}" in ptx
 
 
@@ -128,7 +137,7 @@ def test_split_sources_compile_at_the_group_extremes():
 @pytest.mark.parametrize("head_dim", ck.HEAD_DIMS)
 def test_merge_source_compiles(dtype, head_dim):
     spec = ck.merge_spec()
-    ins = dict(qs="float32", kn=dtype, vn=dtype, pm="float32", pl="float32", pa="float32")
+    ins = dict(qry=dtype, kn=dtype, vn=dtype, pm="float32", pl="float32", pa="float32", params="float32")
     ptx = nvrtc.compile_source(nvrtc.kernel_source(spec, ins, [dtype], dict(HEAD_DIM=head_dim, G=4)))
     assert f".entry {spec['name']}" in ptx
 
@@ -372,6 +381,7 @@ EMU_CASES = [  # key, params, b, h, g, d, n, dtype
 
 
 @needs_cxx
+@pytest.mark.skipif(device_supports("cuda"), reason="the GPU tests run the kernels themselves")
 @pytest.mark.parametrize("case", EMU_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2:7]}-{c[7]}")
 def test_emulated_kernels_match_attend(case, monkeypatch):
     key, params, b, h, g, d, n, dtype = case
@@ -391,27 +401,44 @@ GPU_CODECS = ([("turboquant_mse", dict(bits=b)) for b in (1, 2, 3, 4, 5, 8)]
               + [("turboquant_rvq", dict(bits=b)) for b in (2, 3, 4)]
               + [("turboquant_prod", dict(bits=b)) for b in (2, 3, 4)]
               + [("turboquant_prod", dict(bits=3, jl_dim=40)), ("qjl", dict()), ("qjl", dict(jl_dim=100))])
-GPU_SHAPES = [  # b, h, g, d, n
-    (1, 2, 4, 128, 0), (1, 2, 4, 128, 1), (2, 2, 3, 64, 37), (1, 8, 4, 128, 1000),
-    (2, 1, 8, 128, 4099), (1, 4, 1, 64, 513), (1, 1, 32, 128, 300), (1, 8, 4, 128, 32768)]
+# b, h, g, d, n: lengths that are not multiples of 32 or of a split (1000 tokens: 8 splits)
+GPU_SHAPES = [(1, 2, 4, 128, 1), (2, 2, 4, 128, 1000), (2, 1, 4, 64, 37)]
 DTYPES = [mx.float16, mx.bfloat16, mx.float32]
+DEFAULTS = [("turboquant_mse", dict()), ("turboquant_rvq", dict()), ("turboquant_prod", dict()),
+            ("qjl", dict())]
+
+
+def _compare_on_gpu(key, params, shape, dtype, monkeypatch):
+    b, h, g, d, n = shape
+    what = f"{key} {params} {shape} {dtype}"
+    st = _state(key, b, h, d, n, dtype, seed=zlib.crc32(what.encode()), **params)
+    q, kn, vn = _step(b, h, g, d, dtype, seed=n)
+    assert ck.supports(st, q), what
+    scale = d ** -0.5
+    out = ck.decode_attend(st, q, kn, vn, scale=scale)
+    _check(out, _reference(st, q, kn, vn, scale, monkeypatch), dtype, what)
 
 
 @needs_cuda
-@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
 @pytest.mark.parametrize("key,params", GPU_CODECS, ids=str)
-def test_decode_attend_matches_attend(key, params, shape, monkeypatch):
-    b, h, g, d, n = shape
-    # every dtype at one shape, the others cycling through them
-    dtypes = DTYPES if shape == GPU_SHAPES[3] else [DTYPES[GPU_SHAPES.index(shape) % 3]]
-    for dtype in dtypes:
-        what = f"{key} {params} {shape} {dtype}"
-        st = _state(key, b, h, d, n, dtype, seed=zlib.crc32(what.encode()), **params)
-        q, kn, vn = _step(b, h, g, d, dtype, seed=n)
-        assert ck.supports(st, q), what
-        scale = d ** -0.5
-        out = ck.decode_attend(st, q, kn, vn, scale=scale)
-        _check(out, _reference(st, q, kn, vn, scale, monkeypatch), dtype, what)
+def test_decode_attend_matches_attend(key, params, monkeypatch):
+    """Every codec setting over three shapes (GQA 4, head_dim 128 and 64), the dtype cycling."""
+    i = GPU_CODECS.index((key, params))
+    for k, shape in enumerate(GPU_SHAPES):
+        _compare_on_gpu(key, params, shape, DTYPES[(i + k) % 3], monkeypatch)
+
+
+@needs_cuda
+@pytest.mark.parametrize("key,params", DEFAULTS, ids=str)
+def test_decode_attend_at_the_extremes(key, params, monkeypatch):
+    """Each codec at its defaults: no stored token and 4099 tokens over two batch rows in every
+    dtype, the benchmark's 32768 tokens (66 splits), one and 32 query heads per kv head."""
+    for dtype in DTYPES:
+        _compare_on_gpu(key, params, (1, 2, 4, 128, 0), dtype, monkeypatch)
+        _compare_on_gpu(key, params, (2, 8, 4, 128, 4099), dtype, monkeypatch)
+    _compare_on_gpu(key, params, (1, 8, 4, 128, 32768), mx.float16, monkeypatch)
+    _compare_on_gpu(key, params, (1, 2, 1, 128, 300), mx.bfloat16, monkeypatch)
+    _compare_on_gpu(key, params, (1, 1, 32, 128, 300), mx.float32, monkeypatch)
 
 
 @needs_cuda
