@@ -385,8 +385,8 @@ def _layout(state, queries) -> _Layout | None:
     except (KeyError, AttributeError, TypeError):
         return None
     codec = CODECS.get(name)
-    if codec is None:
-        return None
+    if codec is None or getattr(state, "n_outlier", 0):
+        return None  # another codec, or keys split into outlier channels and the rest
     kinds = {"mse": (tq.TurboQuantTables, tq.MseCodes), "rvq": (tq.RvqTables, tq.RvqCodes),
              "prod": (prod.TurboQuantProdTables, prod.TurboQuantProdCodes),
              "qjl": (qjl.QJLTables, qjl.QJLCodes)}[codec]

@@ -190,6 +190,10 @@ def test_layouts_taken_and_refused():
     assert ck._layout(_state("turboquant_mse", 1, 1, 32, 2, mx.float32), mx.zeros((1, 1, 1, 32))) is None
     assert ck._layout(_state("turboquant_mse", 1, 1, 64, 2, mx.float32), mx.zeros((1, 33, 1, 64))) is None
     assert ck._layout(_state("polar", 1, 1, 64, 2, mx.float32), mx.zeros((1, 1, 1, 64))) is None
+    for key in ("turboquant_mse", "turboquant_prod", "turboquant_rvq"):  # outlier channels
+        split = _state(key, 1, 2, 128, 3, mx.float16, bits=3, n_outlier=16, outlier_bits=4)
+        assert ck._layout(split, q) is None, key
+        assert ck._layout(_state(key, 1, 2, 128, 3, mx.float16, bits=3, n_outlier=0), q) is not None
     assert ck._layout(_state("tova", 1, 1, 64, 2, mx.float32, budget=8), mx.zeros((1, 1, 1, 64))) is None
     if not device_supports("cuda"):
         st = _state("turboquant_mse", 1, 2, 128, 3, mx.float16)
