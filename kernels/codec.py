@@ -6,8 +6,8 @@ stored token's codes are read once. A step is two kernel launches and no other G
 
 * ``split``: a block per (batch row, kv head, token split) of 128 threads. It first scales its
   ``g`` queries, rotates them (``q R^T``) and / or projects them (``S q``) into shared memory
-  (``g d^2`` multiply-adds a block, the matrices read through the cache: cheaper than the
-  three or four MLX ops, each a launch, that would do it once). Phase 1, a thread
+  (``g d^2`` multiply-adds a block, the matrices read through the cache), in place of three or
+  four MLX ops (each a launch) before the kernel. Phase 1, a thread
   per stored token: the ``g`` logits from the codes, in the rotated domain (TurboQuant: the
   ``bits``-bit indices unpacked from the little-endian bit stream of ``velox.quant.pack``, the
   centroid looked up in a table in shared memory, dotted with the rotated query, times
@@ -163,24 +163,37 @@ _MSE_SHARED = """__shared__ __align__(16) float q_s[G * HEAD_DIM];
 _RVQ_SHARED = "__shared__ float r_s[1 << BITS];"
 _QJL_SHARED = "__shared__ __align__(16) float s_s[G * SIGN_WORDS * 32];"
 # The queries rotated (q R^T: coordinate c is row c of R dotted with q) and projected (S q,
-# the sketch's zero padding rows giving zeros), once per block, from the scaled queries in red.
-_MSE_LOAD = """for (int i = (int)tid; i < G * HEAD_DIM; i += NT) {
-        const int j = i / HEAD_DIM, c = i % HEAD_DIM;
+# the sketch's zero padding rows giving zeros), once per block, from the scaled queries in red:
+# a thread per row of R (of S), which it reads once for the G queries.
+_MSE_LOAD = """for (int c = (int)tid; c < HEAD_DIM; c += NT) {
         const float* rr = rot + (size_t)c * HEAD_DIM;
-        float a = 0.0f;
-        #pragma unroll 8
-        for (int k = 0; k < HEAD_DIM; ++k) a += rr[k] * red[j * HEAD_DIM + k];
-        q_s[i] = a;
+        float a[G];
+        #pragma unroll
+        for (int j = 0; j < G; ++j) a[j] = 0.0f;
+        #pragma unroll 4
+        for (int k = 0; k < HEAD_DIM; ++k) {
+            const float r = rr[k];
+            #pragma unroll
+            for (int j = 0; j < G; ++j) a[j] += r * red[j * HEAD_DIM + k];
+        }
+        #pragma unroll
+        for (int j = 0; j < G; ++j) q_s[j * HEAD_DIM + c] = a[j];
     }
     for (int i = (int)tid; i < (1 << BITS); i += NT) c_s[i] = cent[i];"""
 _RVQ_LOAD = "for (int i = (int)tid; i < (1 << BITS); i += NT) r_s[i] = rcent[i];"
-_QJL_LOAD = """for (int i = (int)tid; i < G * SIGN_WORDS * 32; i += NT) {
-        const int j = i / (SIGN_WORDS * 32), p = i % (SIGN_WORDS * 32);
+_QJL_LOAD = """for (int p = (int)tid; p < SIGN_WORDS * 32; p += NT) {
         const float* sr = sk + (size_t)p * HEAD_DIM;
-        float a = 0.0f;
-        #pragma unroll 8
-        for (int k = 0; k < HEAD_DIM; ++k) a += sr[k] * red[j * HEAD_DIM + k];
-        s_s[i] = a;
+        float a[G];
+        #pragma unroll
+        for (int j = 0; j < G; ++j) a[j] = 0.0f;
+        #pragma unroll 4
+        for (int k = 0; k < HEAD_DIM; ++k) {
+            const float r = sr[k];
+            #pragma unroll
+            for (int j = 0; j < G; ++j) a[j] += r * red[j * HEAD_DIM + k];
+        }
+        #pragma unroll
+        for (int j = 0; j < G; ++j) s_s[j * (SIGN_WORDS * 32) + p] = a[j];
     }"""
 
 # Coordinate c's index sits at bit c * BITS of the row's little-endian word stream (the layout
