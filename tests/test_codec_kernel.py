@@ -9,7 +9,7 @@ Three checks, from any machine to the GPU:
 * an emulation: the very kernel sources compiled as C++ for the CPU (a thread per CUDA
   thread, a barrier for ``__syncthreads``, shared memory as static storage, blocks one after
   another), run through ``decode_attend``'s own wrapper and compared with ``attend`` (skipped
-  without a C++20 compiler);
+  without a C++20 compiler, and on a CUDA machine, where the GPU tests run the kernels);
 * on an NVIDIA GPU: ``decode_attend`` against ``attend`` over codecs, bits, head_dims, GQA
   groups, dtypes and stored lengths (0, 1, not a multiple of 32 or of a split, several
   thousand), within ``velox.kernels.codec.TOLERANCE``.
