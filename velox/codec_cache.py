@@ -33,7 +33,9 @@ Attention (:func:`attend`): logits over the stored tokens are the codec's ``scor
 scaled queries against the key codes (:func:`key_scores`, never decoding the keys); the ``s`` new tokens' logits
 are exact; one softmax; the weights multiply the dequantized stored values and the new values.
 Queries are processed in blocks of :data:`QUERY_BLOCK` rows per kv head, so a prefill chunk
-never holds more than one block's scores.
+never holds more than one block's scores. A decode step (one query token) on a CUDA device
+runs the fused kernels of ``velox.kernels.codec`` where they take the state (TurboQuant mse,
+rvq and prod, QJL: ``supports``), with the same result within float32 rounding.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from . import reference as ref
 from ._typing import Array, Float, Int, UInt
 from .attention import softmax
 from .codecs import Codec, append, get_codec, numpy_tables, split
+from .kernels import codec as codec_kernel
 from .registry import Method, register
 from .spec import param_fields
 
@@ -262,6 +265,8 @@ def attend(state, queries: Float[Array, "b q s d"], keys: Float[Array, "b h s d"
     if mask is not None and not (isinstance(mask, str) and mask == "causal"):
         raise ValueError("attend takes mask=None or 'causal'")
     b, hq, s, d = queries.shape
+    if s == 1 and codec_kernel.supports(state, queries):  # a decode step on a CUDA device
+        return codec_kernel.decode_attend(state, queries, keys, values, scale=scale)
     h = keys.shape[1]
     g = hq // h
     q = (queries.astype(mx.float32) * scale).reshape(b, h, g * s, d)
