@@ -359,7 +359,8 @@ def _signs_np(t: SpectralTables, codes: SpectralCodes) -> np.ndarray:
 
 def _scalar_decode_np(t: SpectralTables, codes: SpectralCodes) -> np.ndarray:
     parts = _parts(t)
-    c = unpack_codes_np(np.asarray(codes.codes), [z - a for a, z, *_ in parts], [p[2] for p in parts])
+    c = unpack_codes_np(np.asarray(codes.codes), [z - a for a, z, *_ in parts],
+                        [p[2] for p in parts])
     return _lookup_np(t, c, codes.norms)
 
 

@@ -3,9 +3,10 @@ correction on the first ``d_eff`` (signal) coordinates only; values per-token 8-
 
 A key ``x`` is rotated (``y = x @ R.T``), each rotated coordinate, scaled by the key's float16
 norm, gets its Gaussian Lloyd-Max code, at ``signal_bits`` for the first ``d_eff`` (signal)
-coordinates and at ``bits`` for the others (``signal_bits = 0``: ``bits`` for all); with ``apply_qjl`` the residual of the first
-``d_eff`` coordinates is held as ``sign(S r)`` (``m = jl_dim`` bits, ``S [m, d_eff]`` from
-``seed``) and ``||r||`` (float16), and corrects those coordinates by its unbiased QJL estimate;
+coordinates and at ``bits`` for the others (``signal_bits = 0``: ``bits`` for all); with
+``apply_qjl`` the residual of the first ``d_eff`` coordinates is held as ``sign(S r)`` (``m =
+jl_dim`` bits, ``S [m, d_eff]`` from ``seed``) and ``||r||`` (float16), and corrects those
+coordinates by its unbiased QJL estimate;
 the other coordinates are never touched by it. The codec is ``velox.codecs.spectral``; attention
 logits over the stored tokens rotate the query once and read the keys in the rotated basis plus
 the QJL term from the signs (``attend``). Without calibration ``R`` is the seeded random
