@@ -1180,6 +1180,25 @@ def _compare(where: str, stored: tuple, fresh: tuple, *, static_values: bool = T
             raise ValueError(f"{where}: {name}={s!r} in the state, but its parameters give {f!r}")
 
 
+def _check_slots(where: str, m: Method, st: tuple, b: int, h: int, d: int) -> None:
+    """A state of slots (``velox.evict``): its stored arrays agree with its slot positions,
+    which hold each token once and exactly ``empty`` empty slots (-1) per row."""
+    keys, values, _ = m.kv_slots(st)
+    raw = st.positions
+    n = raw.shape[-1]
+    if tuple(raw.shape) != (b, h, n) or {tuple(keys.shape), tuple(values.shape)} != {(b, h, n, d)}:
+        raise ValueError(f"{where}: the state's arrays disagree with each other: slot positions "
+                         f"{tuple(raw.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}")
+    p = np.sort(np.array(raw), axis=-1)
+    empty = getattr(st, "empty", 0)
+    if not isinstance(empty, int) or not 0 <= empty <= n:
+        raise ValueError(f"{where}: empty={empty!r} must count the state's empty slots (0 to {n})")
+    if (p[..., :empty] != -1).any() or (p[..., empty:] < 0).any():
+        raise ValueError(f"{where}: each row must hold empty={empty} empty slots (position -1)")
+    if (np.diff(p[..., empty:], axis=-1) == 0).any():
+        raise ValueError(f"{where}: stored positions must be unique (a token in two slots)")
+
+
 def _check_state(where: str, m: Method, st: tuple, params: dict[str, Any], offset: int,
                  tail: int = 0) -> None:
     """Parameters, dims, arrays and offset of a loaded state, against each other (the state
@@ -1215,6 +1234,8 @@ def _check_state(where: str, m: Method, st: tuple, params: dict[str, Any], offse
     if tuple(pos.shape) != (b, h, n) or not {tuple(keys.shape), tuple(values.shape)} == {(b, h, n, d)}:
         raise ValueError(f"{where}: the state's arrays disagree with each other: positions "
                          f"{tuple(pos.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}")
+    if getattr(m.backends.get("mlx"), "slots", False):
+        _check_slots(where, m, st, b, h, d)
     p = np.array(pos)
     if p.size and (p.min() < 0 or p.max() >= offset or (np.diff(p, axis=-1) <= 0).any()):
         bound = f"{offset}) ({said})" if tail else f"offset={offset})"

@@ -159,9 +159,71 @@ def _leaves(name: str, x: Any):
         yield name, x
 
 
+# Parameters added after a recording, at the value that reproduces the recorded behaviour
+# (tests/test_golden.py replays older entries with them; a new recording records them).
+NEUTRAL: dict[str, Any] = {"slack": 0}
+
+# Storage bookkeeping of a state of slots (velox.evict): the canonical observation orders
+# every per-token field by position and drops empty slots, so the count is left out too.
+SLOT_FIELDS = ("empty", "policy.empty")
+
+
+def _slot_positions(state: tuple) -> tuple[mx.array, int] | None:
+    """The slot positions ``[b, h, n]`` of a state (or of a composed state's policy) and its
+    empty slots, or ``None``."""
+    for rec in (state, getattr(state, "policy", None)):
+        pos = getattr(rec, "positions", None)
+        if isinstance(pos, mx.array) and pos.ndim == 3:
+            return pos, getattr(rec, "empty", 0)
+    return None
+
+
+def _per_token_dims(record_type: type) -> dict[str, bool]:
+    """``field -> whether its annotation says it is per token`` (``[b, h, n, ...]``), for the
+    fields whose annotation has jaxtyping dims."""
+    out = {}
+    for name, hint in getattr(record_type, "__annotations__", {}).items():
+        dims = getattr(hint, "dim_str", None)
+        if isinstance(dims, str):
+            out[name] = dims.split()[:3] == ["b", "h", "n"]
+    return out
+
+
+def _canonical(state: tuple, out: dict[str, Any]) -> dict[str, Any]:
+    """``out`` (the leaves of ``state``) with every per-token array ordered by position and
+    empty slots dropped: a state of slots observes as the sorted state holding the same
+    tokens, rows and per-token fields."""
+    found = _slot_positions(state)
+    if found is None:
+        return out
+    pos, empty = found
+    order = mx.argsort(pos, axis=-1)[..., empty:]
+    hints: dict[str, bool] = {}
+    for prefix, rec in (("", state), ("policy.", getattr(state, "policy", None))):
+        if rec is not None and hasattr(rec, "_fields"):
+            hints.update({prefix + k: v for k, v in _per_token_dims(type(rec)).items()})
+            for f in rec._fields:  # nested records (codes) of per-token rows
+                sub = getattr(rec, f)
+                if hasattr(sub, "_fields"):
+                    hints.update({f"{prefix}{f}.{k}": v for k, v in _per_token_dims(type(sub)).items()})
+    for name, x in list(out.items()):
+        if name in SLOT_FIELDS:
+            del out[name]
+            continue
+        if not isinstance(x, mx.array) or x.ndim < 3 or tuple(x.shape[:3]) != tuple(pos.shape):
+            continue
+        if hints.get(name, True):
+            out[name] = mx.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 3)), axis=2)
+    return out
+
+
 def observe(state: tuple) -> dict[str, Any]:
-    """Every leaf of the state (nested fields dotted), ``get_kv``, ``positions`` and bytes."""
-    out = dict(_leaves("", state))
+    """Every leaf of the state (nested fields dotted), ``get_kv``, ``positions`` and bytes.
+
+    Canonical: per-token fields of a state of slots ordered by position, empty slots and the
+    ``empty`` count dropped (:func:`_canonical`), so a state holding the same tokens, rows and
+    per-token data in another slot order observes the same."""
+    out = _canonical(state, dict(_leaves("", state)))
     keys, values = velox.get_kv(state)
     out["get_kv.keys"], out["get_kv.values"] = keys, values
     out["positions()"] = velox.positions(state)

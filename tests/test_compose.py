@@ -39,8 +39,10 @@ def test_one_line_composition_and_real_bytes():
 def test_survivor_codes_are_never_reencoded():
     states, _ = _run("tova+affine", [30, 1, 1, 1, 1], budget=20, n_sink=2, bits=4)
     first, last = states[0], states[-1]
-    p0 = np.array(velox.positions(first))[0, 0].tolist()
-    p1 = np.array(velox.positions(last))[0, 0].tolist()
+    # the codes' storage order: each slot's token (the policy's slot positions)
+    p0 = np.array(first.policy.positions)[0, 0].tolist()
+    p1 = np.array(last.policy.positions)[0, 0].tolist()
+    assert sorted(p1) == np.array(velox.positions(last))[0, 0].tolist()
     for j, p in enumerate(p1):
         if p in p0:
             i = p0.index(p)

@@ -72,4 +72,4 @@ def test_curdkv_decode_steps_reuse_the_chunk_subspace():
     e = (np.array(x[:, :, :5]) ** 2).sum(-1)
     score = e * e  # keys == values: key share x value share, same normaliser
     want_pos = np.sort(np.argsort(score, axis=-1, kind="stable")[..., 1:], axis=-1)
-    assert np.array_equal(np.array(fresh.positions), want_pos)
+    assert np.array_equal(np.array(velox.positions(fresh)), want_pos)

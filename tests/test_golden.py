@@ -23,6 +23,12 @@ compared with the arrays in ``tests/golden/arrays.npz`` within ``atol + rtol |ex
   rows and scalars never changed there (nor with 1 or 2 OpenBLAS threads, nor on a rerun):
   they are compared by hash.
 
+Observations are canonical (``rg.observe``): the per-token fields of a state of slots
+(``velox.evict``) are ordered by position and empty slots dropped, so the recordings (of
+sorted states) prove that a state of slots holds the same tokens, rows and per-token data at
+every step. A parameter added after the recording (``rg.NEUTRAL``) replays at the value that
+is the recorded behaviour, and its field is then left out of the comparison.
+
 A refactor must pass unchanged. Re-record (``python scripts/record_golden.py``, with OpenBLAS
 loaded as CI has it) only for a deliberate change of behaviour, and say so in the commit.
 """
@@ -81,13 +87,24 @@ def test_inputs_unchanged():
         "the seeded inputs differ (NumPy's generator changed?): nothing else can be compared")
 
 
+def neutral(key: str, entry: dict) -> tuple[dict, set[str]]:
+    """The recording's overrides with every parameter added since (``rg.NEUTRAL``) at its
+    neutral value, and the names of those parameters' fields."""
+    spec = velox.get_method(key).spec
+    added = {name: rg.NEUTRAL[name] for name in spec.params
+             if name not in entry["params"] and name in rg.NEUTRAL}
+    return {**entry["overrides"], **added}, {f"{p}{name}" for name in added for p in ("", "policy.")}
+
+
 def replay(key: str, entry: dict, arrays: dict) -> list[str]:
     """Mismatches of ``key``'s trajectories: at the first call that differs, every field."""
     fields, problems = entry["fields"], []
+    overrides, added = neutral(key, entry)
     for backend, modes in entry["trajectories"].items():
         for mode, rec in modes.items():
             want = rg.decode_calls(rec["calls"])
-            got = list(rg.trajectory(key, backend, mode, entry["overrides"], CONFIG))
+            got = [{f: x for f, x in obs.items() if f not in added}
+                   for obs in rg.trajectory(key, backend, mode, overrides, CONFIG)]
             if len(got) != len(want):
                 problems.append(f"{key} {backend} {mode}: {len(got)} calls, recorded {len(want)}")
                 continue
@@ -122,7 +139,9 @@ def replay(key: str, entry: dict, arrays: dict) -> list[str]:
 def test_golden_trajectory(key, arrays):
     entry = GOLDEN["methods"][key]
     spec = velox.get_method(key).spec
-    params = rg.validate_params(spec, entry["overrides"], dims=rg.dims(CONFIG))
+    overrides, added = neutral(key, entry)
+    params = rg.validate_params(spec, overrides, dims=rg.dims(CONFIG))
+    params = {k: v for k, v in params.items() if k not in added}
     changed = {k: (params.get(k), v) for k, v in entry["params"].items() if params.get(k) != v}
     assert not changed and set(params) == set(entry["params"]), (
         f"{key}: parameters differ from the recording (now, recorded): {changed}; "

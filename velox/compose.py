@@ -94,6 +94,46 @@ def _kept_index(cand: mx.array, kept: mx.array) -> mx.array:
     return (cand[:, :, None, :] < kept[:, :, :, None]).sum(-1).astype(mx.int32)
 
 
+def _slot_policy(P: Method) -> bool:
+    """Whether the policy keeps its rows in slots (``velox.evict``): its update writes a
+    decode step's row into the loser's slot and reports how it moved the rows."""
+    return bool(getattr(P.backends.get("mlx"), "slots", False))
+
+
+def _per_token(record, n_axes: tuple) -> list[str]:
+    """Fields of ``record`` that are per-token arrays ``[b, h, n, ...]`` (``n_axes``: the
+    positions' shape), by their jaxtyping annotation where it has one."""
+    hints = typing.get_type_hints(type(record))
+    out = []
+    for f in record._fields:
+        x = getattr(record, f)
+        if not isinstance(x, mx.array) or x.ndim < 3 or tuple(x.shape[:3]) != n_axes:
+            continue
+        dims = getattr(hints.get(f), "dim_str", None)
+        if dims is None or dims.split()[:3] == ["b", "h", "n"]:
+            out.append(f)
+    return out
+
+
+def _slot_order(policy) -> mx.array:
+    """The filled slots of a composed state's policy, in increasing position."""
+    return evict.filled_order(policy.positions, evict.empty_slots(policy))
+
+
+def _compact_policy(policy, order: mx.array):
+    """The policy's per-token fields gathered by ``order`` and no empty slot."""
+    fields = {f: evict.take_rows(getattr(policy, f), order)
+              for f in _per_token(policy, tuple(policy.positions.shape))}
+    if hasattr(policy, "empty"):
+        fields["empty"] = 0
+    return policy._replace(**fields)
+
+
+def _composed_positions(state) -> mx.array:
+    """Positions of the tokens a composed state holds, increasing."""
+    return mx.sort(state.policy.positions, axis=-1)[..., evict.empty_slots(state.policy):]
+
+
 def _scoring(codec: str, by_logits: bool) -> tuple[dict, str]:
     """The composed spec's ``contract.policy_keys`` and deviation line on how the policy reads
     the stored keys."""
@@ -220,12 +260,29 @@ def _evict_then_affine(policy: str) -> Method:
             stored = CodedKeys(k_hat, codes, t, affine.CODEC)
         return P.state_type(**state.policy._asdict(), keys=stored, values=v_hat, next_pos=state.next_pos)
 
+    slotted = _slot_policy(P)
+
+    def _compact(state):
+        """A multi-token step of a slot policy gathers its filled slots in increasing
+        position first (its codes with them), as the policy's own update would."""
+        order = _slot_order(state.policy)
+        codes = {f: evict.take_rows(getattr(state, f), order) for f in _CODEC_FIELDS}
+        return state._replace(policy=_compact_policy(state.policy, order), **codes)
+
     def _update(state, keys, values, queries):
+        n, s = state.policy.positions.shape[2], keys.shape[2]
+        if slotted and s > 1 and n:
+            state = _compact(state)
         k_hat, v_hat = _decode(state)
         pstate = _policy_state(state, k_hat, v_hat)
-        new = P.backends[state.backend](pstate, keys, values, queries)
-        n, s = k_hat.shape[2], keys.shape[2]
-        if pure:
+        backend = P.backends[state.backend]
+        if pure and slotted:  # the policy says how it moved the rows: the codes follow
+            new, move = backend.with_move(pstate, keys, values, queries)
+            fresh = _encode(keys, values, state.bits, state.group_size, state.backend)
+            codec = evict.apply_move(move, tuple(getattr(state, f) for f in _CODEC_FIELDS), fresh)
+        elif pure:
+            new = backend(pstate, keys, values, queries)
+            n = k_hat.shape[2]
             kept = new.positions
             if kept.shape[2] == n + s:
                 idx = None
@@ -236,31 +293,45 @@ def _evict_then_affine(policy: str) -> Method:
             old = tuple(getattr(state, f) for f in _CODEC_FIELDS)
             codec = evict.keep_rows(old, fresh, idx)
         else:
+            new = backend(pstate, keys, values, queries)
             codec = _encode(new.keys, new.values, state.bits, state.group_size, state.backend)
         return State(Policy(*(getattr(new, f) for f in Policy._fields)), *codec, new.next_pos,
                      state.bits, state.group_size, state.cache_dtype, state.backend)
 
+    def _sorted(state):
+        """The state with its codes (and policy) in increasing position: ``get_kv``'s order."""
+        return _compact(state) if slotted else state
+
     def get_kv(state):
         """Dequantized survivors, in increasing absolute position."""
-        return _decode(state)
+        return _decode(_sorted(state))
+
+    def kv_slots(state):
+        """Dequantized stored rows in storage order, and the mask of filled slots."""
+        k, v = _decode(state)
+        empty = evict.empty_slots(state.policy)
+        return k, v, (state.policy.positions >= 0) if empty else None
 
     def dims(state):
         b, h, _, groups = state.key_scales.shape
         return b, h, groups * state.group_size, quant.dtype_of(state.cache_dtype)
 
     def error_bound(state):
+        state = _sorted(state)
         bk = quant.error_bound(state.key_scales, state.key_zeros, state.bits, state.group_size)
         bv = quant.error_bound(state.value_scales, state.value_zeros, state.bits, state.group_size)
         return bk, bv
 
     def attend(state, queries, keys, values, *, scale, mask=None):
         """Attention on the packed codes (``mx.quantized_matmul``) plus ``s`` new tokens."""
+        if evict.empty_slots(state.policy):  # empty slots (slack): the filled ones only
+            state = _compact(state)
         seg = AffineRows(*(getattr(state, f) for f in _CODEC_FIELDS), state.bits, state.group_size)
         return attend_segments(queries, [seg], keys, values, scale=scale, mask=mask)
 
     m = register(key, State, init, {b: _update for b in P.backends}, get_kv=get_kv,
-                 positions=lambda st: st.policy.positions, error_bound=error_bound, dims=dims,
-                 attend=attend, spec=spec)
+                 positions=_composed_positions if slotted else (lambda st: st.policy.positions),
+                 kv_slots=kv_slots, error_bound=error_bound, dims=dims, attend=attend, spec=spec)
     return m
 
 
@@ -332,27 +403,77 @@ def _evict_then_code(policy: str, codec_name: str) -> Method:
         out = step(state, keys, values, None)
         return out.key_codes, out.value_codes
 
+    slotted = _slot_policy(P)
+
+    def _compact(state):
+        """The state with its filled slots gathered in increasing position (codes and policy)."""
+        order = _slot_order(state.policy)
+        return state._replace(policy=_compact_policy(state.policy, order),
+                              key_codes=take(state.key_codes, order),
+                              value_codes=take(state.value_codes, order))
+
+    def _fresh(state, keys, values):
+        """The codes of ``keys``, ``values`` alone, coded as the state codes them (a state
+        holding tokens: one stored row goes along, so choices made at the first tokens hold)."""
+        one = state._replace(key_codes=type(state.key_codes)(*(x[:, :, :1] for x in state.key_codes)),
+                             value_codes=type(state.value_codes)(*(x[:, :, :1] for x in state.value_codes)))
+        kc, vc = _with_rows(one, keys, values)
+        return (type(kc)(*(x[:, :, 1:] for x in kc)), type(vc)(*(x[:, :, 1:] for x in vc)))
+
     def _update(state, keys, values, queries):
+        n, s = state.policy.positions.shape[2], keys.shape[2]
+        if slotted and s > 1 and n:
+            state = _compact(state)
         k_hat, v_hat = codec_cache.get_kv(state)
         # a policy scoring by logits reads the stored keys' through the codec's scores
         stored = CodedKeys(k_hat, state.key_codes, state.tables, codec) if by_logits else k_hat
         pstate = P.state_type(**state.policy._asdict(), keys=stored, values=v_hat,
                               next_pos=state.next_pos)
-        new = P.backends[state.backend](pstate, keys, values, queries)
-        n, s = k_hat.shape[2], keys.shape[2]
-        if pure:
+        backend = P.backends[state.backend]
+        n = k_hat.shape[2]
+        if pure and slotted:  # the policy says how it moved the rows: the codes follow
+            new, move = backend.with_move(pstate, keys, values, queries)
+            if move.slot is not None:
+                fk, fv = _fresh(state, keys, values)
+                kc = type(fk)(*evict.apply_move(move, tuple(state.key_codes), tuple(fk)))
+                vc = type(fv)(*evict.apply_move(move, tuple(state.value_codes), tuple(fv)))
+            else:
+                kc, vc = _with_rows(state, keys, values)
+                if move.idx is not None:
+                    kc, vc = take(kc, move.idx), take(vc, move.idx)
+        elif pure:
+            new = backend(pstate, keys, values, queries)
             kc, vc = _with_rows(state, keys, values)
             if new.positions.shape[2] != n + s:  # candidate index of each kept position
                 cand = mx.concatenate([pstate.positions, evict.new_positions(state.next_pos, s)], 2)
                 idx = _kept_index(cand, new.positions)
                 kc, vc = take(kc, idx), take(vc, idx)
         else:  # a merging policy changes kept rows: code what it keeps afresh
+            new = backend(pstate, keys, values, queries)
             none = state._replace(key_codes=type(state.key_codes)(*(x[:, :, :0] for x in state.key_codes)),
                                   value_codes=type(state.value_codes)(*(x[:, :, :0] for x in state.value_codes)))
             kc, vc = _with_rows(none, new.keys, new.values)
         return state._replace(policy=Policy(*(getattr(new, f) for f in Policy._fields)),
                               key_codes=kc, value_codes=vc, next_pos=new.next_pos)
 
+    def get_kv(state):
+        """Decoded keys and dequantized values, in increasing absolute position."""
+        return codec_cache.get_kv(_compact(state) if slotted else state)
+
+    def kv_slots(state):
+        """Decoded stored rows in storage order, and the mask of filled slots."""
+        k, v = codec_cache.get_kv(state)
+        empty = evict.empty_slots(state.policy)
+        return k, v, (state.policy.positions >= 0) if empty else None
+
+    def attend(state, queries, keys, values, *, scale, mask=None):
+        """``velox.codec_cache.attend`` over the filled slots."""
+        if evict.empty_slots(state.policy):  # empty slots (slack): the filled ones only
+            state = _compact(state)
+        return codec_cache.attend(state, queries, keys, values, scale=scale, mask=mask)
+
     return register(key, State, init, {b: _update for b in spec.backends},
-                    get_kv=codec_cache.get_kv, positions=lambda st: st.policy.positions,
-                    dims=codec_cache.dims, attend=codec_cache.attend, spec=spec)
+                    get_kv=get_kv if slotted else codec_cache.get_kv,
+                    positions=_composed_positions if slotted else (lambda st: st.policy.positions),
+                    kv_slots=kv_slots, dims=codec_cache.dims,
+                    attend=attend if slotted else codec_cache.attend, spec=spec)

@@ -1,15 +1,30 @@
 """Shared eviction mechanics (MLX): append candidates, protect sinks/recent, keep the top budget.
 
 Every eviction method is "append the new rows, score every candidate, keep the ``budget``
-best, in increasing absolute position". Stored rows are always sorted by position, so the
-candidates (stored + new) are too, and keeping sorted indices keeps the order.
+best". Stored rows live in *slots*: ``positions [b, h, n]`` says which token each slot holds,
+in any order (``-1``: an empty slot). A decode step that evicts one token writes the new row
+into the loser's slot, in place; if the new token itself loses, nothing moves. A multi-token
+step (prefill, chunks) first gathers the filled slots in increasing position, then keeps the
+best candidates in increasing position, so after it the slots are sorted. A method whose rule
+needs adjacent positions at decode declares ``contract.slots = "sorted"`` in its spec and keeps
+rows sorted at every step (the helpers :func:`keep_rows`, :func:`top_budget`,
+:func:`protected` work on sorted candidates). ``get_kv`` returns rows in increasing position
+(a gather when the slots are not sorted); ``kv_slots`` returns them in storage order
+(``velox.registry``).
 
-Tie rule (all backends): among equal scores the newer token is kept.
+Amortized eviction (``contract.slack``, the name of a parameter): a state holds up to
+``budget + slack`` rows; a step whose candidates exceed that keeps ``budget`` in one
+selection, and at decode the freed slots become empty (position ``-1``; the state's static
+``empty`` counts them), filled in place by the next tokens, so selection runs once every
+``slack + 1`` decode steps. ``slack = 0`` is the per-token rule.
+
+Tie rule (all backends): among equal scores the newer token is kept (the older goes).
 
 Non-finite rule (all backends, every selection): a non-finite score (NaN, or +-inf from an
 overflow) ranks lowest, below every finite score, ties among them by the tie rule; protected
-slots (sinks, recent window) always survive; positions stay strictly increasing and the
-budget holds. :func:`ranked` applies it; :func:`top_budget` ranks through it.
+tokens (sinks: positions below ``contract.sinks``; recent: the ``contract.recent`` newest
+positions) always survive; positions stay unique and the budget holds. :func:`ranked` applies
+it; :func:`top_budget` and :func:`slot_losers` rank through it.
 
 Constants (index arrays, masks) come from a cache bounded in bytes (:data:`CONST_BYTES`), so
 a cache that grows a token a step never keeps one array per length alive.
@@ -35,7 +50,8 @@ from .spec import param_fields
 __all__ = ["empty_rows", "new_positions", "protected", "ranked", "top_budget", "row_offsets", "all_but",
            "take_rows", "append_rows", "keep_rows", "dims", "row_sq_norms", "row_norms",
            "cuda_update", "with_compacted", "cached_const", "CONST_BYTES", "score_and_keep", "Scored",
-           "empty_state", "state_type", "scores_by_logits"]
+           "empty_state", "state_type", "scores_by_logits", "Move", "apply_move", "write_slot",
+           "slot_losers", "filled_order", "empty_slots", "compacted", "EMPTY"]
 
 
 def empty_rows(batch: int, heads: int, head_dim: int, dtype: mx.Dtype):
@@ -235,6 +251,100 @@ def keep_rows(stored: tuple, new: tuple, idx: Int[Array, "b h k"] | None) -> tup
     return tuple(out)
 
 
+# --- slots ----------------------------------------------------------------------------------
+
+EMPTY = -1  # the position of an empty slot
+
+
+def empty_slots(state) -> int:
+    """Empty slots of a state (its static ``empty`` field; 0 for states without one)."""
+    return getattr(state, "empty", 0)
+
+
+def filled_order(positions: Int[Array, "b h n"], empty: int = 0) -> Int[Array, "b h f"] | None:
+    """Slots of the ``n - empty`` filled slots in increasing position (empty slots, at
+    position -1, sort first and are left out)."""
+    return mx.argsort(positions, axis=-1)[..., empty:].astype(mx.int32)
+
+
+def compacted(state, carry: tuple[str, ...] = ()):
+    """``state`` with its filled slots gathered in increasing position (keys, values,
+    positions and the ``carry`` per-token fields) and no empty slot."""
+    order = filled_order(state.positions, empty_slots(state))
+    fields = {name: take_rows(getattr(state, name), order)
+              for name in ("keys", "values", "positions", *carry)}
+    if hasattr(state, "empty"):
+        fields["empty"] = 0
+    return state._replace(**fields)
+
+
+class Move(NamedTuple):
+    """How an update moved the stored rows: what a composition (``velox.compose``) repeats on
+    its own per-token rows (codes).
+
+    ``slot`` (``[b, h, 1]``) is a decode step in place: the new row goes to that slot where
+    ``write`` (``[b, h, 1]``, or ``None``: everywhere) holds, else nothing moves. Otherwise
+    the filled slots are first gathered by ``pre`` (``[b, h, f]``, ``None``: as stored), then
+    the candidates (those rows followed by the new ones) by ``idx`` (``None``: all are kept,
+    the new rows appended), as :func:`keep_rows` does."""
+
+    pre: Any = None
+    idx: Any = None
+    slot: Any = None
+    write: Any = None
+
+
+def write_slot(a: Shaped[Array, "b h n *rest"], x: Shaped[Array, "b h 1 *rest"],
+               slot: Int[Array, "b h 1"], write: Bool[Array, "b h 1"] | None = None) -> Shaped[Array, "b h n *rest"]:
+    """``a`` with row ``x`` written at ``slot`` of each ``[b, h]`` row (where ``write`` holds;
+    elsewhere the slot keeps its row). A scatter into ``a``: MLX writes in place when
+    nothing else holds ``a``'s buffer (the state being replaced), so the step moves one row."""
+    rest = a.shape[3:]
+    if math.prod(rest) == 0:  # rows of no values: nothing to move
+        return a
+    idx = slot.reshape(slot.shape + (1,) * len(rest))
+    x = x.astype(a.dtype)
+    if write is not None:
+        old = mx.take_along_axis(a, idx, axis=2)
+        x = mx.where(write.reshape(write.shape + (1,) * len(rest)), x, old)
+    return mx.put_along_axis(a, idx, x, axis=2)
+
+
+def apply_move(move: Move, stored: Sequence[mx.array], new: Sequence[mx.array]) -> tuple:
+    """The per-token arrays ``stored`` (``[b, h, n, ...]``, slot order) after ``move``, the
+    step's ``new`` rows (``[b, h, s, ...]``) placed as it says."""
+    if move.slot is not None:
+        return tuple(write_slot(a, x, move.slot, move.write) for a, x in zip(stored, new))
+    if move.pre is not None:
+        stored = tuple(take_rows(a, move.pre) for a in stored)
+    return keep_rows(tuple(stored), tuple(new), move.idx)
+
+
+def _mono(scores: Float[Array, "..."]) -> Int[Array, "..."]:
+    """float32 bits made monotone, as int64 (``velox.ordering``)."""
+    bits = mx.view(scores.astype(mx.float32), mx.int32)
+    return mx.where(bits < 0, bits ^ 0x7FFFFFFF, bits).astype(mx.int64)
+
+
+def slot_losers(scores: Float[Array, "b h N"], cand_pos: Int[Array, "b h N"], total: Int[Array, "b h 1"],
+                drop: int, n_sink: int, recent: int) -> Bool[Array, "b h N"] | Int[Array, "b h 1"]:
+    """The ``drop`` losers of candidates in any order, by position: the lowest scores
+    (:func:`ranked`), the older of equal scores first; sinks (position below ``n_sink``) and
+    the ``recent`` newest of ``total`` tokens never go. ``drop == 1``: the loser's index
+    ``[b, h, 1]``; else a mask ``[b, h, N]`` of the ``drop`` losers."""
+    protect = cand_pos < n_sink
+    if recent:
+        protect = protect | (cand_pos >= total - recent)
+    r = mx.where(protect, mx.inf, ranked(scores))
+    if drop == 1:
+        low = r.min(axis=-1, keepdims=True)
+        tied = mx.where(r == low, cand_pos, np.iinfo(np.int32).max)
+        return mx.argmin(tied, axis=-1, keepdims=True).astype(mx.int32)
+    key = _mono(r) * (1 << 31) + cand_pos.astype(mx.int64)  # unique: (score, position)
+    kth = mx.partition(key, drop - 1, axis=-1)[..., drop - 1:drop]
+    return key <= kth
+
+
 def row_sq_norms(x: Float[Array, "... d"]) -> Float[Array, "..."]:
     """Squared L2 norm of every row (last axis), in float32.
 
@@ -299,14 +409,16 @@ def _scored(out) -> Scored:
 
 
 class _Plan(NamedTuple):
-    """What a spec says of a score-and-keep method: capacity, protected slots, when it
-    evicts, whether a batch row's heads share one selection."""
+    """What a spec says of a score-and-keep method: capacity, protected tokens, when it
+    evicts, whether a batch row's heads share one selection, its slots and slack."""
 
     capacity: Callable
     sinks: Callable
     recent: Callable
     prefill_only: bool
     shared: Callable
+    slots: bool
+    slack: Callable
 
 
 def _getter(expr: str | None, default: int = 0) -> Callable:
@@ -331,17 +443,27 @@ def _plan(spec) -> _Plan:
         shared = lambda state: True  # noqa: E731
     else:  # the name of the bool parameter that gives every head its own selection
         shared = lambda state, name=head: not getattr(state, name)  # noqa: E731
+    slots = c.get("slots", "slots")
+    if slots not in ("slots", "sorted"):
+        raise ValueError(f"{spec.key}: contract.slots={slots!r} must be 'slots' or 'sorted'")
     return _Plan(capacity=_getter(c["capacity"]), sinks=_getter(c.get("sinks")),
                  recent=_getter(c.get("recent")), prefill_only=c.get("bound_phase") == "prefill",
-                 shared=shared)
+                 shared=shared, slots=slots == "slots", slack=_getter(c.get("slack")))
 
 
-def _evicting(plan: _Plan, state, n: int, s: int) -> bool:
-    return n + s > plan.capacity(state) and (s > 1 or not plan.prefill_only)
+def _evicting(plan: _Plan, state, filled: int, s: int) -> bool:
+    return filled + s > plan.capacity(state) + plan.slack(state) and (s > 1 or not plan.prefill_only)
 
 
 def _protected_index(n: int, n_sink: int, recent: int) -> np.ndarray:
     return np.flatnonzero(_build_const("protected", n, n_sink, recent)).astype(np.int32)
+
+
+def _sorts_chunks(plan: _Plan, state, n: int, s: int) -> bool:
+    """Whether this update first gathers the filled slots in increasing position: a
+    multi-token step of a slot method over stored rows (a prefill-bounded method's slots
+    are always sorted: its decode steps append)."""
+    return plan.slots and s > 1 and n > 0 and not plan.prefill_only
 
 
 def score_and_keep(score: Callable | None, reference: Callable | None, *,
@@ -401,8 +523,8 @@ def score_and_keep(score: Callable | None, reference: Callable | None, *,
         out = {"reference": _reference_backend(reference, carry, fields, plan, logits_only),
                "mlx": mlx_update}
         if "cuda" in spec.backends:
-            out["cuda"] = cuda_update(mlx_update, plan.capacity,
-                                      _kernel_step(score, kernel, carry, fields, plan))
+            out["cuda"] = _cuda_update(mlx_update, plan,
+                                       _kernel_step(score, kernel, carry, fields, plan))
         return out
 
     return build
@@ -425,14 +547,92 @@ def _rows_and_scored(state, logits_only: bool) -> tuple:
     return rows, (state if logits_only else rows)
 
 
+def _compacted_pair(state, seen, carry):
+    """``(state, seen)`` with the filled slots gathered in increasing position. A state whose
+    keys are :class:`CodedKeys` (a composition's) arrives compacted: ``velox.compose``
+    gathers its codes first."""
+    if isinstance(seen.keys, CodedKeys) or isinstance(state.keys, CodedKeys):
+        if empty_slots(state):
+            raise ValueError("a composed state reaches a chunk step with empty slots")
+        return state, seen
+    state = compacted(state, carry)
+    return state, state
+
+
+def _decode_slot(plan: _Plan, state, scores, new_pos) -> tuple[Move, mx.array]:
+    """A decode step at a full state of slots (none empty): the loser(s) and where the new
+    row goes; the positions with the freed slots emptied (slack)."""
+    b, h, n = state.positions.shape
+    cand = mx.concatenate([state.positions, new_pos], axis=2)
+    if scores is None:  # a rule without a score: only the protected tokens stay
+        scores = mx.zeros((b, 1, n + 1), mx.float32)
+    total = state.next_pos[:, :, None] + 1
+    if plan.shared(state) or scores.shape[1] == 1:  # one selection for the row
+        scores = scores.mean(axis=1, keepdims=True) if scores.shape[1] > 1 else scores
+        cand, total = cand[:, :1], total[:, :1]
+    slack, sinks, recent = plan.slack(state), plan.sinks(state), plan.recent(state)
+    if slack == 0:
+        loser = mx.broadcast_to(slot_losers(scores, cand, total, 1, sinks, recent), (b, h, 1))
+        write = loser < n
+        return Move(slot=mx.where(write, loser, 0), write=write), state.positions
+    lose = mx.broadcast_to(slot_losers(scores, cand, total, slack + 1, sinks, recent), (b, h, n + 1))
+    gone = lose[:, :, :n]
+    slot = mx.argmax(gone, axis=-1, keepdims=True).astype(mx.int32)  # the first freed slot
+    return Move(slot=slot, write=~lose[:, :, n:]), mx.where(gone, EMPTY, state.positions)
+
+
+def _place(plan: _Plan, state, keys, values, scored: Scored, carry, evicting: bool):
+    """The slot step of a decode update (``s == 1``) that evicts or fills an empty slot:
+    ``(move, stored, new, empty)`` for :func:`apply_move`."""
+    new_pos = new_positions(state.next_pos, 1)
+    empty = empty_slots(state)
+    positions = state.positions
+    if evicting:
+        move, positions = _decode_slot(plan, state, scored.scores, new_pos)
+        empty = plan.slack(state)
+    else:  # the first empty slot
+        move = Move(slot=mx.argmax(positions < 0, axis=-1, keepdims=True).astype(mx.int32))
+        empty -= 1
+    stored, new = [state.keys, state.values, positions], [keys, values, new_pos]
+    n = state.positions.shape[2]
+    for name in carry:
+        both = scored.updates.get(name)
+        if both is None:  # not refreshed (rows of no values): kept as stored
+            a = getattr(state, name)
+            x = mx.zeros((a.shape[0], a.shape[1], 1) + a.shape[3:], a.dtype)
+        else:
+            a, x = both if isinstance(both, tuple) else (both[:, :, :n], both[:, :, n:])
+        stored.append(a)
+        new.append(x)
+    return move, stored, new, empty
+
+
+def _finish(state, out, carry, refreshed: dict, s: int, empty: int | None):
+    kept = dict(zip(carry, out[3:]))
+    kept.update(refreshed)
+    if hasattr(state, "empty"):
+        kept["empty"] = empty
+    return state._replace(keys=out[0], values=out[1], positions=out[2],
+                          next_pos=state.next_pos + s, **kept)
+
+
 def _mlx_backend(score, carry, fields, plan: _Plan, logits_only: bool = False) -> Callable:
-    def update(state, keys, values, queries):
+    def step(state, keys, values, queries):
         state, seen = _rows_and_scored(state, logits_only)
         n, s = state.keys.shape[2], keys.shape[2]
-        evicting = _evicting(plan, state, n, s)
+        if _sorts_chunks(plan, state, n, s):
+            state, seen = _compacted_pair(state, seen, carry)
+            n = state.keys.shape[2]
+        empty = empty_slots(state)
+        evicting = _evicting(plan, state, n - empty, s)
         scored = Scored(None, {})
         if score is not None and (evicting or carry or fields):
             scored = _scored(score(seen, keys, values, queries, evicting))
+        refreshed = {name: scored.updates[name] for name in fields}
+        if plan.slots and s == 1 and (evicting or empty):
+            move, stored, new, empty = _place(plan, state, keys, values, scored, carry, evicting)
+            out = apply_move(move, stored, new)
+            return _finish(state, out, carry, refreshed, s, empty), move
         idx = None
         if evicting:
             b, h = state.positions.shape[:2]
@@ -454,26 +654,34 @@ def _mlx_backend(score, carry, fields, plan: _Plan, logits_only: bool = False) -
             a, x = both if isinstance(both, tuple) else (both[:, :, :n], both[:, :, n:])
             stored.append(a)
             new.append(x)
+        move = Move(idx=idx)
         out = keep_rows(tuple(stored), tuple(new), idx)
-        kept = dict(zip(carry, out[3:]))
-        kept.update({name: scored.updates[name] for name in fields})
-        return state._replace(keys=out[0], values=out[1], positions=out[2],
-                              next_pos=state.next_pos + s, **kept)
+        return _finish(state, out, carry, refreshed, s, 0), move
+
+    def update(state, keys, values, queries):
+        return step(state, keys, values, queries)[0]
 
     update.logits_only = logits_only
+    update.slots = plan.slots
+    update.with_move = step
     return update
 
 
 def _reference_backend(reference, carry, fields, plan: _Plan, logits_only: bool = False) -> Callable:
     from . import reference as ref
 
-    def update(state, keys, values, queries):
+    def step(state, keys, values, queries):
         state, seen = _rows_and_scored(state, logits_only)
+        n, s = state.keys.shape[2], keys.shape[2]
+        if _sorts_chunks(plan, state, n, s):
+            if not (isinstance(seen.keys, CodedKeys) or isinstance(state.keys, CodedKeys)):
+                state = seen = ref.compacted(state, carry)
+            n = state.keys.shape[2]
         coded = seen.keys.numpy() if isinstance(seen.keys, CodedKeys) else None
         c = ref.candidates(state, keys, values, queries)
         b, h, N = c.positions.shape
-        s = keys.shape[2]
-        evicting = _evicting(plan, state, N - s, s)
+        empty = empty_slots(state)
+        evicting = _evicting(plan, state, n - empty, s)
         scores = np.zeros((b, h, N))
         per_head: dict[str, list] = {name: [[None] * h for _ in range(b)] for name in (*carry, *fields)}
         if reference is not None and (evicting or carry or fields):
@@ -488,51 +696,107 @@ def _reference_backend(reference, carry, fields, plan: _Plan, logits_only: bool 
                         scores[i, j] = out.scores
                     for name in per_head:
                         per_head[name][i][j] = out.updates[name]
-        chosen = [[None] * h for _ in range(b)]
-        if evicting:
-            if plan.shared(state):
-                scores[:] = scores.mean(axis=1, keepdims=True)
-            cap, sinks, recent = plan.capacity(state), plan.sinks(state), plan.recent(state)
-            chosen = [[ref.top_budget(scores[i, j], cap,
-                                      ref.protected(c.positions[i, j], c.total[i, j], sinks, recent))
-                       for j in range(h)] for i in range(b)]
+        if evicting and plan.shared(state):
+            scores[:] = scores.mean(axis=1, keepdims=True)
         stacked = {name: np.stack([np.stack(row) for row in rows]) for name, rows in per_head.items()}
-        new = ref.keep(state, c, chosen, **{name: stacked[name] for name in carry})
+        cap, sinks, recent = plan.capacity(state), plan.sinks(state), plan.recent(state)
+        if plan.slots and s == 1 and (evicting or empty):
+            slack = plan.slack(state)
+            slots = ref.slot_step(scores, c.positions, c.total, n, evicting, slack, sinks, recent)
+            new, move = ref.place(state, c, slots, **{name: stacked[name] for name in carry})
+            empty = slack if evicting else empty - 1
+        else:
+            chosen = [[None] * h for _ in range(b)]
+            if evicting:
+                chosen = [[ref.top_budget(scores[i, j], cap,
+                                          ref.protected(c.positions[i, j], c.total[i, j], sinks, recent))
+                           for j in range(h)] for i in range(b)]
+            new = ref.keep(state, c, chosen, **{name: stacked[name] for name in carry})
+            move = ref.gather_move(chosen, n, s)
+            empty = 0
+        if hasattr(state, "empty"):
+            new = new._replace(empty=empty)
         return new._replace(**{name: ref.to_mx(stacked[name], getattr(state, name).dtype)
-                               for name in fields})
+                               for name in fields}), move
+
+    def update(state, keys, values, queries):
+        return step(state, keys, values, queries)[0]
 
     update.logits_only = logits_only
+    update.slots = plan.slots
+    update.with_move = step
+    return update
+
+
+def _cuda_update(mlx_update, plan: _Plan, decode_step) -> Callable:
+    """The ``cuda`` backend of a score-and-keep method: a decode step at a full state of
+    slots (none empty) runs ``decode_step`` (the method's kernels for the scores, MLX ops for
+    the loser and the slot write); every other call the ``mlx`` backend, on the same GPU."""
+    def update(state, keys, values, queries):
+        if (keys.shape[2] != 1 or empty_slots(state)
+                or state.keys.shape[2] != plan.capacity(state) + plan.slack(state)):
+            return mlx_update(state, keys, values, queries)
+        return decode_step(state, keys, values, queries)
+
+    update.slots = plan.slots
+    update.with_move = lambda state, keys, values, queries: (  # noqa: E731
+        mlx_update.with_move(state, keys, values, queries) if (
+            keys.shape[2] != 1 or empty_slots(state)
+            or state.keys.shape[2] != plan.capacity(state) + plan.slack(state))
+        else decode_step.with_move(state, keys, values, queries))
     return update
 
 
 def _kernel_step(score, kernel, carry, fields, plan: _Plan) -> Callable:
+    """A decode step at a full state on the ``cuda`` backend: the scores from the method's
+    kernel input (``by``, the carried ``carry`` or MorphKV's ``profiles``; ``drop``, a fixed
+    loser, is the protected-tokens rule itself), then the loser and the in-place slot write
+    of :func:`_place` (MLX ops: a custom kernel's outputs are fresh buffers, so a kernel that
+    moves the rows would copy the whole cache)."""
     def step(state, keys, values, queries):
-        from .kernels.evict import compact
         if kernel is None:
             scored = _scored(score(state, keys, values, queries, True))
-            args = dict(by=scored.scores)
             state = state._replace(**{name: scored.updates[name] for name in fields})
+            by, updates = scored.scores, {name: scored.updates[name] for name in carry}
         else:
             args = kernel(state, keys, values, queries)
-        if "by" in args:
-            args.update(shared=plan.shared(state), n_sink=plan.sinks(state),
-                        recent=plan.recent(state))
-        out = compact(state.keys, state.values, state.positions, keys, values, state.next_pos,
-                      **args)
-        return with_compacted(state, out, carried=carry[0] if carry else "scores")
+            by, updates = args.get("by"), {}
+            if "carry" in args:
+                updates[carry[0]] = args["carry"]
+            if "profiles" in args:
+                old, w = args["profiles"]
+                n = old.shape[2]
+                stored = mx.concatenate([old[..., 1:], w[:, :, :n, None]], axis=-1)
+                fresh = mx.concatenate([mx.zeros(w.shape[:2] + (1, old.shape[3] - 1), old.dtype),
+                                        w[:, :, n:, None]], axis=-1)
+                updates[carry[0]] = (stored, fresh)
+        if isinstance(by, tuple):
+            by = mx.concatenate(list(by), axis=2)
+        scored = Scored(by, updates)
+        move, stored, new, empty = _place(plan, state, keys, values, scored, carry, True)
+        out = apply_move(move, stored, new)
+        return _finish(state, out, carry, {}, 1, empty), move
 
-    return step
+    def update(state, keys, values, queries):
+        return step(state, keys, values, queries)[0]
+
+    update.with_move = step
+    return update
 
 
 def state_type(name: str, init: Callable, doc: str, **carried: Any) -> type:
     """The state record of an eviction method, from its ``init``: ``keys``, ``values``
     ``[b, h, n, d]``, ``positions [b, h, n]``, the ``carried`` per-token arrays (``name=
     annotation``, in order), ``next_pos [b, h]``, then every parameter of ``init``'s
-    signature as a static field (its annotation) and ``backend``. The parameters are
-    written once, in the signature."""
+    signature as a static field (its annotation), ``empty`` (the empty slots, an int) when
+    ``init`` has a ``slack`` parameter, and ``backend``. The parameters are written once, in
+    the signature. Rows live in slots (see the module): ``positions`` says which token each
+    holds."""
     fields = [("keys", Float[Array, "b h n d"]), ("values", Float[Array, "b h n d"]),
               ("positions", Int[Array, "b h n"]), *carried.items(), ("next_pos", Int[Array, "b h"])]
-    record = NamedTuple(name, [*fields, *param_fields(init), ("backend", str)])
+    params = param_fields(init)
+    slots = [("empty", int)] if any(p == "slack" for p, _ in params) else []
+    record = NamedTuple(name, [*fields, *params, *slots, ("backend", str)])
     record.__doc__ = doc
     record.__module__ = init.__module__
     return record
@@ -540,8 +804,8 @@ def state_type(name: str, init: Callable, doc: str, **carried: Any) -> type:
 
 def empty_state(state_type: type, args: dict, **arrays: mx.array):
     """A fresh eviction state from ``init``'s arguments (``locals()`` of an ``init``): no
-    rows, ``next_pos`` zero, every static field from ``args`` by name, every carried
-    per-token field an empty ``[b, h, 0]`` float32 array unless given in ``arrays``."""
+    rows, ``next_pos`` zero, every static field from ``args`` by name (``empty`` 0), every
+    carried per-token field an empty ``[b, h, 0]`` float32 array unless given in ``arrays``."""
     b, h, d = args["batch"], args["kv_heads"], args["head_dim"]
     k, v, pos, nxt = empty_rows(b, h, d, args["dtype"])
     given = dict(keys=k, values=v, positions=pos, next_pos=nxt, **arrays)
@@ -551,6 +815,8 @@ def empty_state(state_type: type, args: dict, **arrays: mx.array):
             out[name] = given[name]
         elif name in args:
             out[name] = args[name]
+        elif name == "empty":
+            out[name] = 0
         else:
             out[name] = mx.zeros((b, h, 0), mx.float32)
     return state_type(**out)

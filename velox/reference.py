@@ -12,7 +12,8 @@ import mlx.core as mx
 import numpy as np
 
 __all__ = ["to_np", "to_mx", "softmax", "attention_weights", "protected", "ranked", "top_budget",
-           "scoring_queries", "Candidates", "candidates", "keep", "Head", "head"]
+           "scoring_queries", "Candidates", "candidates", "keep", "Head", "head", "compacted",
+           "slot_losers", "slot_step", "place", "gather_move"]
 
 
 def to_np(x: mx.array, dtype=np.float64) -> np.ndarray:
@@ -140,6 +141,96 @@ def keep(state, cand: Candidates, chosen, **extra: np.ndarray):
     for name, x in extra.items():
         fields[name] = to_mx(gather(x), getattr(state, name).dtype)
     return state._replace(**fields)
+
+
+# --- slots (velox.evict): rows in any order, positions say which token each slot holds ---
+
+def _gather_field(x: mx.array, rows: np.ndarray) -> mx.array:
+    """``x [b, h, n, ...]`` gathered along the token axis by ``rows [b, h, k]`` (exact: float
+    fields go through float32, which holds every float16 and bfloat16 value)."""
+    a = to_np(x, np.float32) if x.dtype in (mx.float16, mx.bfloat16, mx.float32) else np.array(x)
+    idx = rows.reshape(rows.shape + (1,) * (a.ndim - 3))
+    return to_mx(np.take_along_axis(a, idx, axis=2), x.dtype)
+
+
+def compacted(state, carry: tuple[str, ...] = ()):
+    """``state`` with each head's filled slots gathered in increasing position (keys, values,
+    positions and the ``carry`` fields) and no empty slot (``empty``: 0)."""
+    pos = np.array(state.positions)
+    empty = getattr(state, "empty", 0)
+    rows = np.argsort(pos, axis=-1, kind="stable")[..., empty:]
+    fields = {name: _gather_field(getattr(state, name), rows)
+              for name in ("keys", "values", "positions", *carry)}
+    if hasattr(state, "empty"):
+        fields["empty"] = 0
+    return state._replace(**fields)
+
+
+def slot_losers(scores: np.ndarray, positions: np.ndarray, total: int | np.integer, drop: int, n_sink: int,
+                recent: int = 0) -> np.ndarray:
+    """One head: the ``drop`` losers among candidates in any order (indices), by ascending
+    score then position (the older of equal scores goes first); non-finite scores rank lowest,
+    protected tokens (:func:`protected`) never go."""
+    r = np.where(protected(positions, total, n_sink, recent), np.inf, ranked(scores))
+    return np.lexsort((positions, r))[:drop]
+
+
+def slot_step(scores: np.ndarray, positions: np.ndarray, total: np.ndarray, n: int,
+              evicting: bool, slack: int, n_sink: int, recent: int) -> list:
+    """A decode step on slots, head by head: ``[i][j] -> (slot or None, freed slots)``.
+
+    Evicting (``n`` full slots and the new token): the ``slack + 1`` losers go; the new token,
+    unless it lost, takes the first freed slot, and the other freed slots empty. Otherwise the
+    new token takes the first empty slot."""
+    b, h, _ = positions.shape
+    out = [[None] * h for _ in range(b)]
+    for i in range(b):
+        for j in range(h):
+            pos = positions[i, j]
+            if not evicting:
+                out[i][j] = (int(np.flatnonzero(pos[:n] < 0)[0]), [])
+                continue
+            losers = slot_losers(scores[i, j], pos, total[i, j], slack + 1, n_sink, recent)
+            freed = sorted(int(x) for x in losers if x < n)
+            slot = None if n in losers else freed[0]
+            out[i][j] = (slot, [x for x in freed if x != slot])
+    return out
+
+
+def place(state, cand: Candidates, slots: list, **extra: np.ndarray):
+    """The state after a decode step on slots (:func:`slot_step`): each head's new token
+    (candidate ``n``) written at its slot, freed slots emptied (position -1); ``extra`` per-
+    candidate arrays ``[b, h, n + 1, ...]`` are placed the same way. Returns the state and
+    its ``velox.evict.Move``."""
+    from .evict import Move
+    b, h, N = cand.positions.shape
+    n = N - 1
+    dtype = state.keys.dtype
+    arrays = dict(keys=cand.keys, values=cand.values, positions=cand.positions, **extra)
+    out = {name: x[:, :, :n].copy() for name, x in arrays.items()}
+    slot = np.zeros((b, h, 1), np.int32)
+    write = np.zeros((b, h, 1), bool)
+    for i in range(b):
+        for j in range(h):
+            at, freed = slots[i][j]
+            out["positions"][i, j, freed] = -1
+            if at is not None:
+                slot[i, j, 0], write[i, j, 0] = at, True
+                for name, x in arrays.items():
+                    out[name][i, j, at] = x[i, j, n]
+    fields = dict(keys=to_mx(out["keys"], dtype), values=to_mx(out["values"], dtype),
+                  positions=to_mx(out["positions"], mx.int32), next_pos=to_mx(cand.total, mx.int32))
+    for name in extra:
+        fields[name] = to_mx(out[name], getattr(state, name).dtype)
+    return state._replace(**fields), Move(slot=mx.array(slot), write=mx.array(write))
+
+
+def gather_move(chosen, n: int, s: int):
+    """The ``velox.evict.Move`` of :func:`keep`'s choice (``None`` everywhere: append)."""
+    from .evict import Move
+    if all(c is None for row in chosen for c in row):
+        return Move()
+    return Move(idx=mx.array(np.stack([np.stack(row) for row in chosen]).astype(np.int32)))
 
 
 # --- group quantization, written out with NumPy (float32, the formula of velox.quant) ---

@@ -23,7 +23,7 @@ from .spec import Spec, read_spec, spec_keys
 State = tuple  # every state record is a typing.NamedTuple
 
 __all__ = ["Method", "register", "register_backend", "get_method", "method_keys", "method_of",
-           "dims_of"]
+           "dims_of", "slot_order", "take_slots"]
 
 
 @dataclass
@@ -37,6 +37,7 @@ class Method:
     get_kv: Callable[[State], tuple[mx.array, mx.array]]
     nbytes: Callable[[State], int]
     positions: Callable[[State], mx.array]
+    kv_slots: Callable[[State], tuple[mx.array, mx.array, mx.array | None]] | None = None
     backends: dict[str, Callable[..., State]] = field(default_factory=dict)
     error_bound: Callable[[State], tuple[mx.array, mx.array]] | None = None
     dims: Callable[[State], tuple[int, int, int, mx.Dtype]] | None = None
@@ -81,10 +82,49 @@ def _stored_kv(state: State) -> tuple[mx.array, mx.array]:
     return state.keys, state.values
 
 
+def slot_order(positions: mx.array, empty: int = 0) -> mx.array:
+    """The filled slots ``[b, h, n - empty]`` of slot positions ``[b, h, n]`` (``-1``: empty),
+    in increasing position."""
+    return mx.argsort(positions, axis=-1)[..., empty:]
+
+
+def take_slots(x: mx.array, order: mx.array) -> mx.array:
+    """Rows ``order [b, h, k]`` of ``x [b, h, n, ...]`` (the token axis)."""
+    return mx.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 3)), axis=2)
+
+
+def _slot_positions(state: State) -> mx.array:
+    """Positions of the tokens a state of slots holds, increasing (empty slots left out)."""
+    empty = getattr(state, "empty", 0)
+    return mx.sort(state.positions, axis=-1)[..., empty:]
+
+
+def _slot_kv(state: State) -> tuple[mx.array, mx.array]:
+    """Kept keys and values of a state of slots, in increasing absolute position: its rows
+    gathered by position (empty slots left out)."""
+    order = slot_order(state.positions, getattr(state, "empty", 0))
+    return take_slots(state.keys, order), take_slots(state.values, order)
+
+
+def _slot_kv_slots(state: State) -> tuple[mx.array, mx.array, mx.array | None]:
+    """Stored keys and values in storage order, and the mask of filled slots (``None`` when
+    every slot holds a token)."""
+    mask = state.positions >= 0 if getattr(state, "empty", 0) else None
+    return state.keys, state.values, mask
+
+
+def _default_kv_slots(get_kv: Callable) -> Callable:
+    def kv_slots(state: State) -> tuple[mx.array, mx.array, None]:
+        """The stored rows in storage order (``get_kv``'s, increasing position); no empty slot."""
+        keys, values = get_kv(state)
+        return keys, values, None
+    return kv_slots
+
+
 def register(key: str, state_type: type, init: Callable, backends: Any = None, *,
              update: Callable | None = None, get_kv: Callable | None = None,
              nbytes: Callable | None = None, positions: Callable | None = None,
-             error_bound: Callable | None = None, dims: Callable | None = None,
+             kv_slots: Callable | None = None, error_bound: Callable | None = None, dims: Callable | None = None,
              layer_params: Callable | None = None, model_init: Callable | None = None,
              layer_update: Callable | None = None, attend: Callable | None = None,
              calibrate: Callable | None = None, spec: Spec | None = None,
@@ -104,6 +144,14 @@ def register(key: str, state_type: type, init: Callable, backends: Any = None, *
       state's dims and runs ``backends[state.backend]``.
     * ``get_kv``: the state's ``keys`` and ``values``; ``nbytes``: the bytes of every array
       the state holds; ``positions``: the state's ``positions``; ``dims``: from ``keys``.
+      For a method whose ``mlx`` backend keeps rows in slots (``velox.evict``'s
+      ``score_and_keep``; its update's ``slots`` attribute), ``get_kv`` and ``positions``
+      gather the filled slots in increasing position.
+    * ``kv_slots(state) -> (keys, values, mask)``: the stored rows in storage order, every
+      one older than the next update's tokens (what attention reads: it is invariant to the
+      order of the stored rows), and ``mask`` ``None`` when every slot holds a token, else
+      a bool ``[b, h, n]`` (True: a token). Slot states: their arrays and the mask of
+      ``positions >= 0``; others: ``get_kv`` and ``None``.
 
     Args:
         key: the method key (``velox/specs/<key>.toml`` is its spec, unless ``spec`` is given).
@@ -112,7 +160,7 @@ def register(key: str, state_type: type, init: Callable, backends: Any = None, *
         backends: ``{name: update(state, keys, values, queries)}``, or a function of the
             method's spec returning that dict (``velox.evict.score_and_keep`` builds one).
         update: replaces the generated update (compositions do).
-        get_kv, nbytes, positions, dims: replace the defaults above.
+        get_kv, nbytes, positions, kv_slots, dims: replace the defaults above.
         error_bound: per-element bound ``(keys, values)`` on ``|get_kv - input|`` (lossy methods).
         layer_params: ``(n_layers, params) -> [params per layer]``: a static per-layer schedule.
         model_init, layer_update: cross-layer methods. ``model_init(per_layer_params)`` returns
@@ -134,7 +182,8 @@ def register(key: str, state_type: type, init: Callable, backends: Any = None, *
         raise ValueError(f"{key}: model_init and layer_update come together")
     m = Method(key=key, state_type=state_type, init=_checked_init(key, init), update=update,
                get_kv=get_kv or _stored_kv, nbytes=nbytes or state_nbytes,
-               positions=positions or _stored_positions, backends={}, error_bound=error_bound,
+               positions=positions or _stored_positions, kv_slots=kv_slots,
+               backends={}, error_bound=error_bound,
                dims=dims, layer_params=layer_params, model_init=model_init,
                layer_update=layer_update, attend=attend, calibrate=calibrate,
                spec_override=spec, extras=extras)
@@ -142,6 +191,12 @@ def register(key: str, state_type: type, init: Callable, backends: Any = None, *
     _BY_STATE[state_type] = m
     try:
         m.backends.update(backends(m.spec) if callable(backends) else dict(backends or {}))
+        if getattr(m.backends.get("mlx"), "slots", False):  # rows in slots (velox.evict)
+            m.get_kv = get_kv or _slot_kv
+            m.positions = positions or _slot_positions
+            m.kv_slots = kv_slots or _slot_kv_slots
+        if m.kv_slots is None:
+            m.kv_slots = _default_kv_slots(m.get_kv)
         if update is None:
             m.update = _dispatching_update(m, init.__module__)
         if spec is None and key in spec_keys():

@@ -26,7 +26,8 @@ from .spec import Param, Spec, evaluate, validate_params
 __all__ = ["Case", "cases", "param_strategy", "make_inputs", "run", "DTYPES",
            "check_capacity", "check_sinks", "check_positions", "check_next_pos",
            "check_error_bound", "check_bytes", "check_signature", "head_independent",
-           "row_case", "assert_states_close", "NONFINITE", "nonfinite_tokens", "check_nonfinite"]
+           "row_case", "assert_states_close", "NONFINITE", "nonfinite_tokens", "check_nonfinite",
+           "by_position", "check_slots"]
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 CONTENTS = ("normal", "peaky", "zeros", "repeat")
@@ -230,6 +231,17 @@ def row_case(case: Case, i: int, j: int | None) -> tuple[Case, list[Step]]:
                 None if s.queries is None else s.queries[i:i + 1, qs]) for s in steps]
     heads = case.heads if j is None else 1
     return Case(**{**case.__dict__, "batch": 1, "heads": heads}), sub
+
+
+def by_position(state, name: str) -> mx.array:
+    """The per-token field ``name`` (``[b, h, n, ...]``) of a state of slots ordered by
+    position, empty slots left out: the field as a sorted state would hold it (a state
+    without slots: the field)."""
+    from .evict import empty_slots, filled_order, take_rows
+    x = getattr(state, name)
+    if not hasattr(state, "positions"):
+        return x
+    return take_rows(x, filled_order(state.positions, empty_slots(state)))
 
 
 # --- checks -------------------------------------------------------------------------

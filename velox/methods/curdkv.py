@@ -39,7 +39,7 @@ _TINY = 1e-30  # an all-zero block has zero energy: its leverage is 0, not NaN
 
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-         budget: int = 512, n_sink: int = 4, rank_cap: int = 16,
+         budget: int = 512, n_sink: int = 4, rank_cap: int = 16, slack: int = 0,
          backend: str = "auto") -> CurDKVState:
     """Empty CurDKV state keeping at most ``budget`` tokens per head.
 
@@ -48,6 +48,8 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
         n_sink: leading tokens never evicted.
         rank_cap: leading singular directions the leverage is measured in (capped by head_dim
             and the token count).
+        slack: rows held beyond budget: a full state (budget + slack rows) keeps budget in
+            one selection, and the next slack tokens fill the freed slots (0 = per token).
     """
     basis = mx.zeros((batch, kv_heads, head_dim, min(rank_cap, head_dim)), mx.float32)
     return evict.empty_state(CurDKVState, locals(), key_basis=basis, value_basis=basis)

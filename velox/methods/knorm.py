@@ -24,7 +24,7 @@ __all__ = ["KNormState", "State", "init", "update", "get_kv", "nbytes"]
 
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-         budget: int = 512, n_sink: int = 4, recent: int = 32, keep: str = "low",
+         budget: int = 512, n_sink: int = 4, recent: int = 32, keep: str = "low", slack: int = 0,
          backend: str = "auto") -> KNormState:
     """Empty KNorm state keeping at most ``budget`` tokens per head.
 
@@ -34,6 +34,8 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
         recent: newest tokens never evicted (0 = the paper).
         keep: keep the lowest-norm keys (``"low"``, the paper) or the highest (``"high"``,
             the inverted ablation).
+        slack: rows held beyond budget: a full state (budget + slack rows) keeps budget in
+            one selection, and the next slack tokens fill the freed slots (0 = per token).
     """
     return evict.empty_state(KNormState, locals())
 

@@ -59,7 +59,9 @@ class QFiltersState(NamedTuple):
     sign: int
     calibration: str
     layer: int
+    slack: int
     calibrated: bool
+    empty: int  # empty slots (velox.evict)
     backend: str
 
 
@@ -96,7 +98,7 @@ def _artifact(name: str) -> np.ndarray:
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
          budget: int = 512, n_sink: int = 4, recent: int = 32, calib_tokens: int = 128,
-         sign: int = 1, calibration: str = "none", layer: int = 0,
+         sign: int = 1, calibration: str = "none", layer: int = 0, slack: int = 0,
          backend: str = "auto") -> QFiltersState:
     """Empty Q-Filters state: shipped filters (``calibration``, ``layer``) or the online estimate.
 
@@ -110,6 +112,8 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
         calibration: shipped filters to load (none: the online estimate; any filters:
             init_calibrated).
         layer: layer whose shipped filters to load (make_cache numbers the layers).
+        slack: rows held beyond budget: a full state (budget + slack rows) keeps budget in
+            one selection, and the next slack tokens fill the freed slots (0 = per token).
     """
     if calibration != "none":
         table = _artifact(calibration)

@@ -21,7 +21,7 @@ __all__ = ["TovaState", "State", "init", "update", "get_kv", "nbytes"]
 
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-         budget: int = 512, n_sink: int = 4, per_head: bool = False,
+         budget: int = 512, n_sink: int = 4, per_head: bool = False, slack: int = 0,
          backend: str = "auto") -> TovaState:
     """Empty TOVA state keeping at most ``budget`` tokens per head.
 
@@ -30,6 +30,8 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
         n_sink: leading tokens never evicted (0 = the paper).
         per_head: each kv head keeps its own tokens (false = the paper: one set per layer,
             attention averaged over heads).
+        slack: rows held beyond budget: a full state (budget + slack rows) keeps budget in
+            one selection, and the next slack tokens fill the freed slots (0 = per token).
     """
     return evict.empty_state(TovaState, locals())
 
