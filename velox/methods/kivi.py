@@ -24,6 +24,7 @@ import numpy as np
 from .. import quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
+from ..kernels import kivi as kivi_kernel
 from ..qattention import Affine, Dense, attend_segments
 from ..registry import register
 
@@ -175,7 +176,13 @@ def get_kv(state: KiviState) -> tuple[Float[Array, "b h n d"], Float[Array, "b h
 def attend(state: KiviState, queries: Float[Array, "b q s d"], keys: Float[Array, "b h s d"],
                 values: Float[Array, "b h s d"], *, scale: float, mask=None) -> Float[Array, "b q s d"]:
     """Attention over the packed codes (``mx.quantized_matmul``), the residual window and ``s``
-    new tokens, without dequantizing the cache."""
+    new tokens, without dequantizing the cache. A decode step (``s == 1``) on a CUDA device runs
+    the kernels of ``velox.kernels.kivi`` where they take the state (``supports``): the same
+    result evaluated in float32 (within ``velox.kernels.kivi.TOLERANCE`` of this path for float32
+    queries)."""
+    if queries.shape[2] == 1 and (mask is None or (isinstance(mask, str) and mask == "causal")) \
+            and kivi_kernel.supports(state, queries):
+        return kivi_kernel.decode_attend(state, queries, keys, values, scale=scale)
     packed = Affine(state.key_codes, state.key_scales, state.key_zeros, state.value_codes,
                     state.value_scales, state.value_zeros, state.bits, state.group_size)
     return attend_segments(queries, [packed, Dense(state.residual_keys, state.residual_values)],

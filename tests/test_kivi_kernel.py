@@ -1,0 +1,299 @@
+"""KIVI's CUDA decode step (``velox.kernels.kivi``) against ``velox.methods.kivi.attend``.
+
+The checks of ``tests/test_codec_kernel.py``, with its helpers (the C++ emulation of the
+CUDA sources), for KIVI's layout:
+
+* the sources: every variant (bits x group_size x head_dim, the dtypes of queries, scales and
+  residual rows, steps without quantized tokens or without residual rows, 1 and 32 query
+  heads per kv head) compiles with NVRTC for sm_90 (no GPU needed);
+* the emulation: the kernel sources compiled as C++ for the CPU, run through
+  ``decode_attend``'s wrapper and compared with ``attend``'s MLX path: within
+  ``TOLERANCE`` of ``attend`` evaluated in float32 (the queries, keys and values upcast) and
+  within ``HALF_TOLERANCE`` of ``attend`` itself (skipped without a C++20 compiler, and on a
+  CUDA machine, where the GPU tests run the kernels);
+* on an NVIDIA GPU: ``decode_attend`` against the same two references over bits, group
+  sizes, head_dims, GQA groups, dtypes and stored lengths, up to the benchmark's 32768 tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import types
+import zlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import velox
+from tests import test_codec_kernel as tck
+from velox.backend import device_supports
+from velox.kernels import codec as ck
+from velox.kernels import kivi as kk
+from velox.kernels import nvrtc
+from velox.methods import kivi
+
+needs_cuda, needs_nvrtc, needs_cxx = tck.needs_cuda, tck.needs_nvrtc, tck.needs_cxx
+DTYPES = [mx.float16, mx.bfloat16, mx.float32]
+
+
+# --- sources --------------------------------------------------------------------------------
+
+def _template(head_dim=128, groups=4, bits=2, gs=32, quant=1, resid=1):
+    return dict(HEAD_DIM=head_dim, G=groups, BITS=bits, GS=gs, SPLIT=kk.split_size(groups, gs),
+                QUANT=quant, RESID=resid)
+
+
+def _dtypes(query="float16", side="float16", resid="float16"):
+    return dict(qry=query, kc="uint32", ks=side, kz=side, vc="uint32", vs=side, vz=side,
+                rk=resid, rv=resid, params="float32")
+
+
+def test_split_source_is_complete():
+    """Placeholders filled, every input and output used, no upper-case name but the template
+    values the wrapper passes (and the kernel's own constants)."""
+    spec = kk.split_spec()
+    src = re.sub(r"//[^\n]*", "", spec["source"])
+    for token in ("LOGITS", "SIDE", "VALUE", "NT"):
+        assert not re.search(rf"\b{token}\b", src), token
+    for name in spec["input_names"] + spec["output_names"]:
+        assert re.search(rf"\b{name}\b", src), name
+    names = set(re.findall(r"\b[A-Z][A-Z_]*\b", src)) - {"PARTS", "VW", "VG"}
+    assert names == set(_template()), names
+
+
+COMPILE_CASES = (
+    [(bits, gs, d, _dtypes(), 4, 1, 1) for bits in kk.BITS for gs in kk.GROUP_SIZES
+     for d in kk.HEAD_DIMS if d % gs == 0]
+    + [(2, 32, 128, _dtypes(q, s, r), 4, 1, 1) for q, s, r in
+       (("float32", "float16", "float32"), ("bfloat16", "bfloat16", "bfloat16"),
+        ("float16", "float16", "bfloat16"), ("float32", "bfloat16", "float16"),
+        ("bfloat16", "bfloat16", "float32"))]
+    + [(4, 64, 128, _dtypes(), 4, 0, 1), (3, 32, 64, _dtypes("float32"), 2, 1, 0),
+       (2, 128, 128, _dtypes(), 32, 1, 1), (8, 32, 128, _dtypes("bfloat16", "bfloat16"), 1, 1, 1)])
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("bits,gs,head_dim,dtypes,groups,quant,resid", COMPILE_CASES, ids=str)
+def test_split_source_compiles(bits, gs, head_dim, dtypes, groups, quant, resid):
+    """Every variant compiles for sm_90 as MLX wraps it at a launch (no GPU needed)."""
+    spec = kk.split_spec()
+    tmpl = _template(head_dim, groups, bits, gs, quant, resid)
+    ptx = nvrtc.compile_source(nvrtc.kernel_source(spec, dtypes, ["float32"] * 3, tmpl))
+    assert ".entry velox_kivi_split" in ptx
+
+
+# --- which states and queries the kernels take (any machine) ----------------------------------
+
+def _state(b, h, d, n, dtype, seed=0, **params):
+    rng = np.random.default_rng(seed)
+    st = velox.init("kivi", b, h, d, dtype=dtype, **params)
+    if n:
+        k = mx.array(rng.standard_normal((b, h, n, d)).astype(np.float32)).astype(dtype)
+        v = mx.array(rng.standard_normal((b, h, n, d)).astype(np.float32)).astype(dtype)
+        st = velox.update(st, k, v)
+    mx.eval(st)
+    return st
+
+
+def test_layouts_taken_and_refused():
+    """Every bits and group size KIVI's spec allows, at head_dim 64 / 128, is taken; another
+    head_dim, a group wider than the head, more than one query token, a group count that does
+    not divide or exceeds 32, integer queries, or another method's state are refused."""
+    for bits, gs, d in itertools.product(kk.BITS, kk.GROUP_SIZES, kk.HEAD_DIMS):
+        if d % gs:
+            continue
+        st = _state(1, 2, d, 2 * gs + 5, mx.float16, bits=bits, group_size=gs, residual_length=4)
+        assert kivi.quantized_tokens(st) > 0
+        assert kk._layout(st, mx.zeros((1, 8, 1, d))) is not None, (bits, gs, d)
+    st = _state(1, 2, 128, 40, mx.float16, residual_length=4)
+    q = mx.zeros((1, 8, 1, 128))
+    assert kk._layout(st, q) is not None and kk._layout(st, q.astype(mx.bfloat16)) is not None
+    assert kk._layout(st, mx.zeros((1, 8, 2, 128))) is None  # s > 1
+    assert kk._layout(st, mx.zeros((1, 7, 1, 128))) is None  # 7 heads over 2 kv heads
+    assert kk._layout(st, mx.zeros((1, 66, 1, 128))) is None  # 33 per kv head
+    assert kk._layout(st, mx.zeros((1, 8, 1, 128), mx.int32)) is None
+    assert kk._layout(st, mx.zeros((2, 8, 1, 128))) is None  # batch
+    assert kk._layout(_state(1, 1, 32, 40, mx.float32, residual_length=4), mx.zeros((1, 1, 1, 32))) is None
+    assert kk._layout(_state(1, 1, 64, 40, mx.float32, bits=3, residual_length=4), mx.zeros((1, 4, 1, 64))) is not None
+    # every residual dtype, and no stored token at all
+    for rd in ("float16", "bfloat16", "float32", "model"):
+        assert kk._layout(_state(1, 1, 64, 3, mx.bfloat16, residual_dtype=rd), mx.zeros((1, 1, 1, 64))) is not None
+    assert kk._layout(_state(1, 1, 64, 0, mx.float16), mx.zeros((1, 1, 1, 64))) is not None
+    assert kk._layout(_state(1, 1, 64, 2, mx.float32).value_codes, mx.zeros((1, 1, 1, 64))) is None
+    assert kk._layout(velox.init("tova", 1, 1, 64, budget=8), mx.zeros((1, 1, 1, 64))) is None
+    if not device_supports("cuda"):
+        assert not kk.supports(st, q)
+        with pytest.raises(ValueError, match="keys and values"):
+            kk.decode_attend(st, q, mx.zeros((1, 2, 2, 128)), mx.zeros((1, 2, 2, 128)), scale=0.1)
+    with pytest.raises(ValueError, match="supports"):
+        kk.decode_attend(st, mx.zeros((1, 8, 2, 128)), mx.zeros((1, 2, 1, 128)),
+                         mx.zeros((1, 2, 1, 128)), scale=0.1)
+
+
+def test_splits_cover_the_tokens():
+    """The kernel's split arithmetic (its preamble, in Python): every quantized token and
+    residual row in exactly one split, quantized splits of whole groups, none empty, none over
+    the block's ``SPLIT``."""
+    for b, h, nq_groups, nr, g, gs in itertools.product(
+            (1, 2), (1, 8), (0, 1, 3, 17, 1023), (0, 1, 159, 513), (1, 4, 32), (32, 128)):
+        nq, split = nq_groups * gs, kk.split_size(g, gs)
+        nqs, nrs = kk.plan_splits(b, h, nq, nr, split, gs)
+        assert nrs == -(-nr // split) and (nqs > 0) == (nq > 0)
+        qspan = -(-(nq // gs) // max(nqs, 1)) * gs
+        rspan = -(-nr // max(nrs, 1))
+        for n, ns, span in ((nq, nqs, qspan), (nr, nrs, rspan)):
+            lens = [max(0, min(span, n - s * span)) for s in range(ns)]
+            assert sum(lens) == n and (not lens or min(lens) > 0) and span <= split, (b, h, nq, nr, g, gs)
+        assert qspan % gs == 0
+
+
+def test_attend_routes_decode_steps_through_the_module(monkeypatch):
+    """``kivi.attend`` calls ``velox.kernels.kivi.decode_attend`` for a decode step where
+    ``supports`` takes it (looked up through the module, so a test can switch it off), and
+    never for a chunk of several tokens."""
+    st = _state(1, 2, 64, 50, mx.float32, residual_length=8)
+    calls = []
+    monkeypatch.setattr(kk, "supports", lambda s, q: True)
+    sentinel = mx.full((1, 4, 1, 64), 7.0)
+    monkeypatch.setattr(kk, "decode_attend", lambda *a, **k: calls.append(k) or sentinel)
+    q1, k1 = mx.zeros((1, 4, 1, 64)), mx.zeros((1, 2, 1, 64))
+    assert kivi.attend(st, q1, k1, k1, scale=0.1) is sentinel and calls == [dict(scale=0.1)]
+    out = kivi.attend(st, mx.zeros((1, 4, 3, 64)), mx.zeros((1, 2, 3, 64)), mx.zeros((1, 2, 3, 64)),
+                      scale=0.1, mask="causal")
+    assert isinstance(out, mx.array) and len(calls) == 1
+    monkeypatch.setattr(kk, "supports", lambda s, q: False)
+    assert isinstance(kivi.attend(st, q1, k1, k1, scale=0.1), mx.array) and len(calls) == 1
+
+
+# --- the emulation, and the comparison both it and the GPU tests make --------------------------
+
+def _emulated_kernel(codec, values, *args):
+    """``velox.kernels.kivi._run_kernel`` on the CPU: ``test_codec_kernel``'s emulation, its
+    kernel specs taken from ``velox.kernels.kivi`` (split) and ``velox.kernels.codec`` (merge)."""
+    specs = types.SimpleNamespace(merge_spec=ck.merge_spec, split_spec=lambda *_: kk.split_spec())
+    saved, tck.ck = tck.ck, specs
+    try:
+        return tck._emulated_kernel(codec, values, *args)
+    finally:
+        tck.ck = saved
+
+
+def _mlx_path(st, q, kn, vn, scale, monkeypatch):
+    """``kivi.attend`` on its MLX path, and the same in float32 (queries, keys, values upcast)."""
+    with monkeypatch.context() as mp:
+        mp.setattr(kk, "supports", lambda *a, **k: False)
+        ref = kivi.attend(st, q, kn, vn, scale=scale)
+        f32 = kivi.attend(st, q.astype(mx.float32), kn.astype(mx.float32), vn.astype(mx.float32),
+                          scale=scale)
+    return ref, f32
+
+
+def _step(b, h, g, d, dtype, seed=1):
+    rng = np.random.default_rng(seed)
+
+    def arr(*s):
+        return mx.array(rng.standard_normal(s).astype(np.float32)).astype(dtype)
+
+    return arr(b, h * g, 1, d), arr(b, h, 1, d), arr(b, h, 1, d)
+
+
+def _compare(case, monkeypatch, *, check_layout=True):
+    b, h, g, d, n, dtype, params = case
+    what = repr(case)
+    st = _state(b, h, d, n, dtype, seed=zlib.crc32(what.encode()), **params)
+    q, kn, vn = _step(b, h, g, d, dtype, seed=n)
+    scale = d ** -0.5
+    if check_layout:
+        assert kk._layout(st, q) is not None, what
+    ref, f32 = _mlx_path(st, q, kn, vn, scale, monkeypatch)
+    out = kk.decode_attend(st, q, kn, vn, scale=scale)
+    assert out.dtype == ref.dtype == dtype and out.shape == ref.shape == (b, h * g, 1, d), what
+    a = np.array(out.astype(mx.float32))
+    assert np.isfinite(a).all(), what
+    for r, tol in ((f32, kk.TOLERANCE[dtype]), (ref, kk.HALF_TOLERANCE[dtype])):
+        np.testing.assert_allclose(a, np.array(r.astype(mx.float32)), atol=tol[0], rtol=tol[1],
+                                   err_msg=what)
+    return st
+
+
+# b, h, g, d, n, dtype, params (KIVI's defaults: bits 2, group_size 32, residual_length 128)
+EMU_CASES = [
+    (1, 2, 4, 128, 700, mx.float16, dict()),                       # 17 groups: uneven splits
+    (2, 1, 3, 64, 300, mx.float32, dict(bits=3, residual_length=40)),
+    (1, 2, 2, 64, 128, mx.bfloat16, dict(bits=4, group_size=64, residual_length=0)),  # no residual
+    (1, 1, 5, 128, 100, mx.float16, dict(bits=8, residual_dtype="float32")),         # no quantized
+    (1, 1, 1, 128, 647, mx.float32, dict(group_size=128, residual_length=600)),      # 2 residual splits
+    (1, 2, 4, 64, 71, mx.bfloat16, dict(residual_length=8, residual_dtype="bfloat16")),  # full window
+    (1, 1, 2, 64, 0, mx.float16, dict()),                          # nothing stored
+]
+
+
+@needs_cxx
+@pytest.mark.skipif(device_supports("cuda"), reason="the GPU tests run the kernels themselves")
+@pytest.mark.parametrize("case", EMU_CASES, ids=lambda c: f"{c[:5]}-{c[5]}-{c[6]}")
+def test_emulated_kernels_match_attend(case, monkeypatch):
+    monkeypatch.setattr(kk, "_run_kernel", _emulated_kernel)
+    st = _compare(case, monkeypatch)
+    b, h, g, d, n, dtype, params = case
+    r, nq = st.residual_keys.shape[2], kivi.quantized_tokens(st)
+    assert r + nq == n
+
+
+# --- on the GPU ------------------------------------------------------------------------------
+
+GPU_SETTINGS = [dict(bits=b, group_size=gs) for b in kk.BITS for gs in kk.GROUP_SIZES]
+# b, h, g, d, n: lengths not multiples of a group or of a split, the residual window full
+GPU_SHAPES = [(2, 2, 4, 128, 1000), (1, 2, 4, 64, 415), (1, 8, 4, 128, 4099)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("params", GPU_SETTINGS, ids=str)
+def test_decode_attend_matches_attend(params, monkeypatch):
+    """Every bits x group size over three shapes (GQA 4, head_dim 128 and 64), the dtype and
+    the residual dtype cycling."""
+    i = GPU_SETTINGS.index(params)
+    for k, (b, h, g, d, n) in enumerate(GPU_SHAPES):
+        if d % params["group_size"]:
+            continue
+        rd = ("float16", "bfloat16", "float32", "model")[(i + k) % 4]
+        _compare((b, h, g, d, n, DTYPES[(i + k) % 3], dict(params, residual_dtype=rd)), monkeypatch)
+
+
+@needs_cuda
+def test_decode_attend_at_the_extremes(monkeypatch):
+    """No stored token, no quantized token, an empty residual window, one and 32 query heads
+    per kv head, several residual splits, and the benchmark's 32768 tokens, in every dtype."""
+    for dtype in DTYPES:
+        for b, h, g, d, n, params in (
+                (1, 2, 4, 128, 0, dict()), (2, 2, 4, 128, 100, dict()),
+                (1, 2, 4, 128, 4096, dict(residual_length=0)), (1, 2, 1, 128, 300, dict()),
+                (1, 1, 32, 128, 300, dict(group_size=128)), (1, 2, 4, 64, 1500, dict(residual_length=1100)),
+                (1, 8, 4, 128, 32768, dict())):
+            _compare((b, h, g, d, n, dtype, params), monkeypatch)
+
+
+@needs_cuda
+def test_decode_attend_under_compile_and_with_large_logits(monkeypatch):
+    """Inside ``mx.compile`` the kernels give the same result; queries scaled up 30x (a peaked
+    softmax over the splits) still match."""
+    st = _state(1, 2, 128, 777, mx.float16, bits=4)
+    q, kn, vn = _step(1, 2, 4, 128, mx.float16)
+    f = mx.compile(lambda s_, q_, k_, v_: kk.decode_attend(s_, q_, k_, v_, scale=128 ** -0.5))
+    np.testing.assert_array_equal(np.array(f(st, q, kn, vn)),
+                                  np.array(kk.decode_attend(st, q, kn, vn, scale=128 ** -0.5)))
+    q = q * 30
+    _, f32 = _mlx_path(st, q, kn, vn, 128 ** -0.5, monkeypatch)
+    atol, rtol = kk.TOLERANCE[mx.float16]
+    np.testing.assert_allclose(np.array(kk.decode_attend(st, q, kn, vn, scale=128 ** -0.5).astype(mx.float32)),
+                               np.array(f32), atol=atol, rtol=rtol)
+
+
+@needs_cuda
+def test_attend_runs_the_kernels_on_a_decode_step():
+    st = _state(1, 2, 128, 300, mx.float16)
+    q, kn, vn = _step(1, 2, 4, 128, mx.float16)
+    assert kk.supports(st, q)
+    np.testing.assert_array_equal(np.array(kivi.attend(st, q, kn, vn, scale=0.1)),
+                                  np.array(kk.decode_attend(st, q, kn, vn, scale=0.1)))
