@@ -7,7 +7,8 @@ attends to a state holding that many tokens plus one new token, two ways, interl
 * ``dequantize + SDPA``: ``get_kv`` (decode every stored key and value) then
   ``mx.fast.scaled_dot_product_attention`` over stored + new;
 * ``cuda kernel``: ``velox.kernels.codec.decode_attend`` (the flash-decoding kernels over the
-  codes), where ``supports`` takes the state on a CUDA device (else ``-``, ``null`` in JSON);
+  codes; ``velox.kernels.kivi.decode_attend`` for kivi), where the module's ``supports`` takes
+  the state on a CUDA device (else ``-``, ``null`` in JSON);
 * and, beside them, a full-precision cache of the same length (SDPA on float rows).
 
 Prints median microseconds and the ratios; ``--json FILE`` writes them.
@@ -26,7 +27,12 @@ import velox  # first: loads OpenBLAS before mlx.core
 import mlx.core as mx
 
 from velox.kernels import codec as codec_kernel
+from velox.kernels import kivi as kivi_kernel
 from velox.registry import get_method, method_keys
+
+
+#: The kernel module of a method (default: ``velox.kernels.codec``).
+KERNELS = {"kivi": kivi_kernel}
 
 
 def _timed(fns: dict, reps: int) -> dict[str, float]:
@@ -100,11 +106,13 @@ def main(argv=None) -> int:
                 v2 = mx.concatenate([v.astype(dtype), vn], axis=2)
                 return mx.fast.scaled_dot_product_attention(q, k2, v2, scale=scale)
 
-            def kernel(st=st):
-                return codec_kernel.decode_attend(st, q, kn, vn, scale=scale)
+            km = KERNELS.get(key, codec_kernel)
+
+            def kernel(st=st, km=km):
+                return km.decode_attend(st, q, kn, vn, scale=scale)
 
             fns = {"attend": attend, "deq": deq, "full": full}
-            if codec_kernel.supports(st, q):
+            if km.supports(st, q):
                 fns = {"attend": attend, "deq": deq, "kernel": kernel, "full": full}
             t = _timed(fns, args.reps)
             kt = t.get("kernel")
