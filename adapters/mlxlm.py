@@ -209,6 +209,22 @@ class VeloxCache(_BaseCache):
         self._tail: tuple[mx.array, mx.array] | None = None
         self._tail_q: mx.array | None = None
 
+    # -- the state, and a decode step's row not yet written into its slot -----------
+    @property
+    def _state(self) -> tuple | None:
+        """The method's state, with a decode step's row written into its slot if one is
+        pending (:func:`_split_step`): the write is built here, before anything reads the
+        rows, so MLX does it in place."""
+        row = self.__dict__.get("_row")
+        if row is not None:
+            self.__dict__["_row"] = None
+            self.__dict__["_held"] = _write_row(self.__dict__["_held"], row)
+        return self.__dict__.get("_held")
+
+    @_state.setter
+    def _state(self, value: tuple | None) -> None:
+        self.__dict__["_held"], self.__dict__["_row"] = value, None
+
     # -- protocol (getters: none of them updates) ----------------------------------
     @property
     def offset(self) -> int:
@@ -270,7 +286,7 @@ class VeloxCache(_BaseCache):
     def nbytes(self) -> int:
         """Bytes the velox state really holds, plus new tokens not yet absorbed and the
         append-mode tail (its keys, values and kept queries)."""
-        total = 0 if self._state is None else self.method.nbytes(self._state)
+        total = 0 if self._state is None else self.method.nbytes(self._state)  # (row written)
         if self._pending is not None and self._pending.keys is not None:
             total += self._pending.keys.nbytes + self._pending.values.nbytes
         return total + sum(x.nbytes for x in self._tail_arrays())
@@ -322,7 +338,7 @@ class VeloxCache(_BaseCache):
                     return keys, values
             else:
                 self.last_step = "tail"
-            k, v = m.get_kv(self._state)
+            k, v = self._stored_rows(defer)
             tk, tv = self._tail
             return evict.append_rows(k, tk), evict.append_rows(v, tv)
         step = self._take(keys, values)
@@ -333,7 +349,7 @@ class VeloxCache(_BaseCache):
             if step.new_only:
                 return keys, values
         # Stored + new (lazy: never computed if the wrapper attends itself).
-        k, v = m.get_kv(self._state)
+        k, v = self._stored_rows(defer)
         out = evict.append_rows(k, step.keys), evict.append_rows(v, step.values)
         if not defer:
             self._absorb(step, None)
@@ -356,6 +372,7 @@ class VeloxCache(_BaseCache):
                     raise ValueError(f"{m.key} does not support attention sinks")
                 out = self._attend(queries, *self._tail, mask, scale=scale)
             else:
+                mask = _with_empty_slots(mask, self._empty_mask(), queries, keys.shape[2])
                 out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                            mask=mask, sinks=sinks)
             self._keep_query(queries)
@@ -363,8 +380,8 @@ class VeloxCache(_BaseCache):
             return out
         if step.fused and sinks is None and mask is None:
             fused = _compiled(m, "fused", self._state.backend)
-            out, self._state = fused(self._state, queries, step.keys, step.values, scale)
-            mx.async_eval(_arrays(self._state))
+            out, self._state, self._row = fused(self._state, queries, step.keys, step.values, scale)
+            mx.async_eval(_arrays(self.__dict__["_held"]) + _arrays(self._row))
             self.last_step = "fused"
             return out
         if m.attend is not None:
@@ -373,8 +390,9 @@ class VeloxCache(_BaseCache):
             out = self._attend(queries, step.keys, step.values, mask, scale=scale)
         else:
             if step.new_only:  # handed the new tokens only; rebuild what attention reads
-                k, v = m.get_kv(self._state)
+                k, v, _ = m.kv_slots(self._state)
                 keys, values = evict.append_rows(k, step.keys), evict.append_rows(v, step.values)
+            mask = _with_empty_slots(mask, self._empty_mask(), queries, keys.shape[2])
             out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                        mask=mask, sinks=sinks)
         self._absorb(step, queries)
@@ -497,11 +515,11 @@ class VeloxCache(_BaseCache):
         elif not self._steady(keys):
             self._state = m.update(self._state, keys, values, queries=queries)
         elif queries is None:
-            self._state = _compiled(m, "update", self._state.backend)(self._state, keys, values)
+            self._state, self._row = _compiled(m, "update", self._state.backend)(self._state, keys, values)
         else:
             update = _compiled(m, "update+queries", self._state.backend)
-            self._state = update(self._state, keys, values, queries)
-        mx.async_eval(_arrays(self._state))
+            self._state, self._row = update(self._state, keys, values, queries)
+        mx.async_eval(_arrays(self.__dict__["_held"]) + _arrays(self._row))
 
     def _pending_len(self) -> int:
         return 0 if self._pending is None else self._pending.length
@@ -523,10 +541,35 @@ class VeloxCache(_BaseCache):
         contract = m.spec.contract
         cap = m.spec.capacity(self._full_params)
         return (cap is not None and contract.get("bound_phase", "all") == "all"
-                and contract.get("compilable", True) and self._stored_count() == cap)
+                and contract.get("compilable", True)
+                and self._slot_count() == cap + _slack(m, self._full_params))
 
     def _stored_count(self) -> int:
         return 0 if self._state is None else int(self.method.positions(self._state).shape[2])
+
+    def _slot_count(self) -> int:
+        """Rows the state's arrays hold (its slots, empty ones included)."""
+        return 0 if self._state is None else int(self.method.kv_slots(self._state)[0].shape[2])
+
+    def _stored_rows(self, wrapped: bool) -> tuple[mx.array, mx.array]:
+        """The stored rows attention reads: ``kv_slots`` (storage order; attention does not
+        depend on the order of the stored rows). With empty slots the wrapped attention
+        masks them (:meth:`_empty_mask`); mlx-lm's own attention cannot, so it gets
+        ``get_kv``'s gather of the filled slots."""
+        k, v, filled = self.method.kv_slots(self._state)
+        if filled is not None and not wrapped:
+            k, v = self.method.get_kv(self._state)
+        return k, v
+
+    def _empty_mask(self) -> mx.array | None:
+        """``kv_slots``' mask of the filled slots ``[b, h, n]`` (``None``: no empty slot)."""
+        return None if self._state is None else self.method.kv_slots(self._state)[2]
+
+
+def _slack(m: Method, params: dict[str, Any]) -> int:
+    """Rows a state of ``m`` may hold beyond its capacity (``contract.slack``, ``velox.evict``)."""
+    name = m.spec.contract.get("slack")
+    return int(params.get(name, 0)) if name else 0
 
 
 def _arrays(record: Any) -> list[mx.array]:
@@ -535,24 +578,80 @@ def _arrays(record: Any) -> list[mx.array]:
 
 # --- compiled steps: one bounded cache ------------------------------------------------
 
+def _with_empty_slots(mask, filled: mx.array | None, queries: mx.array, total: int):
+    """``mask`` (``None``, ``"causal"`` or an array) for ``queries [b, q, s, d]`` over the
+    stored slots followed by the new tokens (``total`` keys), with the empty slots of
+    ``filled`` (``kv_slots``' mask ``[b, h, n]``; ``None``: none, ``mask`` unchanged) left
+    out: stored slots visible where filled, the new tokens as ``mask`` says (causal among
+    themselves for ``"causal"``). Boolean, ``[b, q, s, total]``."""
+    if filled is None:
+        return mask
+    b, hq, s, _ = queries.shape
+    h, n = filled.shape[1], filled.shape[2]
+    stored = mx.broadcast_to(filled[:, :, None, None, :], (b, h, hq // h, s, n)).reshape(b, hq, s, n)
+    t = total - n  # the new tokens (a tail may precede the step's own)
+    if isinstance(mask, str) or (mask is None and s > 1):
+        new = mx.arange(t)[None, :] <= mx.arange(t - s, t)[:, None]
+    else:
+        new = mx.ones((s, t), mx.bool_)
+    out = mx.concatenate([stored, mx.broadcast_to(new, (b, hq, s, t))], axis=-1)
+    if isinstance(mask, mx.array):  # a given array mask (mlx-lm's causal one): both hold
+        out = (out & mask) if mask.dtype == mx.bool_ else mx.where(out, mask, -mx.inf)
+    return out
+
+
+def _split_step(m: Method, state, keys, values, queries):
+    """A decode step's update, with the new row's write into its slot left for the next
+    step: ``(state, row)``. The rows of a state of slots are read (scores) before the
+    step's slot write, and MLX writes in place only into a buffer nothing else holds, so a
+    write in the same graph as the reads copies the whole cache; built at the start of the
+    next step (:attr:`VeloxCache._state`), before any read, it writes one row. ``row`` is
+    ``(slot, keys, values)`` (the slot's row if the new token lost); ``None`` when the step
+    writes no slot (a method without slots, a composed state, a chunk)."""
+    backend = m.backends[state.backend]
+    step = getattr(backend, "with_move", None)
+    if step is None or not isinstance(getattr(state, "keys", None), mx.array):
+        return m.update(state, keys, values, queries=queries), None
+    new, move = step(state, keys, values, queries)
+    if move.slot is None:
+        return new, None
+    rows = []
+    for old, x in ((state.keys, keys), (state.values, values)):
+        if move.write is not None:  # the new token lost: the slot keeps its row
+            idx = move.slot[..., None]
+            x = mx.where(move.write[..., None], x.astype(old.dtype), mx.take_along_axis(old, idx, axis=2))
+        rows.append(x.astype(old.dtype))
+    return new._replace(keys=state.keys, values=state.values), (move.slot, *rows)
+
+
+def _write_row(state, row) -> tuple:
+    """``state`` with a pending row ``(slot, keys, values)`` written into its slot."""
+    slot, k, v = row
+    return state._replace(keys=evict.write_slot(state.keys, k, slot),
+                          values=evict.write_slot(state.values, v, slot))
+
+
 def _update_step(m: Method) -> Callable:
-    return lambda s, k, v: m.update(s, k, v)
+    return lambda s, k, v: _split_step(m, s, k, v, None)
 
 
 def _update_step_with_queries(m: Method) -> Callable:
-    return lambda s, k, v, q: m.update(s, k, v, queries=q)
+    return lambda s, k, v, q: _split_step(m, s, k, v, q)
 
 
 def _fused_step(m: Method) -> Callable:
-    """A decode step: this token's attention over stored + new, then the update."""
+    """A decode step: this token's attention over stored + new, then the update (its slot
+    write left for the next step, :func:`_split_step`): ``(out, state, row)``."""
     def step(state, queries, keys, values, scale):
         if m.attend is not None:
             out = m.attend(state, queries, keys, values, scale=scale, mask=None)
-        else:
-            k, v = m.get_kv(state)
+        else:  # the stored rows in storage order, empty slots masked, then the new token
+            k, v, filled = m.kv_slots(state)
+            mask = _with_empty_slots(None, filled, queries, k.shape[2] + keys.shape[2])
             out = mx.fast.scaled_dot_product_attention(
-                queries, evict.append_rows(k, keys), evict.append_rows(v, values), scale=scale)
-        return out, m.update(state, keys, values, queries=queries)
+                queries, evict.append_rows(k, keys), evict.append_rows(v, values), scale=scale,
+                mask=mask)
+        return (out, *_split_step(m, state, keys, values, queries))
 
     return step
 
@@ -1242,8 +1341,9 @@ def _check_state(where: str, m: Method, st: tuple, params: dict[str, Any], offse
         raise ValueError(f"{where}: stored positions must increase within [0, {bound}")
     cap = m.spec.capacity(full)
     phase = m.spec.contract.get("bound_phase", "all")
+    slack = _slack(m, full)
     low, high = (offset, offset) if cap is None else (
-        (min(cap, offset), offset) if phase == "prefill" else (min(cap, offset),) * 2)
+        (min(cap, offset), offset) if phase == "prefill" else (min(cap, offset), min(cap + slack, offset)))
     if not low <= n <= high:
         want = f"{low}" if low == high else f"{low} to {high}"
         raise ValueError(f"{where}: the state holds {n} tokens; after {offset} its parameters keep "

@@ -73,7 +73,7 @@ def test_a_policy_composes_with_another_codec():
 
     assert ("tova", "qjl") in comps.PAIRS
     m = velox.get_method("tova+qjl")
-    assert set(m.spec.params) == {"budget", "n_sink", "per_head", "jl_dim", "seed"}
+    assert set(m.spec.params) == {"budget", "n_sink", "per_head", "slack", "jl_dim", "seed"}
     st = velox.init("tova+qjl", 1, 2, 64, budget=16, n_sink=2)
     plain = velox.init("tova", 1, 2, 64, budget=16, n_sink=2)
     for s in (30, 1, 1):

@@ -1,5 +1,7 @@
 """The method contract, checked on every registered method with spec-driven hypothesis cases."""
 
+import typing
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -68,6 +70,37 @@ def test_invariants(case):
     vt.check_next_pos(case, states)
     vt.check_error_bound(case, states, steps)
     vt.check_bytes(case, states)
+    vt.check_slots(case, states)
+
+
+SLOTTED = [k for k in KEYS if getattr(get_method(k).backends.get("mlx"), "slots", False)
+           and hasattr(get_method(k).backends["mlx"], "skeleton")]
+
+
+@pytest.mark.parametrize("key", SLOTTED)
+@settings(max_examples=max(3, settings.default.max_examples // 3))
+@given(data=st.data())
+def test_slots_keep_the_sorted_rule(key, data):
+    """Slots change where rows live, not what is kept: after every update a state of slots
+    holds the tokens, rows and per-token fields of the same rule on sorted rows (the
+    ``reference`` backends; any ``slack``: the sorted rule appends and selects down to the
+    budget at the same steps), and its slot invariants hold (``check_slots``)."""
+    case = data.draw(vt.cases(key, dtypes=("float32",), contents=vt.CONTINUOUS), label="case")
+    steps = vt.make_inputs(case)
+    slots = vt.run(case, "reference", steps=steps)
+    twin = vt.run(case, "reference", update=vt.sorted_twin(key), steps=steps)
+    vt.check_slots(case, slots)
+    m = get_method(key)
+    hints = typing.get_type_hints(m.state_type)
+    carried = [f for f in m.state_type._fields if f not in ("keys", "values", "positions")
+               and str(getattr(hints.get(f), "dim_str", "")).split()[:3] == ["b", "h", "n"]]
+    for t, (a, b) in enumerate(zip(slots, twin)):
+        assert np.array_equal(np.array(m.positions(a)), np.array(b.positions)), f"update {t}: kept tokens"
+        for x, y in zip(m.get_kv(a), (b.keys, b.values)):
+            assert mx.array_equal(x, y).item(), f"update {t}: kept rows"
+        for f in carried:
+            np.testing.assert_allclose(np.array(vt.by_position(a, f)), np.array(getattr(b, f)),
+                                       rtol=1e-6, atol=1e-7, err_msg=f"update {t}: {f}")
 
 
 @_given_cases(contents=vt.CONTINUOUS)

@@ -203,7 +203,7 @@ class _EveryCall(_BaseCache):
         if self.st is None:
             b, h, _, d = keys.shape
             self.st = self.m.init(b, h, d, dtype=keys.dtype, **self.params)
-        k, v = self.m.get_kv(self.st)
+        k, v, _ = self.m.kv_slots(self.st)  # storage order, as the velox cache reads them
         out = mx.concatenate([k, keys], axis=2), mx.concatenate([v, values], axis=2)
         self.st = self.m.update(self.st, keys, values)
         self.offset += keys.shape[2]

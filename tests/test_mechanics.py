@@ -264,3 +264,157 @@ def test_cam_never_merges_a_nonfinite_loser(merge):
             finite = ~np.isin(pos, list(bad))
             assert np.isfinite(keys[finite]).all() and np.isfinite(values[finite]).all(), (backend, t)
             assert (pos[..., :2] == np.arange(min(t + 1, 2))).all()
+
+
+# --- slots -------------------------------------------------------------------------------
+
+def _slot_state(slack=3, chunks=(9, 1, 1), backend="mlx", seed=0):
+    rng = np.random.default_rng(seed)
+    st = velox.tova_init(1, 2, 8, budget=6, n_sink=1, slack=slack, backend=backend)
+    for s in chunks:
+        k = mx.array(rng.standard_normal((1, 2, s, 8)).astype(np.float32))
+        st = velox.tova_update(st, k, k)
+    return st
+
+
+@given(st.lists(st.floats(-2, 2, width=32) | st.just(float("nan")) | st.just(float("inf")),
+                min_size=3, max_size=20), st.data())
+def test_slot_losers_match_the_reference_and_the_sorted_rule(scores, data):
+    """The losers of candidates in any slot order: by score then position (the older of equal
+    scores goes), as top_budget's on the same candidates sorted; MLX and NumPy agree."""
+    n = len(scores)
+    drop = data.draw(st.integers(1, n - 2))
+    pos = np.array(data.draw(st.permutations(range(n))), np.int64)
+    x = np.array(scores, np.float32)
+    total = n
+    sinks = data.draw(st.integers(0, 1))
+    got = evict.slot_losers(mx.array(x)[None, None], mx.array(pos.astype(np.int32))[None, None],
+                            mx.array([[[total]]]), drop, sinks, 0)
+    got = np.array(got)[0, 0]
+    lost = sorted(pos[np.flatnonzero(got)].tolist() if drop > 1 else [int(pos[got[0]])])
+    want = sorted(pos[ref.slot_losers(x.astype(np.float64), pos, total, drop, sinks)].tolist())
+    order = np.argsort(pos)  # the same candidates sorted by position: the sorted rule
+    keep = ref.top_budget(x[order].astype(np.float64), n - drop, ref.protected(pos[order], total, sinks))
+    assert lost == want == sorted(set(range(n)) - set(keep.tolist()))
+
+
+def test_decode_writes_the_new_row_into_the_losers_slot():
+    st = _slot_state(slack=0, chunks=(9,))
+    k = mx.array(np.random.default_rng(1).standard_normal((1, 2, 1, 8)).astype(np.float32))
+    new = velox.tova_update(st, k, k)
+    before, after = np.array(st.positions), np.array(new.positions)
+    for j in range(2):
+        changed = np.flatnonzero(before[0, j] != after[0, j])
+        if changed.size:  # one slot: the loser's, now the new token
+            assert changed.size == 1 and after[0, j, changed[0]] == 9
+            assert mx.array_equal(new.keys[0, j, changed[0]], k[0, j, 0]).item()
+            same = np.flatnonzero(before[0, j] == after[0, j])
+            assert mx.array_equal(new.keys[0, j][mx.array(same)], st.keys[0, j][mx.array(same)]).item()
+        else:  # the new token lost: nothing moved
+            assert mx.array_equal(new.keys[0, j], st.keys[0, j]).item()
+
+
+def test_slack_fills_empty_slots_then_selects():
+    st = _slot_state(slack=3, chunks=(9,))
+    counts, empties = [], []
+    rng = np.random.default_rng(2)
+    for _ in range(9):
+        k = mx.array(rng.standard_normal((1, 2, 1, 8)).astype(np.float32))
+        st = velox.tova_update(st, k, k)
+        counts.append(int(velox.positions(st).shape[2]))
+        empties.append(st.empty)
+        assert st.positions.shape[2] == 9  # the slots never move
+    assert counts == [6, 7, 8, 9, 6, 7, 8, 9, 6] and empties == [3, 2, 1, 0, 3, 2, 1, 0, 3]
+    k, v, mask = velox.get_method("tova").kv_slots(st)
+    assert np.array_equal(np.array(mask), np.array(st.positions) >= 0)
+
+
+def test_decode_step_is_in_place():
+    """The adapter's decode update (``_split_step``: the slot write built at the start of the
+    next step, before anything reads the rows) writes one row: its time does not grow with
+    the cache like a copy would (16x the rows, well under 16x the time); the update in one
+    graph with its reads copies."""
+    import time
+
+    from velox.adapters import mlxlm as A
+    m = velox.get_method("streaming_llm")
+
+    def step_time(window, split=True):
+        rng = np.random.default_rng(0)
+        st = velox.streaming_llm_init(1, 8, 128, window_size=window, n_sink=4)
+        k = mx.array(rng.standard_normal((1, 8, window + 8, 128)).astype(np.float32))
+        st = velox.streaming_llm_update(st, k, k)
+        one = mx.array(rng.standard_normal((1, 8, 1, 128)).astype(np.float32))
+        mx.eval(st, one)
+        row, times = None, []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            if row is not None:
+                st = A._write_row(st, row)
+            st, row = A._split_step(m, st, one, one, None)
+            mx.eval(st, row)
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))
+
+    small, large = step_time(1024), step_time(16384)
+    assert large < 6 * small, (small, large)
+
+
+def test_attention_over_slots_masks_empty_slots():
+    """The adapter's attention over ``kv_slots`` (storage order, empty slots masked) equals
+    attention over ``get_kv`` (the filled slots in position order), decode and chunk alike,
+    and its fused decode step too."""
+    from velox.adapters import mlxlm as A
+    m = velox.get_method("tova")
+    st = _slot_state(slack=3, chunks=(9, 1, 1))
+    k, v, filled = m.kv_slots(st)
+    assert filled is not None and st.empty == 2
+    gk, gv = m.get_kv(st)
+    rng = np.random.default_rng(3)
+    for s, mask in ((1, None), (4, "causal")):
+        q = mx.array(rng.standard_normal((1, 4, s, 8)).astype(np.float32))
+        nk, nv = (mx.array(rng.standard_normal((1, 2, s, 8)).astype(np.float32)) for _ in range(2))
+        got = mx.fast.scaled_dot_product_attention(
+            q, mx.concatenate([k, nk], 2), mx.concatenate([v, nv], 2), scale=0.3,
+            mask=A._with_empty_slots(mask, filled, q, k.shape[2] + s))
+        want = mx.fast.scaled_dot_product_attention(
+            q, mx.concatenate([gk, nk], 2), mx.concatenate([gv, nv], 2), scale=0.3, mask=mask)
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
+        if s == 1:
+            out, new, row = A._fused_step(m)(st, q, nk, nv, 0.3)
+            new = A._write_row(new, row) if row is not None else new
+            np.testing.assert_allclose(np.array(out), np.array(want), rtol=1e-5, atol=1e-6)
+            assert np.array_equal(np.array(velox.positions(new)),
+                                  np.array(velox.positions(m.update(st, nk, nv, queries=q))))
+
+
+@pytest.mark.parametrize("slack", [0, 5])
+def test_adapter_decodes_over_slots(tiny_llama, slack):
+    """Deferred mode over slots: the fused compiled decode step (the slot write left for the
+    next step, empty slots masked) produces the logits of the plain step, and its state holds
+    the plain step's tokens; proxy mode runs with empty slots too."""
+    from velox.adapters.mlxlm import make_cache
+    prompt = [int(x) for x in np.random.default_rng(0).integers(0, 97, 40)]
+
+    def run(**kw):
+        caches = make_cache(tiny_llama, "tova", budget=16, n_sink=2, slack=slack, **kw)
+        tiny_llama(mx.array([prompt]), cache=caches)
+        outs, x = [], prompt[-1]
+        for _ in range(14):
+            logits = tiny_llama(mx.array([[x]]), cache=caches)[0, -1]
+            x = int(mx.argmax(logits).item())
+            outs.append(np.array(logits))
+        return outs, caches
+
+    fused, a = run(real_queries=True)
+    plain, b = run(real_queries=True, compile=False)
+    assert a[0].last_step == "fused" and b[0].last_step == "deferred"
+    for x, y in zip(fused, plain):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
+    for c, d in zip(a, b):
+        assert np.array_equal(np.array(c.positions()), np.array(d.positions()))
+        k1, v1 = velox.get_kv(c.velox_state)
+        k2, v2 = velox.get_kv(d.velox_state)
+        assert mx.array_equal(k1, k2).item() and mx.array_equal(v1, v2).item()
+    proxy, _ = run(real_queries=False)
+    assert all(np.isfinite(x).all() for x in proxy)

@@ -246,6 +246,13 @@ def by_position(state, name: str) -> mx.array:
 
 # --- checks -------------------------------------------------------------------------
 
+def slack_of(case: Case) -> int:
+    """The rows the case's state may hold beyond its capacity (``contract.slack``: the name
+    of the slack parameter, ``velox.evict``); 0 when the spec names none."""
+    name = get_method(case.key).spec.contract.get("slack")
+    return int(case.params[name]) if name else 0
+
+
 def _kept(m: Method, state) -> int:
     return int(m.positions(state).shape[2])
 
@@ -255,11 +262,15 @@ def check_capacity(case: Case, states: list) -> None:
     m = get_method(case.key)
     spec = m.spec
     cap = spec.capacity(case.params)
+    slack = slack_of(case)
     seen, prev = 0, 0
     for s, state in zip(case.chunks, states):
         seen += s
         n = _kept(m, state)
-        if cap is None:
+        if slack:  # amortized: up to cap + slack rows, a selection keeps cap
+            want = cap if prev + s > cap + slack else prev + s
+            assert n == want, f"kept {n} after {prev}+{s}, capacity {cap}, slack {slack}"
+        elif cap is None:
             assert n == seen, f"unbounded method keeps {n} of {seen} tokens"
         elif spec.contract.get("bound_phase", "all") == "prefill" and s == 1:
             assert n == prev + 1, f"decode step changed the count {prev} -> {n}"
@@ -315,6 +326,51 @@ def check_positions(case: Case, states: list, steps: list[Step]) -> None:
             want_v = mx.take_along_axis(hv, idx[..., None], axis=2)
             assert mx.array_equal(k, want_k).item(), "kept keys differ from the input rows"
             assert mx.array_equal(v, want_v).item(), "kept values differ from the input rows"
+
+
+def check_slots(case: Case, states: list) -> None:
+    """A state of slots (``velox.evict``) after each update: each row holds every kept token
+    once, its ``empty`` empty slots at position -1 and masked by ``kv_slots`` (its mask
+    ``None`` when none is empty), and ``get_kv`` and ``positions`` are the filled slots of
+    ``kv_slots`` in increasing position."""
+    m = get_method(case.key)
+    if not getattr(m.backends.get("mlx"), "slots", False):
+        return
+    for t, state in enumerate(states):
+        raw = np.array(state.positions)
+        empty = getattr(state, "empty", 0)
+        keys, values, mask = m.kv_slots(state)
+        assert keys.shape[:3] == values.shape[:3] == raw.shape, f"update {t}: slot arrays disagree"
+        empties = (raw == -1).sum(axis=-1)
+        assert (empties == empty).all() and ((raw >= 0) | (raw == -1)).all(), (
+            f"update {t}: {empties.ravel().tolist()} empty slots per row, the state says {empty}")
+        if empty:
+            assert mask is not None and np.array_equal(np.array(mask), raw >= 0), (
+                f"update {t}: kv_slots' mask is not the filled slots")
+        else:
+            assert mask is None, f"update {t}: a mask with no empty slot"
+        filled = np.sort(raw, axis=-1)[..., empty:]
+        assert (np.diff(filled, axis=-1) > 0).all(), f"update {t}: a token in two slots"
+        pos = np.array(m.positions(state))
+        assert np.array_equal(pos, filled), f"update {t}: positions() is not the sorted slots"
+        order = np.argsort(raw, axis=-1, kind="stable")[..., empty:]
+        for got, slot_rows, name in zip(m.get_kv(state), (keys, values), ("keys", "values")):
+            want = np.take_along_axis(np.array(slot_rows.astype(mx.float32)), order[..., None], axis=2)
+            assert np.array_equal(np.array(got.astype(mx.float32)), want, equal_nan=True), (
+                f"update {t}: get_kv's {name} are not kv_slots' in position order")
+
+
+def sorted_twin(key: str, backend: str = "reference") -> Callable:
+    """The update of method ``key`` (a score-and-keep method with slots) built with
+    ``contract.slots = "sorted"``: the same rule on rows kept in increasing position at every
+    step (:func:`velox.evict.keep_rows`), the executable statement of what slots must
+    preserve."""
+    import dataclasses
+    m = get_method(key)
+    build = m.backends["mlx"].skeleton
+    spec = dataclasses.replace(m.spec, contract={**m.spec.contract, "slots": "sorted"})
+    update = build(spec)[backend]
+    return lambda s, k, v, q: update(s, k, v, q)
 
 
 def check_next_pos(case: Case, states: list) -> None:
