@@ -243,35 +243,42 @@ def test_emulated_kernels_match_attend(case, monkeypatch):
 
 # --- on the GPU ------------------------------------------------------------------------------
 
-GPU_SETTINGS = [dict(bits=b, group_size=gs) for b in kk.BITS for gs in kk.GROUP_SIZES]
-# b, h, g, d, n: lengths not multiples of a group or of a split, the residual window full
+GPU_EXTREMES = [  # b, h, g, d, n, dtype, params
+    (1, 2, 4, 128, 0, mx.float16, dict()),                                   # nothing stored
+    (2, 2, 4, 128, 100, mx.bfloat16, dict()),                                # no quantized token
+    (1, 2, 4, 128, 4096, mx.float32, dict(residual_length=0)),               # no residual row
+    (1, 2, 1, 128, 300, mx.bfloat16, dict()),                                # one query head
+    (1, 1, 32, 128, 300, mx.float16, dict(group_size=128)),                  # 32 query heads
+    (1, 2, 4, 64, 1500, mx.float32, dict(residual_length=1100)),             # 3 residual splits
+    (1, 8, 4, 128, 32768, mx.float16, dict()),                               # the benchmark's
+]
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", GPU_EXTREMES, ids=lambda c: f"{c[:5]}-{c[5]}-{c[6]}")
+def test_decode_attend_at_the_extremes(case, monkeypatch):
+    """No stored token, no quantized token, an empty residual window, one and 32 query heads
+    per kv head, several residual splits, and the benchmark's 32768 tokens."""
+    _compare(case, monkeypatch)
+
+
+# 3 bits last: the slowest setting to run on the H200
+GPU_SETTINGS = [dict(bits=b, group_size=gs) for b in (2, 4, 8, 3) for gs in kk.GROUP_SIZES]
+# b, h, g, d, n: lengths not multiples of a group or of a split, the residual window full. MLX
+# compiles its CUDA kernels per dtype and shape at their first run, so each setting takes one
+# shape and one dtype and residual dtype, in turn.
 GPU_SHAPES = [(2, 2, 4, 128, 1000), (1, 2, 4, 64, 415), (1, 8, 4, 128, 4099)]
 
 
 @needs_cuda
 @pytest.mark.parametrize("params", GPU_SETTINGS, ids=str)
 def test_decode_attend_matches_attend(params, monkeypatch):
-    """Every bits x group size over three shapes (GQA 4, head_dim 128 and 64), the dtype and
-    the residual dtype cycling."""
+    """Every bits x group size (GQA 4, head_dim 128 and 64), the shape, the dtype and the
+    residual dtype cycling."""
     i = GPU_SETTINGS.index(params)
-    for k, (b, h, g, d, n) in enumerate(GPU_SHAPES):
-        if d % params["group_size"]:
-            continue
-        rd = ("float16", "bfloat16", "float32", "model")[(i + k) % 4]
-        _compare((b, h, g, d, n, DTYPES[(i + k) % 3], dict(params, residual_dtype=rd)), monkeypatch)
-
-
-@needs_cuda
-def test_decode_attend_at_the_extremes(monkeypatch):
-    """No stored token, no quantized token, an empty residual window, one and 32 query heads
-    per kv head, several residual splits, and the benchmark's 32768 tokens, in every dtype."""
-    for dtype in DTYPES:
-        for b, h, g, d, n, params in (
-                (1, 2, 4, 128, 0, dict()), (2, 2, 4, 128, 100, dict()),
-                (1, 2, 4, 128, 4096, dict(residual_length=0)), (1, 2, 1, 128, 300, dict()),
-                (1, 1, 32, 128, 300, dict(group_size=128)), (1, 2, 4, 64, 1500, dict(residual_length=1100)),
-                (1, 8, 4, 128, 32768, dict())):
-            _compare((b, h, g, d, n, dtype, params), monkeypatch)
+    b, h, g, d, n = GPU_SHAPES[i % 3] if 64 % params["group_size"] == 0 else GPU_SHAPES[2 * (i % 2)]
+    rd = ("float16", "bfloat16", "float32", "model")[i % 4]
+    _compare((b, h, g, d, n, DTYPES[i % 3], dict(params, residual_dtype=rd)), monkeypatch)
 
 
 @needs_cuda
