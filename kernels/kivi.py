@@ -207,7 +207,7 @@ def _layout(state, queries) -> _Layout | None:
     if bits not in BITS or gs not in GROUP_SIZES:
         return None
     b, hq, _, d = queries.shape
-    if state.next_pos.ndim != 2:
+    if not isinstance(state.next_pos, mx.array) or state.next_pos.ndim != 2:
         return None
     bs, h = state.next_pos.shape
     if d not in HEAD_DIMS or d % gs or bs != b or h == 0 or hq % h or not 1 <= hq // h <= MAX_GROUPS:
