@@ -20,8 +20,11 @@ costs launch and bookkeeping time that dwarfs its work at decode sizes. Two kern
   come from MLX ops (KNorm's key norms, Q-Filters' projections, CurDKV's leverage of the new
   token, ChunkKV's key norms), as one ``[b, h, n + 1]`` array or stored and new apart.
 
-StreamingLLM's loser is fixed, so its step is ``compact`` alone, as are KNorm's, Q-Filters'
-and CurDKV's after their scores. MLX compiles each kernel at its first launch and caches it
+Which kernels a step runs: the score-and-keep methods (``velox.evict.score_and_keep``) keep
+their rows in slots and take only ``weights`` (or their MLX scores) on the GPU; the loser and
+the one-row slot write are MLX ops (``compact``'s outputs are fresh buffers, so it would copy
+every kept row at each step). ``compact`` serves the methods whose rows stay sorted
+(``contract.slots = "sorted"``: CaM's merge, ChunkKV's chunks), which move the kept rows anyway. MLX compiles each kernel at its first launch and caches it
 per template values and dtypes; ``weights`` takes head_dim as one, so each lane's loads of a
 key row unroll and issue together. ``velox.kernels.nvrtc`` compiles every variant's source
 without a GPU (a test does, for three dtypes).
