@@ -472,13 +472,18 @@ def score_and_keep(score: Callable | None, reference: Callable | None, *,
     """The backends of a score-and-keep eviction method, built from its score.
 
     Every update appends the ``s`` new rows to the ``n`` stored ones, and when the method
-    evicts (its spec: ``n + s`` over ``contract.capacity``; every update, or multi-token
-    chunks only when ``contract.bound_phase = "prefill"``) keeps the ``capacity`` best-scoring candidates, the
-    protected ones always (the first ``contract.sinks`` positions and the ``contract.recent``
-    newest), in increasing position, with the tie and non-finite rules of :func:`top_budget`.
-    Where the spec's ``head_independent`` names a bool parameter (``"per_head"``), a batch
-    row's heads share one selection when it is false: the mean of their scores. Positions,
-    ``next_pos``, the append and the gather are written here, once.
+    evicts (its spec: ``n + s`` over ``contract.capacity`` plus ``contract.slack``; every
+    update, or multi-token chunks only when ``contract.bound_phase = "prefill"``) keeps the
+    ``capacity`` best-scoring candidates, the protected ones always (the first
+    ``contract.sinks`` positions and the ``contract.recent`` newest), with the tie and
+    non-finite rules of :func:`top_budget`. Rows live in slots (see the module): a decode step
+    writes the new row into the loser's slot (:func:`slot_losers`; with slack, the freed slots
+    empty and later tokens fill them), a multi-token step gathers the survivors in increasing
+    position; ``contract.slots = "sorted"`` keeps every step in increasing position. Where the
+    spec's ``head_independent`` names a bool parameter (``"per_head"``), a batch row's heads
+    share one selection when it is false: the mean of their scores. Positions, ``next_pos``,
+    the append, the slot write and the gather are written here, once. A score must not depend
+    on the order of the stored rows at decode (attention over them, per-token values).
 
     Args:
         score: the ``mlx`` score, ``score(state, keys, values, queries, evicting) -> scores
@@ -492,10 +497,12 @@ def score_and_keep(score: Callable | None, reference: Callable | None, *,
             its updates are per head (``[N, ...]`` for carried fields, the field's per-head
             shape for the others). ``None`` with ``score=None``.
         kernel: the ``cuda`` backend's input for a decode step at a full cache,
-            ``kernel(state, keys, values, queries) -> dict`` of ``velox.kernels.evict.compact``'s
-            loser arguments (``by=`` scores or ``drop=``, ``carry=``, ``profiles=``); the
-            protection and sharing are added here. Default (when the spec lists ``cuda``):
-            ``by`` the ``mlx`` score. Every other call runs the ``mlx`` backend on the GPU.
+            ``kernel(state, keys, values, queries) -> dict``: ``by=`` the scores (from
+            ``velox.kernels.evict.weights`` or MLX ops), ``carry=`` the carried field over the
+            candidates, ``profiles=`` MorphKV's (stored, new column); ``drop=`` (a fixed loser)
+            is the protected-tokens rule itself. The loser and the slot write are MLX ops, as
+            on the ``mlx`` backend. Default (when the spec lists ``cuda``): ``by`` the ``mlx``
+            score. Every other call runs the ``mlx`` backend on the GPU.
         carry: state fields of per-token data kept with the rows (``[b, h, n, ...]``): H2O's
             accumulated attention, KVzip's running maximum, MorphKV's votes. The score's
             updates hold their values over the candidates.
@@ -512,7 +519,11 @@ def score_and_keep(score: Callable | None, reference: Callable | None, *,
     Returns:
         ``spec -> {backend: update}``, for :func:`velox.registry.register`'s ``backends``;
         the ``reference`` and ``mlx`` updates carry ``logits_only`` as an attribute (read by
-        :func:`scores_by_logits`).
+        :func:`scores_by_logits`), every update ``slots`` (read by the registry: ``get_kv``,
+        ``positions`` and ``kv_slots`` of a state of slots) and ``with_move(state, keys,
+        values, queries) -> (state, Move)`` (how the rows moved: compositions follow it, the
+        adapter defers the slot write); the ``mlx`` update ``skeleton``, this ``spec ->``
+        function (the contract suite builds the ``"sorted"`` twin with it).
     """
     if score is None and (carry or fields or reference is not None):
         raise ValueError("a rule without a score keeps the protected slots only: it carries nothing")
