@@ -418,3 +418,20 @@ def test_adapter_decodes_over_slots(tiny_llama, slack):
         assert mx.array_equal(k1, k2).item() and mx.array_equal(v1, v2).item()
     proxy, _ = run(real_queries=False)
     assert all(np.isfinite(x).all() for x in proxy)
+
+
+@pytest.mark.parametrize("backend", ["reference", "mlx"])
+def test_a_lowered_budget_shrinks_a_state_of_slots_at_its_next_decode_step(backend):
+    """SqueezeAttention lowers a layer's budget between forwards: the next decode step keeps
+    the new budget in one gather, as the same rule on sorted rows does."""
+    from velox.testing import sorted_twin
+    twin = sorted_twin("h2o", backend)
+    rng = np.random.default_rng(0)
+    a = b = velox.h2o_init(1, 2, 8, budget=10, n_sink=1, grace=2, backend=backend)
+    for t, s in enumerate((12, 1, 1, 1, 1, 1)):
+        k = mx.array(rng.standard_normal((1, 2, s, 8)).astype(np.float32))
+        if t == 4:
+            a, b = a._replace(budget=6), b._replace(budget=6)
+        a, b = velox.h2o_update(a, k, k), twin(b, k, k, None)
+        assert np.array_equal(np.array(velox.positions(a)), np.array(b.positions))
+    assert velox.positions(a).shape[2] == 6 and a.positions.shape[2] == 6

@@ -461,9 +461,13 @@ def _protected_index(n: int, n_sink: int, recent: int) -> np.ndarray:
 
 def _sorts_chunks(plan: _Plan, state, n: int, s: int) -> bool:
     """Whether this update first gathers the filled slots in increasing position: a
-    multi-token step of a slot method over stored rows (a prefill-bounded method's slots
-    are always sorted: its decode steps append)."""
-    return plan.slots and s > 1 and n > 0 and not plan.prefill_only
+    multi-token step of a slot method over stored rows, or a decode step of a state holding
+    more than its capacity (a budget lowered since: SqueezeAttention's reallocation), which
+    keeps ``capacity`` in one gather (a prefill-bounded method's slots are always sorted: its
+    decode steps append)."""
+    if not plan.slots or n == 0 or plan.prefill_only:
+        return False
+    return s > 1 or n - empty_slots(state) > plan.capacity(state) + plan.slack(state)
 
 
 def score_and_keep(score: Callable | None, reference: Callable | None, *,
@@ -559,6 +563,17 @@ def _rows_and_scored(state, logits_only: bool) -> tuple:
     return rows, (state if logits_only else rows)
 
 
+def _slot_step(plan: _Plan, state, n: int, s: int, evicting: bool) -> bool:
+    """Whether a decode step works in place: it evicts from a full state of slots (exactly
+    ``capacity + slack`` tokens) or fills an empty slot."""
+    if not plan.slots or s != 1:
+        return False
+    empty = empty_slots(state)
+    if evicting:
+        return n - empty == plan.capacity(state) + plan.slack(state)
+    return empty > 0
+
+
 def _compacted_pair(state, seen, carry):
     """``(state, seen)`` with the filled slots gathered in increasing position. A state whose
     keys are :class:`CodedKeys` (a composition's) arrives compacted: ``velox.compose``
@@ -641,7 +656,7 @@ def _mlx_backend(score, carry, fields, plan: _Plan, logits_only: bool = False) -
         if score is not None and (evicting or carry or fields):
             scored = _scored(score(seen, keys, values, queries, evicting))
         refreshed = {name: scored.updates[name] for name in fields}
-        if plan.slots and s == 1 and (evicting or empty):
+        if _slot_step(plan, state, n, s, evicting):
             move, stored, new, empty = _place(plan, state, keys, values, scored, carry, evicting)
             out = apply_move(move, stored, new)
             return _finish(state, out, carry, refreshed, s, empty), move
@@ -712,7 +727,7 @@ def _reference_backend(reference, carry, fields, plan: _Plan, logits_only: bool 
             scores[:] = scores.mean(axis=1, keepdims=True)
         stacked = {name: np.stack([np.stack(row) for row in rows]) for name, rows in per_head.items()}
         cap, sinks, recent = plan.capacity(state), plan.sinks(state), plan.recent(state)
-        if plan.slots and s == 1 and (evicting or empty):
+        if _slot_step(plan, state, n, s, evicting):
             slack = plan.slack(state)
             slots = ref.slot_step(scores, c.positions, c.total, n, evicting, slack, sinks, recent)
             new, move = ref.place(state, c, slots, **{name: stacked[name] for name in carry})
