@@ -115,3 +115,13 @@ def test_keyword_parameters_become_the_init_defaults():
         compose.evict_then_store("h2o", codec="turboquant_mse", budget=0)
     with pytest.raises(ValueError, match="n_sink"):  # the policy's constraint budget > n_sink
         compose.evict_then_store("tova", codec="qjl", budget=4, n_sink=4)
+
+
+def test_composed_deviations_name_only_parameters_it_has():
+    """A codec method's deviation that speaks of a method-level parameter the composition does
+    not take (the outlier channels' n_outlier) is not inherited; one line says which are absent."""
+    from velox.registry import get_method
+    m = get_method("tova+turboquant_mse")
+    assert "n_outlier" not in m.spec.params
+    lines = [d for d in m.spec.deviations if "n_outlier" in d]
+    assert len(lines) == 1 and "not parameters of the composition" in lines[0]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 import typing
 from typing import Any, NamedTuple
 
@@ -355,8 +356,21 @@ def _code_spec(policy: Spec, codec_spec: Spec, key: str, codec_params: tuple[str
         contract=dict(policy.contract, exact_rows=False, quantized=True, **keys_contract,
                       **{k: v for k, v in codec_spec.contract.items() if k == "estimator"}),
         tolerance=dict(codec_spec.tolerance),
-        deviations=policy.deviations + codec_spec.deviations + (keys_line,),
+        deviations=policy.deviations + _codec_deviations(codec_spec, codec_params) + (keys_line,),
         backends=tuple(b for b in policy.backends if b in ("reference", "mlx")))
+
+
+def _codec_deviations(codec_spec: Spec, codec_params: tuple[str, ...]) -> tuple[str, ...]:
+    """The codec method's deviation lines that hold for the composition: a line naming a
+    parameter of the codec's method that the codec does not read (a method-level option such
+    as the outlier channels' ``n_outlier``) is left out, and one line says which are absent."""
+    absent = sorted(set(codec_spec.params) - set(codec_params))
+    words = lambda line: set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", line))  # noqa: E731
+    kept = tuple(d for d in codec_spec.deviations if not words(d) & set(absent))
+    if not absent:
+        return kept
+    return kept + (f"{codec_spec.key}'s method parameters {', '.join(absent)} are not parameters "
+                   "of the composition: the codec runs at their neutral values.",)
 
 
 def _evict_then_code(policy: str, codec_name: str) -> Method:
