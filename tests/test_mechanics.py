@@ -435,3 +435,21 @@ def test_a_lowered_budget_shrinks_a_state_of_slots_at_its_next_decode_step(backe
         a, b = velox.h2o_update(a, k, k), twin(b, k, k, None)
         assert np.array_equal(np.array(velox.positions(a)), np.array(b.positions))
     assert velox.positions(a).shape[2] == 6 and a.positions.shape[2] == 6
+
+
+def test_top_level_kv_slots_dispatches_and_sorts_to_get_kv():
+    """``velox.kv_slots`` is the state's method's accessor: storage order, which sorted by
+    position is ``get_kv`` (a TOVA state after decode steps holds its rows out of order)."""
+    import velox
+    s = velox.init("tova", 1, 2, 8, budget=4, n_sink=1)
+    k = mx.random.normal((1, 2, 6, 8), key=mx.random.key(0))
+    s = velox.update(s, k, k)
+    for i in range(3):
+        x = mx.random.normal((1, 2, 1, 8), key=mx.random.key(1 + i))
+        s = velox.update(s, x, x)
+    keys, values, mask = velox.kv_slots(s)
+    assert mask is None
+    assert not (np.diff(np.array(s.positions), axis=-1) > 0).all()  # out of order: a real check
+    order = np.argsort(np.array(s.positions), axis=-1)
+    sorted_keys = np.take_along_axis(np.array(keys), order[..., None], axis=2)
+    np.testing.assert_array_equal(sorted_keys, np.array(velox.get_kv(s)[0]))

@@ -57,6 +57,14 @@ def positions(state: State) -> mx.array:
     return method_of(state).positions(state)
 
 
+def kv_slots(state: State) -> tuple[mx.array, mx.array, mx.array | None]:
+    """The stored rows in storage order, for attention code: ``(keys, values, mask)``, every
+    row older than the next update's tokens; ``mask`` is ``None`` when every slot holds a token,
+    else a bool ``[b, h, n]`` (True where a slot holds one). ``get_kv`` gives the same rows in
+    increasing position (a gather where the slots are not sorted)."""
+    return method_of(state).kv_slots(state)
+
+
 def tokens_seen(state: State) -> int:
     """Tokens absorbed so far (the absolute position of the next token)."""
     return int(state.next_pos[0, 0].item())
@@ -64,7 +72,7 @@ def tokens_seen(state: State) -> int:
 
 __all__ = [
     "BACKENDS", "BackendUnavailable", "Method", "Spec", "compose", "fp16_bytes", "get_kv", "get_method",
-    "init", "load_spec", "method_keys", "method_of", "nbytes", "positions", "state_nbytes",
+    "init", "kv_slots", "load_spec", "method_keys", "method_of", "nbytes", "positions", "state_nbytes",
     "tokens_seen", "update",
 ]
 
