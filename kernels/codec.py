@@ -486,15 +486,13 @@ def decode_attend(state, queries, keys, values, *, scale: float):
     lay = _layout(state, queries)
     if lay is None:
         raise ValueError("decode_attend does not take this state and queries (see supports)")
-    b, hq, _, d = queries.shape
+    b, _, _, d = queries.shape
     h, g = state.next_pos.shape[1], lay.groups
-    if keys.shape != (b, h, 1, d) or values.shape != (b, h, 1, d):
-        raise ValueError(f"keys and values must be [{b}, {h}, 1, {d}], got {keys.shape}, {values.shape}")
+    check_step(queries, keys, values, h)
     t, kc, vc = state.tables, state.key_codes, state.value_codes
     n = vc[0].shape[2]
-    if n == 0:  # the new token alone: weight 1
-        out = mx.broadcast_to(values.astype(mx.float32), (b, h, g, d))
-        return out.reshape(b, hq, 1, d).astype(queries.dtype)
+    if n == 0:
+        return new_token_alone(queries, values)
     jl = t.jl_dim if lay.codec in ("prod", "qjl") else 0
     params = _params(d, jl, float(scale))
     ins = {"params": params, "qry": queries}
@@ -517,10 +515,39 @@ def decode_attend(state, queries, keys, values, *, scale: float):
         template.append(("BITS", lay.bits))
     if lay.sign_words:
         template.append(("SIGN_WORDS", lay.sign_words))
-    pm, pl, pa = _run_kernel(
-        lay.codec, lay.values, [ins[k] for k in spec["input_names"]],
-        (b * h * nsplit * THREADS, 1, 1), (THREADS, 1, 1),
-        [(b, h, nsplit, g), (b, h, nsplit, g), (b, h, nsplit, g, d)], [mx.float32] * 3, template)
-    (out,) = _run_kernel(None, None, [queries, keys, values, pm, pl, pa, params], (b * h * g * d, 1, 1), (d, 1, 1),
-                         [(b, h, g, d)], [queries.dtype], [("HEAD_DIM", d), ("G", g)])
+    return split_then_merge(_run_kernel, (lay.codec, lay.values), [ins[k] for k in spec["input_names"]],
+                            nsplit, template, queries, keys, values, params)
+
+
+def check_step(queries, keys, values, kv_heads: int) -> None:
+    """A decode step's new ``keys`` and ``values`` are ``[b, kv_heads, 1, d]`` for ``queries
+    [b, hq, 1, d]``; else ``ValueError``."""
+    b, _, _, d = queries.shape
+    if keys.shape != (b, kv_heads, 1, d) or values.shape != (b, kv_heads, 1, d):
+        raise ValueError(f"keys and values must be [{b}, {kv_heads}, 1, {d}], got {keys.shape}, "
+                         f"{values.shape}")
+
+
+def new_token_alone(queries, values):
+    """The output of a step over no stored token: the new token's value, weight 1."""
+    b, hq, _, d = queries.shape
+    h = values.shape[1]
+    out = mx.broadcast_to(values.astype(mx.float32), (b, h, hq // h, d))
+    return out.reshape(b, hq, 1, d).astype(queries.dtype)
+
+
+def split_then_merge(run, variant: tuple, inputs: list, nsplit: int, template: list, queries, keys,
+                     values, params):
+    """The two launches of a decode step: ``run(*variant, inputs, ...)`` (a split kernel, one
+    block per (batch row, kv head, split), writing each split's max, sum and weighted values)
+    and the merge kernel with the new token. ``run`` is the caller's launcher (the tests
+    replace it by an emulation)."""
+    b, hq, _, d = queries.shape
+    h = keys.shape[1]
+    g = hq // h
+    pm, pl, pa = run(*variant, inputs, (b * h * nsplit * THREADS, 1, 1), (THREADS, 1, 1),
+                     [(b, h, nsplit, g), (b, h, nsplit, g), (b, h, nsplit, g, d)], [mx.float32] * 3,
+                     template)
+    (out,) = run(None, None, [queries, keys, values, pm, pl, pa, params], (b * h * g * d, 1, 1),
+                 (d, 1, 1), [(b, h, g, d)], [queries.dtype], [("HEAD_DIM", d), ("G", g)])
     return out.reshape(b, hq, 1, d)

@@ -273,14 +273,12 @@ def decode_attend(state, queries, keys, values, *, scale: float):
     lay = _layout(state, queries)
     if lay is None:
         raise ValueError("decode_attend does not take this state and queries (see supports)")
-    b, hq, _, d = queries.shape
+    b, _, _, d = queries.shape
     h, g = state.next_pos.shape[1], lay.groups
-    if keys.shape != (b, h, 1, d) or values.shape != (b, h, 1, d):
-        raise ValueError(f"keys and values must be [{b}, {h}, 1, {d}], got {keys.shape}, {values.shape}")
+    ck.check_step(queries, keys, values, h)
     nq, nr = state.value_codes.shape[2], state.residual_keys.shape[2]
-    if nq == 0 and nr == 0:  # the new token alone: weight 1
-        out = mx.broadcast_to(values.astype(mx.float32), (b, h, g, d))
-        return out.reshape(b, hq, 1, d).astype(queries.dtype)
+    if nq == 0 and nr == 0:
+        return ck.new_token_alone(queries, values)
     params = ck._params(d, 0, float(scale))
     ins = dict(qry=queries, params=params)
     quant = ("kc", "ks", "kz", "vc", "vs", "vz")
@@ -294,9 +292,5 @@ def decode_attend(state, queries, keys, values, *, scale: float):
     nsplit = nqs + nrs
     template = [("HEAD_DIM", d), ("G", g), ("BITS", lay.bits), ("GS", lay.group_size),
                 ("SPLIT", lay.split), ("QUANT", int(nq > 0)), ("RESID", int(nr > 0))]
-    pm, pl, pa = _run_kernel(
-        "kivi", None, [ins[k] for k in _INPUTS], (b * h * nsplit * THREADS, 1, 1), (THREADS, 1, 1),
-        [(b, h, nsplit, g), (b, h, nsplit, g), (b, h, nsplit, g, d)], [mx.float32] * 3, template)
-    (out,) = _run_kernel(None, None, [queries, keys, values, pm, pl, pa, params], (b * h * g * d, 1, 1),
-                         (d, 1, 1), [(b, h, g, d)], [queries.dtype], [("HEAD_DIM", d), ("G", g)])
-    return out.reshape(b, hq, 1, d)
+    return ck.split_then_merge(_run_kernel, ("kivi", None), [ins[k] for k in _INPUTS], nsplit,
+                               template, queries, keys, values, params)
