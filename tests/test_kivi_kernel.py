@@ -87,14 +87,7 @@ def test_split_source_compiles(bits, gs, head_dim, dtypes, groups, quant, resid)
 # --- which states and queries the kernels take (any machine) ----------------------------------
 
 def _state(b, h, d, n, dtype, seed=0, **params):
-    rng = np.random.default_rng(seed)
-    st = velox.init("kivi", b, h, d, dtype=dtype, **params)
-    if n:
-        k = mx.array(rng.standard_normal((b, h, n, d)).astype(np.float32)).astype(dtype)
-        v = mx.array(rng.standard_normal((b, h, n, d)).astype(np.float32)).astype(dtype)
-        st = velox.update(st, k, v)
-    mx.eval(st)
-    return st
+    return tck._state("kivi", b, h, d, n, dtype, seed=seed, **params)
 
 
 def test_layouts_taken_and_refused():
