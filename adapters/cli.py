@@ -3,6 +3,7 @@
     velox generate --method tova --budget 256 "Why is the sky blue?"
     velox compare                       # the core five at two budgets plus the full cache
     velox methods
+    velox serve --method tova --budget 2048 --port 8080   # mlx-lm's server, velox caches
 
 Bad arguments print one line on stderr and exit with status 2, before any model is loaded.
 OpenBLAS, when installed, is loaded in-process by ``import velox`` (``velox._blas``).
@@ -141,6 +142,11 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--text", help="a UTF-8 text file to calibrate on (default: the built-in "
                                     "public-domain text)")
     cal.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS)
+
+    sub.add_parser("serve", add_help=False,
+                   help="mlx-lm's OpenAI-compatible server with velox caches "
+                        "(velox serve --help: velox's options, then mlx_lm.server's)"
+                   ).add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
     from velox.adapters import suite
     suite.add_parser(sub)
@@ -882,6 +888,14 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         0 on success, 2 on bad arguments (one line on stderr).
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    lead = 0
+    while lead < len(argv) and argv[lead] in ("-v", "--verbose"):
+        lead += 1
+    if argv[lead:lead + 1] == ["serve"]:  # its flags are velox's and mlx_lm.server's
+        from velox.adapters import serve
+
+        return serve.main(argv[lead + 1:])
     args = _parser().parse_args(argv)
     from velox.adapters import suite
 
