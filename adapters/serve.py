@@ -555,7 +555,10 @@ def main(argv: list[str] | None = None) -> int:
     arguments; mlx_lm.server's own parser exits 2 for flags it does not know)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        cfg, rest, want_help = parse_args(argv)
+        try:
+            cfg, rest, want_help = parse_args(argv)
+        except SystemExit as exc:  # argparse has printed the usage and the error
+            return exc.code if isinstance(exc.code, int) else 2
         if want_help:
             sys.stdout.write(_parser().format_help())
             sys.stdout.write("\nmlx_lm.server " + _server_help())
