@@ -37,8 +37,14 @@ Protocol facts this class honours:
 * No ``bits`` attribute, and ``to_quantized`` raises: mlx-lm can neither route around the
   cache nor swap it for its own quantized one (``kv_bits``). ``generate_step``'s ``kv_bits``
   and ``max_kv_size`` (which a given prompt cache ignores) are refused at the first step.
-* ``is_trimmable()`` is ``False`` and ``trim`` refuses: an evicting or quantizing state
-  cannot forget tokens exactly.
+* Rollback (``rollback=d``, default 0): the cache journals its fields before each of its
+  last ``d`` steps (references: states are never changed in place), ``trim(n)`` restores the
+  one ``n`` tokens back exactly or raises ``ValueError`` (never a partial trim),
+  ``is_trimmable()`` is ``d > 0``, ``can_trim(n)`` and ``trimmable_tokens()`` say what
+  ``trim`` accepts now. A call of 2 to ``d + 1`` tokens on a cache holding tokens (a
+  speculative verify call) runs as one-token steps in deferred mode. With ``rollback=0``
+  ``is_trimmable()`` is ``False`` and ``trim`` removes nothing: an evicting or quantizing
+  state cannot forget tokens without a journal.
 * Every array of the state is scheduled for evaluation after each update, so lazy graphs
   never accumulate over a long decode.
 * Decode modes (``decode=``): ``"evict"`` runs the method's update at every call, decode
@@ -57,6 +63,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 import warnings
 from collections import OrderedDict
@@ -64,13 +71,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import base as _mlx_base
-from mlx_lm.models.cache import KVCache, _BaseCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, _BaseCache
 
 import velox
 from velox import evict
@@ -162,6 +169,31 @@ class _Step:
         return [x for x in (self.keys, self.values, self.prefix_q) if x is not None]
 
 
+class _Split(_Step):
+    """A verify call waiting for its attention (rollback, deferred mode): the wrapper runs it
+    as the one-token steps it stands for (:meth:`VeloxCache._verify`)."""
+
+    def __init__(self, keys: mx.array, values: mx.array):
+        super().__init__(keys, values, new_only=True)
+
+
+class _Entry(NamedTuple):
+    """Rollback: a cache's fields before one step. Every field is a reference: states, tails
+    and rows are never changed in place (MLX writes into a buffer in place only when nothing
+    else holds it, and the journal holds these)."""
+
+    held: tuple | None             # the method's state, as stored (its pending row not written)
+    row: tuple | None              # a decode step's slot write left for the next step
+    offset: int
+    tail: tuple[mx.array, mx.array] | None
+    tail_q: mx.array | None
+
+
+def _check_rollback(rollback: Any) -> None:
+    if isinstance(rollback, bool) or not isinstance(rollback, int) or rollback < 0:
+        raise ValueError(f"rollback={rollback!r} must be an integer >= 0 (the steps trim can undo)")
+
+
 class VeloxCache(_BaseCache):
     """mlx-lm cache protocol around one layer's velox state (any registered method).
 
@@ -177,8 +209,9 @@ class VeloxCache(_BaseCache):
                  backend: str = "auto", layer: int = 0, model: _Model | None = None,
                  compile: bool = True, real_queries: bool = True, decode: str = "evict",
                  decode_cap: int = DECODE_CAP, mode: Mode | str = Mode.PROXY,
-                 artifact: dict[str, Any] | None = None):
+                 artifact: dict[str, Any] | None = None, rollback: int = 0):
         _check_decode(decode, decode_cap)
+        _check_rollback(rollback)
         self.decode = decode
         self.decode_cap = decode_cap
         self.method = get_method(method)
@@ -187,6 +220,11 @@ class VeloxCache(_BaseCache):
             raise ValueError(f"{self.method.key} attends through its own hook: it needs "
                              "mode='deferred' (a model whose attention calls mlx-lm's "
                              "scaled_dot_product_attention)")
+        if rollback and self.method.layer_update is not None:
+            raise ValueError(
+                f"rollback={rollback}: {self.method.key} updates a model-level record shared by "
+                "every layer, layer by layer, which neither a layer's journal restores nor a "
+                "verify call split inside each layer reproduces; use rollback=0")
         self.params = dict(params or {})
         self._full_params = validate_params(self.method.spec, self.params)
         if artifact is not None and self.method.calibrate is None:
@@ -208,6 +246,9 @@ class VeloxCache(_BaseCache):
         # once a step's query is missing).
         self._tail: tuple[mx.array, mx.array] | None = None
         self._tail_q: mx.array | None = None
+        # Rollback: the cache's fields before each of its last ``rollback`` steps.
+        self.rollback = rollback
+        self._journal: list[_Entry] = []
 
     # -- the state, and a decode step's row not yet written into its slot -----------
     @property
@@ -262,11 +303,92 @@ class VeloxCache(_BaseCache):
         return mx.concatenate([pos, mx.broadcast_to(new, (b, h, t))], axis=2)
 
     def is_trimmable(self) -> bool:
-        return False
+        """Whether ``trim`` can remove tokens: the cache declares a rollback depth (``rollback
+        > 0``)."""
+        return self.rollback > 0
+
+    def trimmable_tokens(self) -> int:
+        """The most tokens :meth:`trim` removes now: those of the journaled steps (0 without
+        rollback)."""
+        return self._offset - self._journal[0].offset if self._journal else 0
+
+    def can_trim(self, n: int) -> bool:
+        """Whether ``trim(n)`` is exact now: ``n`` is 0 or the token count of the newest
+        ``k`` journaled steps for some ``k`` (any ``n <= rollback`` once decoding, as every
+        decode step and every token of a verify call is a step of its own). Reads only the
+        journal's offsets."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            return False
+        return n == 0 or any(e.offset == self._offset - n for e in self._journal)
+
+    @classmethod
+    def merge(cls, caches: list) -> "velox.adapters.batch.VeloxBatchCache":
+        """mlx-lm's batch protocol: one batch cache of these single-sequence caches, in order
+        (``velox.adapters.batch.VeloxBatchCache``: each row runs exactly as alone)."""
+        from .batch import VeloxBatchCache
+        return VeloxBatchCache.merge(caches)
 
     def trim(self, n: int) -> int:
-        """Refused: evicted or quantized tokens cannot be restored exactly. Returns 0."""
-        return 0
+        """Remove the newest ``n`` tokens exactly, and return ``n``.
+
+        The cache returns to its fields before those tokens' steps (method state, tail and its
+        queries, offset), as the same cache that never saw them holds; the journal keeps the
+        older steps. Raises ``ValueError`` when ``can_trim(n)`` is false (never a partial
+        trim: mlx-lm ignores what ``trim`` returns). Without rollback (``rollback=0``) nothing
+        is removed and 0 is returned, as ``is_trimmable()`` is ``False``.
+        """
+        if not self.rollback:
+            return 0
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"trim({n!r}): n must be an integer >= 0")
+        if n == 0:
+            return 0
+        for k in range(len(self._journal) - 1, -1, -1):
+            e = self._journal[k]
+            if e.offset == self._offset - n:
+                del self._journal[k:]
+                self.__dict__["_held"], self.__dict__["_row"] = e.held, e.row
+                self._offset, self._tail, self._tail_q = e.offset, e.tail, e.tail_q
+                self._pending = None
+                return n
+        steps = [self._offset - e.offset for e in reversed(self._journal)]
+        raise ValueError(
+            f"trim({n}): this cache (rollback={self.rollback}) can remove exactly "
+            f"{', '.join(map(str, steps)) or 'no'} tokens now (its journaled steps end at "
+            f"offset {self._offset}); {n} is not a step boundary within its depth. For "
+            "speculative decoding make the model's caches with rollback >= num_draft_tokens")
+
+    def _splits(self, keys: mx.array) -> bool:
+        """Whether a call is a verify call to run as one-token steps (:meth:`_verify`): 2 to
+        ``rollback + 1`` tokens on a cache holding tokens, in deferred mode with the wrapper
+        known to run for this layer."""
+        s = keys.shape[2]
+        return (1 < s <= self.rollback + 1 and self._offset > 0 and self.mode is Mode.DEFERRED
+                and not self._route_unknown and _capture_installed())
+
+    def _remember(self) -> None:
+        """Journal the cache's fields before a step (references: nothing is copied), keeping
+        the last ``rollback`` entries."""
+        if not self.rollback:
+            return
+        d = self.__dict__
+        self._journal.append(_Entry(d.get("_held"), d.get("_row"), self._offset, self._tail,
+                                    self._tail_q))
+        if len(self._journal) > self.rollback:
+            del self._journal[0]
+
+    def _journal_nbytes(self) -> int:
+        """Bytes of the journal's arrays that the current fields do not hold."""
+        if not self._journal:
+            return 0
+        own = {id(x) for x in _arrays((self.__dict__.get("_held"), self.__dict__.get("_row"),
+                                       self._tail, self._tail_q))}
+        seen: dict[int, int] = {}
+        for e in self._journal:
+            for x in _arrays((e.held, e.row, e.tail, e.tail_q)):
+                if id(x) not in own:
+                    seen[id(x)] = x.nbytes
+        return sum(seen.values())
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         if window_size is not None:
@@ -284,12 +406,13 @@ class VeloxCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes the velox state really holds, plus new tokens not yet absorbed and the
-        append-mode tail (its keys, values and kept queries)."""
+        """Bytes the velox state really holds, plus new tokens not yet absorbed, the
+        append-mode tail (its keys, values and kept queries) and the rollback journal's arrays
+        that the current fields do not hold."""
         total = 0 if self._state is None else self.method.nbytes(self._state)  # (row written)
         if self._pending is not None and self._pending.keys is not None:
             total += self._pending.keys.nbytes + self._pending.values.nbytes
-        return total + sum(x.nbytes for x in self._tail_arrays())
+        return total + sum(x.nbytes for x in self._tail_arrays()) + self._journal_nbytes()
 
     @property
     def state(self) -> list[mx.array]:
@@ -319,12 +442,26 @@ class VeloxCache(_BaseCache):
         decode step) only the new tokens are returned, as the wrapper ignores what it is
         handed. In append mode a single-token step below the cap joins the tail and the
         method's update does not run.
+
+        With ``rollback=d`` (deferred mode), a call of 2 to ``d + 1`` tokens on a cache that
+        holds tokens (a speculative verify call) waits whole for the wrapper, which runs it as
+        the one-token steps it stands for (:meth:`_verify`).
         """
         if self.layer == 0:
             _refuse_ignored_generate_args(sys._getframe(1))
+            _refuse_short_rollback(sys._getframe(1), self)
         if self._route_unknown and self._pending is None:
             install_query_capture()  # loaded without its model: its modules are imported now
         self._settle()
+        if self._splits(keys):
+            self._offset += keys.shape[2]  # (getters count the waiting tokens)
+            self._pending = _Split(keys, values)
+            return keys, values
+        return self._fetch(keys, values)
+
+    def _fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """:meth:`update_and_fetch` of one step (journaled first, with ``rollback``)."""
+        self._remember()
         m = self.method
         defer = self.mode is Mode.DEFERRED and _capture_installed()
         # Until the first forward shows the wrapper runs, hand out what attention reads.
@@ -365,6 +502,8 @@ class VeloxCache(_BaseCache):
         if step is None:  # proxy mode: the update already ran in update_and_fetch
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                         mask=mask, sinks=sinks)
+        if isinstance(step, _Split):
+            return self._verify(step, queries, scale=scale, sinks=sinks)
         m = self.method
         if step.keys is None:  # append mode: a decode step that joined the tail
             if m.attend is not None:
@@ -399,6 +538,20 @@ class VeloxCache(_BaseCache):
         self.last_step = "deferred"
         return out
 
+    def _verify(self, step: _Split, queries: mx.array, *, scale: float, sinks) -> mx.array:
+        """A verify call as the one-token steps it stands for: token ``i``'s update and
+        attention (each journaled) run before token ``i + 1``'s, so each token sees the cache
+        it sees in a one-token-per-step run, and a trim of any of its tokens restores exactly.
+        The model's projections and MLPs stay batched over the call."""
+        s = step.length
+        self._offset -= s
+        out = []
+        for i in range(s):
+            keys, values = self._fetch(step.keys[:, :, i:i + 1], step.values[:, :, i:i + 1])
+            out.append(self.attention(queries[:, :, i:i + 1], keys, values, scale=scale,
+                                      mask=None, sinks=sinks))
+        return mx.concatenate(out, axis=2)
+
     def absorb(self, keys: mx.array, values: mx.array, *, queries: mx.array | None = None) -> None:
         """Feed keys/values (and the queries to score them with) straight into the state.
 
@@ -406,6 +559,7 @@ class VeloxCache(_BaseCache):
         scoring queries come from another pass (KVzip's context reconstruction).
         """
         self._settle()
+        self._remember()
         self._absorb(self._take(keys, values), queries)
 
     def _settle(self) -> None:
@@ -612,7 +766,11 @@ def _split_step(m: Method, state, keys, values, queries):
     step = getattr(backend, "with_move", None)
     if step is None or not isinstance(getattr(state, "keys", None), mx.array):
         return m.update(state, keys, values, queries=queries), None
-    new, move = step(state, keys, values, queries)
+    return _deferred_row(state, *step(state, keys, values, queries), keys, values)
+
+
+def _deferred_row(state, new, move, keys, values):
+    """``(new, row)`` of :func:`_split_step` from the update's ``(new, move)``."""
     if move.slot is None:
         return new, None
     rows = []
@@ -643,6 +801,9 @@ def _fused_step(m: Method) -> Callable:
     """A decode step: this token's attention over stored + new, then the update (its slot
     write left for the next step, :func:`_split_step`): ``(out, state, row)``."""
     def step(state, queries, keys, values, scale):
+        attended = _attended_step(m, state, queries, keys, values, scale)
+        if attended is not None:
+            return attended
         if m.attend is not None:
             out = m.attend(state, queries, keys, values, scale=scale, mask=None)
         else:  # the stored rows in storage order, empty slots masked, then the new token
@@ -654,6 +815,23 @@ def _fused_step(m: Method) -> Callable:
         return (out, *_split_step(m, state, keys, values, queries))
 
     return step
+
+
+def _attended_step(m: Method, state, queries, keys, values, scale):
+    """The decode step of a backend that computes the attention output with its scores in
+    one kernel (``with_attention``: the ``cuda`` backend of the score-and-keep evictors),
+    ``(out, state, row)``; ``None`` where it does not apply (another backend, a state with
+    empty slots, a scale other than ``head_dim ** -0.5``)."""
+    fused = getattr(m.backends[state.backend], "with_attention", None)
+    if fused is None or m.attend is not None or not isinstance(getattr(state, "keys", None), mx.array):
+        return None
+    if not math.isclose(scale, keys.shape[-1] ** -0.5, rel_tol=1e-6):
+        return None
+    res = fused(state, keys, values, queries)
+    if res is None:
+        return None
+    out, new, move = res
+    return (out, *_deferred_row(state, new, move, keys, values))
 
 
 _STEP_KINDS: dict[str, Callable[[Method], Callable]] = {
@@ -703,6 +881,43 @@ def _refuse_ignored_generate_args(frame, depth: int = 24) -> None:
         frame = frame.f_back
 
 
+def _refuse_short_rollback(frame, cache: VeloxCache, depth: int = 24) -> None:
+    """Raise if mlx-lm's ``speculative_generate_step`` up the stack runs ``cache`` (a layer-0
+    cache) where it cannot trim exactly: a model cache needs ``rollback >= num_draft_tokens``
+    (the verify call's rejected tokens) and deferred mode (the verify call split into one-token
+    steps); a velox draft cache needs ``rollback >= num_draft_tokens - 1`` (mlx-lm trims a
+    draft cache it cannot trim silently, not at all)."""
+    generate = sys.modules.get("mlx_lm.generate")
+    code = getattr(getattr(generate, "speculative_generate_step", None), "__code__", None)
+    for _ in range(depth):
+        if frame is None or code is None:
+            return
+        if frame.f_code is code:
+            local = frame.f_locals
+            k = local.get("num_draft_tokens")
+            if not isinstance(k, int):
+                return
+            if any(c is cache for c in local.get("model_cache") or ()):
+                if cache.rollback < k:
+                    raise ValueError(
+                        f"speculative decoding with num_draft_tokens={k} trims up to {k} tokens "
+                        f"of the model's cache; these velox caches keep rollback={cache.rollback} "
+                        f"steps: make them with make_cache(..., rollback={k}) (or more)")
+                if cache.mode is not Mode.DEFERRED or not _capture_installed():
+                    raise ValueError(
+                        "speculative decoding with velox caches needs deferred mode (real "
+                        "queries through mlx-lm's scaled_dot_product_attention), which runs "
+                        "the verify call as one-token steps; these caches are in proxy mode")
+            elif any(c is cache for c in local.get("draft_cache") or ()) and cache.rollback < k - 1:
+                raise ValueError(
+                    f"speculative decoding with num_draft_tokens={k} trims up to {k - 1} tokens "
+                    f"of the draft's cache; this velox draft cache keeps rollback="
+                    f"{cache.rollback} steps: make it with rollback={k - 1} (or use mlx-lm's "
+                    "own caches for the draft, make_prompt_cache(draft_model))")
+            return
+        frame = frame.f_back
+
+
 # --- real-query capture: wrap mlx-lm's attention for velox caches only --------------------
 
 _ORIGINAL_SDPA = _mlx_base.scaled_dot_product_attention
@@ -712,8 +927,13 @@ _INSTALLED = False  # install_query_capture() holds the wrapper in place
 _BODIES = 0         # open query_capture() bodies, which hold it too
 
 
+class _BatchAttention(_BaseCache):
+    """Base of the batch caches (``velox.adapters.batch.VeloxBatchCache``): the wrapper
+    hands their attention to them, as to a :class:`VeloxCache`."""
+
+
 def _velox_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
-    if isinstance(cache, VeloxCache):
+    if isinstance(cache, (VeloxCache, _BatchAttention)):
         return cache.attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
     for tap in _QUERY_TAPS:
         tap.append(queries)
@@ -800,7 +1020,7 @@ _FALLBACK_SAID: set[str] = set()
 
 def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool = True,
                compile: bool = True, decode: str = "evict", decode_cap: int = DECODE_CAP,
-               artifacts: str | Path | None = None, **params: Any) -> list:
+               artifacts: str | Path | None = None, rollback: int = 0, **params: Any) -> list:
     """One cache per layer of ``model``: velox caches where the model keeps a plain KV cache.
 
     Args:
@@ -821,6 +1041,12 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
             heads, head dim) and installed layer by layer; a missing or mismatched file is a
             ``ValueError``. Without one a calibrated method runs its documented
             data-oblivious fallback.
+        rollback: the steps ``trim`` can undo exactly (a journal of the cache's fields before
+            each of its last ``rollback`` steps; 0, the default, keeps none and ``trim``
+            removes nothing). With ``rollback=d``, a call of 2 to ``d + 1`` tokens on a cache
+            holding tokens (speculative decoding's verify call) runs as one-token steps, so
+            ``draft_model=`` with ``num_draft_tokens <= d`` gives the greedy tokens of the run
+            without a draft. Refused for cross-layer methods.
         **params: the method's parameters; a list gives one value per attention layer.
             Methods with a schedule (``layer_params``) derive per-layer values themselves.
     Returns:
@@ -831,8 +1057,9 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
         ``scaled_dot_product_attention``, else ``Mode.PROXY``.
     """
     _check_decode(decode, decode_cap)
+    _check_rollback(rollback)
     m = get_method(method)
-    base = make_prompt_cache(model)
+    base = default_layout(model)
     slots = [i for i, c in enumerate(base) if type(c) is KVCache]
     n = len(slots)
     per_layer = _expand(params, n)
@@ -843,8 +1070,8 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
     shared = _Model(method=m, layer_params=per_layer, n_layers=n) if m.layer_update else None
     if real_queries or m.attend is not None:
         install_query_capture()
-    mode = _choose_mode(m, real_queries=real_queries, routed=_routes_attention(model),
-                        model=type(model).__name__)
+    routed = _routes_attention(model)
+    mode = _choose_mode(m, real_queries=real_queries, routed=routed, model=type(model).__name__)
     fitted = None
     if artifacts is None and m.calibrate is not None and method not in _FALLBACK_SAID:
         _FALLBACK_SAID.add(method)
@@ -864,8 +1091,20 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
         caches[slot] = VeloxCache(method, per_layer[layer], backend=backend, layer=layer,
                                   model=shared, compile=compile, real_queries=real_queries,
                                   decode=decode, decode_cap=decode_cap, mode=mode,
-                                  artifact=None if fitted is None else fitted[layer])
+                                  artifact=None if fitted is None else fitted[layer],
+                                  rollback=rollback)
+        caches[slot]._routed = routed  # merge batches B > 1 rows only through the wrapper
     return caches
+
+
+def default_layout(model) -> list:
+    """The caches mlx-lm gives ``model`` by default (``make_prompt_cache``), read from the
+    model's class: an instance ``model.make_cache`` hook (one returning velox caches, as
+    ``velox serve`` installs) is not consulted, so building from it never recurses."""
+    own = getattr(type(model), "make_cache", None)
+    if own is not None:
+        return own(model)
+    return [KVCache() for _ in model.layers]
 
 
 def _routes_attention(model) -> bool:
@@ -969,7 +1208,8 @@ def save_cache(path: str | Path, caches: list, metadata: dict[str, str] | None =
                  "layer": c.layer, "offset": c.offset, "compile": c.compile,
                  "real_queries": c.real_queries, "mode": c.mode.value,
                  "state": None if st is None else _save_record(st, str(i), arrays),
-                 "decode": c.decode, "decode_cap": c.decode_cap, "tail": _save_tail(c, i, arrays)}
+                 "decode": c.decode, "decode_cap": c.decode_cap, "tail": _save_tail(c, i, arrays),
+                 "rollback": c.rollback}
         layers.append(entry)
         if c._model is not None and shared is None:
             shared = c._model
@@ -1093,6 +1333,8 @@ _DECODE_ENTRY = {"decode": str, "decode_cap": int, "tail": (dict, type(None))}
 # Written since modes are explicit; a file without it gets the mode make_cache would choose
 # (deferred for a method that wants queries), checked against the model as any mode is.
 _MODE_ENTRY = {"mode": str}
+# Written since rollback exists (the depth, not the journal); a file without it loads with 0.
+_ROLLBACK_ENTRY = {"rollback": int}
 
 
 def _load_layer(where: str, i: int, entry: Any, arrays: dict[str, mx.array], used: set[str],
@@ -1102,10 +1344,13 @@ def _load_layer(where: str, i: int, entry: Any, arrays: dict[str, mx.array], use
         fields.update(_DECODE_ENTRY)
     if isinstance(entry, dict) and "mode" in entry:
         fields.update(_MODE_ENTRY)
+    if isinstance(entry, dict) and "rollback" in entry:
+        fields.update(_ROLLBACK_ENTRY)
     if not isinstance(entry, dict) or set(entry) != set(fields):
         got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
         raise ValueError(f"{where}: the entry must have the fields {', '.join(_ENTRY)} (and "
-                         f"{', '.join(_DECODE_ENTRY)} together; mode optional); got {got}")
+                         f"{', '.join(_DECODE_ENTRY)} together; mode and rollback optional); "
+                         f"got {got}")
     for name, kind in fields.items():
         value = entry[name]
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
@@ -1122,7 +1367,7 @@ def _load_layer(where: str, i: int, entry: Any, arrays: dict[str, mx.array], use
                 else _choose_mode(m, real_queries=entry["real_queries"], routed=True))
         c = VeloxCache(entry["method"], entry["params"], backend=backend or entry["backend"],
                        layer=i, compile=entry["compile"], real_queries=entry["real_queries"],
-                       mode=mode, **decode)
+                       mode=mode, rollback=entry.get("rollback", 0), **decode)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     desc, tail = entry["state"], entry.get("tail")
@@ -1372,13 +1617,14 @@ def _route(where: str, caches: list, model) -> None:
         for c in caches:
             c._route_unknown = c.mode is Mode.DEFERRED
         return
-    base = make_prompt_cache(model)
+    base = default_layout(model)
     slots = [c for c in base if type(c) is KVCache]
     if len(slots) != len(base) or len(base) != len(caches):
         raise ValueError(f"{where} holds {len(caches)} velox layers; {type(model).__name__} has "
                          f"{len(slots)} plain KV layers of {len(base)}")
     routed = _routes_attention(model)
     for c in caches:
+        c._routed = routed
         if c.mode is Mode.DEFERRED:
             c.mode = _choose_mode(c.method, real_queries=c.real_queries, routed=routed,
                                   model=type(model).__name__)
@@ -1401,7 +1647,7 @@ def reconstruction_prefill(model, tokens, caches: list, *, prompt_tokens, step: 
     """
     tokens = mx.array(tokens).reshape(-1)
     prompt = mx.array(prompt_tokens).reshape(-1)
-    plain = make_prompt_cache(model)
+    plain = default_layout(model)
     for i in range(0, len(tokens), step):
         model(tokens[None, i:i + step], cache=plain)
         mx.eval([c.state for c in plain])
