@@ -36,7 +36,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-__all__ = ["weights", "compact"]
+__all__ = ["weights", "attend_weights", "compact"]
 
 THREADS = 1024  # threads per block of the weights kernel (a power of two)
 COMPACT_THREADS = 256  # threads per block of the compact kernel (a power of two)
@@ -70,6 +70,7 @@ __device__ float velox_unit(unsigned int h) { return ((float)(h >> 9) + 0.5f) * 
 __device__ float velox_ranked(float s) { return isfinite(s) ? s : __int_as_float(0xff800000); }
 // max propagating NaN, as MLX's maximum does (fmaxf drops a NaN)
 __device__ float velox_max_nan(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
+template <typename T> __device__ void velox_put(T* p, float x) { *p = static_cast<T>(x); }
 // (value, index) minimum; an index of `none` is empty; ties go to the lower index
 template <int NT>
 __device__ int velox_block_argmin(float v, int i, int none, float* red, int* red_i) {
@@ -141,12 +142,45 @@ _WEIGHTS_BODY = """
         for (int t = tid; t < N; t += THREADS) {
             const float p = expf(lj[t] - m) * inv;
             ws[t] = j == 0 ? p : GROUP_COMBINE;
+            KEEP_P
         }
     }
     for (int t = tid; t < N; t += THREADS) {
         const float wt = GROUP_FINAL;
         ws[t] = wt;
         ACCUMULATE
+    }
+    ATTEND
+"""
+
+# The step's attention output from the same softmax (the ``attend`` variants): each query
+# head's probabilities are kept in ``lg`` (over its logits), then THREADS / HEAD_DIM parts of
+# the block each sum a stride of the candidates' value rows (lanes across head_dim, so a
+# row's loads coalesce) and the parts are added through shared memory.
+_ATTEND = """
+    __syncthreads();
+    {
+        const int parts = THREADS / HEAD_DIM;
+        const int c = tid % HEAD_DIM, part = tid / HEAD_DIM;
+        for (int j = 0; j < G; ++j) {
+            const float* pj = l + (size_t)j * N;
+            float acc = 0.0f;
+            if (part < parts) {
+                for (int t = part; t < N; t += parts) {
+                    const float vv = t < n ? static_cast<float>(V[(bh * n + t) * HEAD_DIM + c])
+                                           : static_cast<float>(vnew[bh * HEAD_DIM + c]);
+                    acc += pj[t] * vv;
+                }
+            }
+            red[tid] = acc;
+            __syncthreads();
+            if ((int)tid < HEAD_DIM) {
+                float sum = 0.0f;
+                for (int u = 0; u < parts; ++u) sum += red[u * HEAD_DIM + tid];
+                velox_put(&o[(bi * QH + hk * G + j) * HEAD_DIM + tid], sum);
+            }
+            __syncthreads();
+        }
     }
 """
 
@@ -270,19 +304,26 @@ _PROFILE_ROWS = """
 """
 
 
-def _weights_spec(group: str = "mean", accumulate: str | None = None, noise: bool = False) -> dict:
+def _weights_spec(group: str = "mean", accumulate: str | None = None, noise: bool = False,
+                  attend: bool = False) -> dict:
     """The ``mx.fast.cuda_kernel`` arguments of a ``weights`` variant: ``group`` (``mean`` or
     ``max`` over a kv head's query heads), ``accumulate`` (None, ``decay``, ``max``,
-    ``vote_sum``, ``vote_max``) and whether Keyformer's Gumbel ``noise`` is added to the
-    logits."""
+    ``vote_sum``, ``vote_max``), whether Keyformer's Gumbel ``noise`` is added to the
+    logits, and whether the step's attention output is computed too (``attend``: values in,
+    ``o`` out; not with noise, whose softmax is not the attention's)."""
+    if attend and noise:
+        raise ValueError("the attend variant takes no noise")
     combine, final = _GROUP[group]
-    name = "velox_weights_" + group + (f"_{accumulate}" if accumulate else "") + ("_noise" if noise else "")
+    name = ("velox_weights_" + group + (f"_{accumulate}" if accumulate else "") + ("_noise" if noise else "")
+            + ("_attend" if attend else ""))
     return dict(
         name=name,
         input_names=["q", "K", "knew", "params"] + (["old"] if accumulate else [])
-        + (["P", "next_pos", "seedmix"] if noise else []),
-        output_names=["w", "lg"] + (["scores"] if accumulate else []),
-        source=_WEIGHTS_BODY.replace("ACCUMULATE", _ACCUMULATE[accumulate] if accumulate else "")
+        + (["P", "next_pos", "seedmix"] if noise else []) + (["V", "vnew"] if attend else []),
+        output_names=["w", "lg"] + (["scores"] if accumulate else []) + (["o"] if attend else []),
+        source=_WEIGHTS_BODY.replace("ATTEND", _ATTEND if attend else "")
+                            .replace("KEEP_P", "l[(size_t)j * N + t] = p;" if attend else "")
+                            .replace("ACCUMULATE", _ACCUMULATE[accumulate] if accumulate else "")
                             .replace("GROUP_COMBINE", combine).replace("GROUP_FINAL", final)
                             .replace("NOISE", _NOISE if noise else "")
                             .replace("BIAS", "+ nz" if noise else "")
@@ -311,8 +352,8 @@ def _compact_spec(select: str, carry: str = "none") -> dict:
 
 
 @lru_cache(maxsize=None)
-def _weights_kernel(group: str, accumulate: str | None, noise: bool):
-    return mx.fast.cuda_kernel(**_weights_spec(group, accumulate, noise))
+def _weights_kernel(group: str, accumulate: str | None, noise: bool, attend: bool = False):
+    return mx.fast.cuda_kernel(**_weights_spec(group, accumulate, noise, attend))
 
 
 @lru_cache(maxsize=None)
@@ -380,6 +421,40 @@ def weights(queries, keys, new_keys, *, old=None, accumulate: str | None = None,
         output_shapes=shapes, output_dtypes=[mx.float32] * len(shapes),
         template=[("HEAD_DIM", d)])
     return out[0], (out[2] if accumulate else None)
+
+
+def attend_weights(queries, keys, values, new_keys, new_values, *, old=None,
+                   accumulate: str | None = None, decay: float = 1.0, group: str = "mean"):
+    """A decode step's attention output and its weights in one launch: ``(out, w, scores)``.
+
+    ``queries [b, qh, 1, d]`` (the step's real queries), stored ``keys``/``values [b, h, n, d]``
+    (in any slot order) and the new token's ``new_keys``/``new_values [b, h, 1, d]``. ``w`` and
+    ``scores`` are :func:`weights`' (the softmax at scale ``d ** -0.5`` over the ``n + 1``
+    candidates); ``out [b, qh, 1, d]`` (the values' dtype) is that softmax times the values,
+    the attention over stored + new without a concatenated cache. Every stored row is a
+    candidate: a state with empty slots does not come here.
+    """
+    if accumulate not in (None, *_ACCUMULATE) or group not in _GROUP:
+        raise ValueError(f"unknown weights variant: accumulate={accumulate!r}, group={group!r}")
+    if (old is None) != (accumulate is None):
+        raise ValueError("`old` and `accumulate` go together")
+    b, h, n, d = keys.shape
+    hq = queries.shape[1]
+    if (queries.shape[2] != 1 or values.shape != keys.shape or new_keys.shape != (b, h, 1, d)
+            or new_values.shape != (b, h, 1, d) or hq % h):
+        raise ValueError(f"attend_weights: queries {queries.shape}, keys {keys.shape}, values "
+                         f"{values.shape}, new {new_keys.shape}/{new_values.shape}")
+    if THREADS % d:
+        raise ValueError(f"attend_weights needs head_dim dividing {THREADS}, got {d}")
+    g = hq // h
+    shapes = [(b, h, n + 1), (b, h, g, n + 1)] + ([(b, h, n + 1)] if accumulate else []) + [(b, hq, 1, d)]
+    dtypes = [mx.float32] * (len(shapes) - 1) + [values.dtype]
+    out = _weights_kernel(group, accumulate, False, True)(
+        inputs=[queries[:, :, -1], keys, new_keys, _params(d ** -0.5, decay)]
+        + ([old] if accumulate else []) + [values, new_values],
+        grid=(b * h * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=shapes, output_dtypes=dtypes, template=[("HEAD_DIM", d)])
+    return out[-1], out[0], (out[2] if accumulate else None)
 
 
 def _pair(x):

@@ -157,6 +157,48 @@ def test_kernel_decode_steps_match_mlx(key, variant, shape, dtype):
         prev = states["cuda"]
 
 
+ATTENDED = ["tova", "h2o", "streaming_llm", "knorm", "keyformer"]  # own kernel output, or the extra launch
+
+
+@needs_cuda
+@pytest.mark.parametrize("key", ATTENDED)
+@pytest.mark.parametrize("shape", [(1, 8, 4, 64), (3, 2, 2, 128), (2, 4, 1, 32)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernel_attended_decode_step_matches_attention_then_update(key, shape, dtype):
+    """The adapter's fused decode step on the ``cuda`` backend computes the attention output
+    in the scores' kernel (``with_attention``): the output equals MLX's attention over the
+    stored rows and the new token, and the state (with its deferred row written) equals the
+    plain update's, step after step."""
+    from velox.adapters import mlxlm
+    b, h, g, d = shape
+    budget, steps = 40, 12
+    dt = getattr(mx, dtype)
+    rng = np.random.default_rng(zlib.crc32(repr((key, shape, dtype)).encode()))
+
+    def arr(*s):
+        return mx.array(rng.standard_normal(s).astype(np.float32)).astype(dt)
+
+    m = get_method(key)
+    st = m.init(b, h, d, dtype=dt, backend="cuda", **_params(key, budget, ""))
+    st = m.update(st, arr(b, h, budget + 5, d), arr(b, h, budget + 5, d), queries=arr(b, h * g, budget + 5, d))
+    fused = mx.compile(mlxlm._fused_step(m))
+    tol = 2e-5 if dt == mx.float32 else 2e-2
+    for step in range(steps):
+        q, k, v = arr(b, h * g, 1, d), arr(b, h, 1, d), arr(b, h, 1, d)
+        assert m.backends["cuda"].with_attention(st, k, v, q) is not None
+        want = mx.fast.scaled_dot_product_attention(
+            q, mx.concatenate([st.keys, k], axis=2), mx.concatenate([st.values, v], axis=2), scale=d ** -0.5)
+        plain = m.update(st, k, v, queries=q)
+        out, new, row = fused(st, q, k, v, d ** -0.5)
+        if row is not None:
+            new = mlxlm._write_row(new, row)
+        mx.eval(out, new, plain, want)
+        np.testing.assert_allclose(np.array(out.astype(mx.float32)), np.array(want.astype(mx.float32)),
+                                   rtol=tol, atol=tol, err_msg=f"{key} step {step}")
+        _compare(key, new, plain, step)
+        st = plain
+
+
 def test_kernel_update_routes_only_full_cache_decode_steps_to_the_kernels():
     """``evict.cuda_update``: a single token at a full cache goes to the kernels; prefill,
     chunks and a filling cache go to the mlx ops (checked with stand-ins, on any machine)."""
@@ -203,6 +245,8 @@ def test_squeeze_kernel_follows_a_reallocated_budget():
 
 WEIGHTS_VARIANTS = [("weights", group, acc, noise) for group in ("mean", "max")
                     for acc in (None, "decay", "max", "vote_sum", "vote_max") for noise in (False, True)]
+WEIGHTS_VARIANTS += [("weights", group, acc, False, True) for group in ("mean", "max")
+                     for acc in (None, "decay", "max")]
 COMPACT_VARIANTS = [("compact", select, carry) for select in ("fixed", "full", "split")
                     for carry in ("none", "full", "split", "profiles")]
 MERGE_VARIANTS = [("merge_plan",), ("merge_compact",)]
@@ -231,6 +275,7 @@ def test_kernel_sources_are_complete(variant):
     kind, spec = _spec(variant)
     src = spec["source"]
     for token in ("ACCUMULATE", "BIAS", "NOISE", "GROUP_COMBINE", "GROUP_FINAL", "THREADS", "SELECT",
+                  "ATTEND", "KEEP_P",
                   "RAW_SCORE", "CARRY", "CARRY_ROWS", "NT"):
         assert not re.search(rf"\b{token}\b", src), (variant, token)
     for name in spec["input_names"] + spec["output_names"]:
@@ -242,7 +287,7 @@ def test_kernel_sources_are_complete(variant):
 
 def _dtypes(kind, spec, dtype):
     """Input and output dtypes of a launch whose keys and values are ``dtype``."""
-    rows = {"q", "K", "knew", "V", "vnew", "ok", "ov"}
+    rows = {"q", "K", "knew", "V", "vnew", "ok", "ov", "o"}
     ints = {"P", "next_pos", "op", "onext", "iplan"}
     def of(name):
         return (dtype if name in rows else "int32" if name in ints

@@ -765,12 +765,26 @@ def _cuda_update(mlx_update, plan: _Plan, decode_step) -> Callable:
             return mlx_update(state, keys, values, queries)
         return decode_step(state, keys, values, queries)
 
+    def full_decode(state, keys) -> bool:
+        return (keys.shape[2] == 1 and not empty_slots(state) and isinstance(state.keys, mx.array)
+                and state.keys.shape[2] == plan.capacity(state) + plan.slack(state))
+
+    def with_attention(state, keys, values, queries):
+        """A decode step at a full state with its attention computed in the same kernel as
+        its scores: ``(out, state, move)``, ``out [b, qh, 1, d]`` the attention of
+        ``queries`` over the stored rows and the new token at scale ``d ** -0.5``; ``None``
+        where the step is not one (the caller attends itself)."""
+        from .kernels.evict import THREADS
+        if (queries is None or queries.shape[2] != 1 or not full_decode(state, keys)
+                or THREADS % keys.shape[-1] or queries.shape[1] % keys.shape[1]):
+            return None
+        return decode_step.with_attention(state, keys, values, queries)
+
     update.slots = plan.slots
     update.with_move = lambda state, keys, values, queries: (  # noqa: E731
-        mlx_update.with_move(state, keys, values, queries) if (
-            keys.shape[2] != 1 or empty_slots(state)
-            or state.keys.shape[2] != plan.capacity(state) + plan.slack(state))
-        else decode_step.with_move(state, keys, values, queries))
+        decode_step.with_move(state, keys, values, queries) if full_decode(state, keys)
+        else mlx_update.with_move(state, keys, values, queries))
+    update.with_attention = with_attention
     return update
 
 
@@ -780,13 +794,20 @@ def _kernel_step(score, kernel, carry, fields, plan: _Plan) -> Callable:
     loser, is the protected-tokens rule itself), then the loser and the in-place slot write
     of :func:`_place` (MLX ops: a custom kernel's outputs are fresh buffers, so a kernel that
     moves the rows would copy the whole cache)."""
-    def step(state, keys, values, queries):
+    def inputs(state, keys, values, queries, attend: bool):
+        """``(state, by, updates, out)``: the selection scores, the carried fields over the
+        candidates and (``attend``) the attention output when the kernel computed it."""
+        out = None
         if kernel is None:
             scored = _scored(score(state, keys, values, queries, True))
             state = state._replace(**{name: scored.updates[name] for name in fields})
             by, updates = scored.scores, {name: scored.updates[name] for name in carry}
         else:
-            args = kernel(state, keys, values, queries)
+            if attend and getattr(kernel, "attends", False):
+                args = kernel(state, keys, values, queries, attend=True)
+                out = args.get("out")
+            else:
+                args = kernel(state, keys, values, queries)
             by, updates = args.get("by"), {}
             if "carry" in args:
                 updates[carry[0]] = args["carry"]
@@ -799,15 +820,29 @@ def _kernel_step(score, kernel, carry, fields, plan: _Plan) -> Callable:
                 updates[carry[0]] = (stored, fresh)
         if isinstance(by, tuple):
             by = mx.concatenate(list(by), axis=2)
-        scored = Scored(by, updates)
-        move, stored, new, empty = _place(plan, state, keys, values, scored, carry, True)
-        out = apply_move(move, stored, new)
-        return _finish(state, out, carry, {}, 1, empty), move
+        return state, by, updates, out
+
+    def finish(state, keys, values, by, updates):
+        move, stored, new, empty = _place(plan, state, keys, values, Scored(by, updates), carry, True)
+        rows = apply_move(move, stored, new)
+        return _finish(state, rows, carry, {}, 1, empty), move
+
+    def step(state, keys, values, queries):
+        state, by, updates, _ = inputs(state, keys, values, queries, False)
+        return finish(state, keys, values, by, updates)
+
+    def with_attention(state, keys, values, queries):
+        from .kernels.evict import attend_weights
+        state, by, updates, out = inputs(state, keys, values, queries, True)
+        if out is None:  # the kernel input did not attend: one launch for the output alone
+            out = attend_weights(queries, state.keys, state.values, keys, values)[0]
+        return (out.astype(queries.dtype), *finish(state, keys, values, by, updates))
 
     def update(state, keys, values, queries):
         return step(state, keys, values, queries)[0]
 
     update.with_move = step
+    update.with_attention = with_attention
     return update
 
 

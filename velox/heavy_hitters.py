@@ -42,10 +42,18 @@ def heavy_hitter_reference(state, head: ref.Head) -> tuple:
     return acc, {"scores": acc}
 
 
-def heavy_hitter_kernel(state, keys, values, queries, gumbel=None) -> dict:
+def heavy_hitter_kernel(state, keys, values, queries, gumbel=None, attend: bool = False) -> dict:
     """The fused decode step's input (``velox.kernels.evict``): the step's attention
-    accumulated into the scores (with ``gumbel``, Keyformer's noise added to its logits)."""
-    from .kernels.evict import weights
+    accumulated into the scores (with ``gumbel``, Keyformer's noise added to its logits);
+    with ``attend`` (and no noise) also the step's attention output, ``out``."""
+    from .kernels.evict import attend_weights, weights
+    if attend and gumbel is None:  # the step's attention output from the same softmax
+        out, _, scores = attend_weights(queries, state.keys, state.values, keys, values,
+                                        old=state.scores, accumulate="decay", decay=state.decay)
+        return dict(by=scores, carry=scores, out=out)
     _, scores = weights(queries, state.keys, keys, old=state.scores, accumulate="decay",
                         decay=state.decay, gumbel=gumbel)
     return dict(by=scores, carry=scores)
+
+
+heavy_hitter_kernel.attends = True

@@ -50,9 +50,15 @@ def _score_reference(state: TovaState, head: ref.Head):
     return head_weights(head.probes[:, -1:], head.keys, pos, pos[-1:])[:, 0].mean(0)
 
 
-def _kernel(state: TovaState, keys, values, queries):
-    from ..kernels.evict import weights
+def _kernel(state: TovaState, keys, values, queries, attend: bool = False):
+    from ..kernels.evict import attend_weights, weights
+    if attend:  # the step's attention output from the same softmax
+        out, w, _ = attend_weights(queries, state.keys, state.values, keys, values)
+        return dict(by=w, out=out)
     return dict(by=weights(queries, state.keys, keys)[0])
+
+
+_kernel.attends = True
 
 
 method = register("tova", TovaState, init,
