@@ -13,7 +13,8 @@ the full cache's block of the same round (robust to a drift of the machine's spe
 Caches: mlx-lm's ``KVCache`` (full) and ``RotatingKVCache(max_size=budget, keep=4)``, always;
 then every velox method of ``--methods`` through ``make_cache`` (budgeted methods keep
 ``--budget`` tokens, sinks included; ``kivi`` runs at ``bits=4``; ``--param key=value`` or
-``--param method.key=value`` override).
+``--param method.key=value`` override; ``--methods tova tova:slack=16`` measures two
+configurations of one method side by side).
 
 Memory, attributed to one cache from MLX's allocator counters around its own work (nothing
 else allocates meanwhile): ``prefill peak`` is ``mx.get_peak_memory()`` during its prefill
@@ -161,6 +162,10 @@ def cache_configs(methods: list[str], budget: int, params: list[str]) -> list[tu
     """``(label, method, parameters)``: full, rotating, then each velox method."""
     common: dict[str, Any] = {}
     scoped: dict[str, dict[str, Any]] = {m: {} for m in methods}
+    inline: dict[str, dict[str, Any]] = {}
+    for entry in methods:  # "tova:slack=16,n_sink=4": the method with its own parameters
+        name, colon, rest = entry.partition(":")
+        inline[entry] = dict(parse_param(t) for t in rest.split(",")) if colon else {}
     for text in params:
         key, value = parse_param(text)
         method, dot, name = key.partition(".")
@@ -171,10 +176,12 @@ def cache_configs(methods: list[str], budget: int, params: list[str]) -> list[tu
         else:
             common[key] = value
     out = [(FULL, FULL, {}), (ROTATING, ROTATING, dict(max_size=budget, keep=KEEP))]
-    for m in methods:
+    for entry in methods:
+        m = entry.partition(":")[0]
         spec = get_method(m).spec
         given = {k: v for k, v in common.items() if k in spec.params}
-        given.update(scoped[m])
+        given.update(scoped[entry])
+        given.update(inline[entry])
         if m == "kivi":
             given.setdefault("bits", 4)
         p = dict(given)
@@ -182,6 +189,9 @@ def cache_configs(methods: list[str], budget: int, params: list[str]) -> list[tu
             p.update(budget_params(m, budget, given) or {})
         label = m + "".join(f" {k}={v}" for k, v in given.items())
         out.append((label, m, p))
+    labels = [l for l, _, _ in out]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"--methods measures one configuration twice: {labels}")
     return out
 
 
