@@ -18,7 +18,8 @@ duration of the call (:func:`installed`):
   when every layer can trim back to the shared prefix exactly (a velox cache forgets what it
   evicted), else the longest stored prefix, else nothing, and never lets a velox cache be
   trimmed partially.
-* ``_run_http_server``: the same server with one more endpoint, ``GET /velox/stats`` (JSON:
+* ``_run_http_server``: the same server (with a listen backlog of 128 connections instead of
+  5, for many clients at once) and one more endpoint, ``GET /velox/stats`` (JSON:
   the configuration, whether requests are batched, the caches built, every sequence stored in
   the prompt cache with its tokens, the tokens each layer holds and its bytes, the prompt
   cache's hits, and the process memory).
@@ -489,6 +490,21 @@ def _handler_class():
 
 # --- installing into mlx_lm.server ---------------------------------------------------------
 
+def _http_server_class():
+    from http.server import ThreadingHTTPServer
+
+    class VeloxHTTPServer(ThreadingHTTPServer):
+        """mlx-lm's threading HTTP server with a listen backlog for many clients at once
+        (the standard library's is 5)."""
+
+        request_queue_size = 128
+
+    return VeloxHTTPServer
+
+
+_HTTPServer = _http_server_class()
+
+
 @contextlib.contextmanager
 def installed(cfg: ServeConfig) -> Iterator[None]:
     """Replace ``load``, ``sharded_load``, ``LRUPromptCache`` and ``_run_http_server`` in
@@ -518,8 +534,8 @@ def installed(cfg: ServeConfig) -> Iterator[None]:
         raise ValueError("velox serve does not support distributed (sharded) serving")
 
     def run_http(host, port, response_generator, server_class=None, handler_class=None):
-        kw = {} if server_class is None else {"server_class": server_class}
-        return original_http(host, port, response_generator, handler_class=handler, **kw)
+        return original_http(host, port, response_generator, server_class=_HTTPServer,
+                             handler_class=handler)
 
     _STATS.config = cfg
     server.load, server.sharded_load = load, sharded_load
