@@ -18,7 +18,7 @@ from velox.registry import get_method, method_keys
 from velox.spec import validate_params
 
 H, GROUPS, D = 2, 2, 32          # kv heads, query heads per kv head, head dim
-PREFILL = (14, 5)                # two prompt chunks (the second on a non-empty cache)
+PREFILL = (30, 5)                # two prompt chunks (the second on a non-empty cache)
 SCALE = D ** -0.5
 
 # Small settings: bounded methods evict, quantizers flush, append tails are absorbed.
