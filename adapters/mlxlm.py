@@ -771,6 +771,8 @@ def _split_step(m: Method, state, keys, values, queries):
 
 def _deferred_row(state, new, move, keys, values):
     """``(new, row)`` of :func:`_split_step` from the update's ``(new, move)``."""
+    if move.slot is not None and getattr(move, "rows", None) is not None:  # rows left unwritten
+        return new._replace(keys=state.keys, values=state.values), (move.slot, *move.rows)
     if move.slot is None:
         return new, None
     rows = []

@@ -36,7 +36,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-__all__ = ["weights", "attend_weights", "compact"]
+__all__ = ["weights", "attend_weights", "select", "compact"]
 
 THREADS = 1024  # threads per block of the weights kernel (a power of two)
 COMPACT_THREADS = 256  # threads per block of the compact kernel (a power of two)
@@ -302,6 +302,108 @@ _PROFILE_ROWS = """
         opr[rows * wp + e] = c == wp - 1 ? PW[bh * N + src] : (src < n ? PR[(rows + src) * wp + c + 1] : 0.0f);
     }
 """
+
+
+# One block per selection unit (a batch row's kv head, or the whole row when its heads share
+# one selection: SHARED, the mean of the H heads' scores): the loser among the n stored slots
+# (any order) and the new token is the lowest ranked score (non-finite lowest, the first N_SINK
+# positions and the RECENT newest protected), the older position among equal scores; then per
+# head the slot's row to write (the new token's when it won a slot, else the slot's own row:
+# the write changes nothing), the positions and the carried scores with the slot taken.
+_SELECT_BODY = """
+    const unsigned int tid = threadIdx.x;
+    const int H = P_shape[1];
+    const int n = P_shape[2];
+    const int N = n + 1;
+    const int units = SHARED ? 1 : H;
+    const size_t bi = blockIdx.x / units;
+    const int h0 = SHARED ? 0 : (int)(blockIdx.x % units);
+    __shared__ float red[THREADS];
+    __shared__ int red_i[THREADS];
+    __shared__ int loser_t;
+    const size_t u0 = bi * H + h0;
+    const int np0 = next_pos[u0];
+    const float inf = __int_as_float(0x7f800000);
+    float best = inf;
+    int best_p = -1;
+    for (int t = tid; t < N; t += THREADS) {
+        const int p = t < n ? P[u0 * n + t] : np0;
+        float sc;
+        if (SHARED) {
+            sc = 0.0f;
+            for (int hh = 0; hh < H; ++hh) sc += S[(bi * H + hh) * N + t];
+            sc = sc / (float)H;
+        } else {
+            sc = S[u0 * N + t];
+        }
+        const bool prot = p < N_SINK || (RECENT > 0 && p >= np0 + 1 - RECENT);
+        const float r = prot ? inf : velox_ranked(sc);
+        if (best_p < 0 || r < best || (r == best && p < best_p)) { best = r; best_p = p; }
+    }
+    const int lp = velox_block_argmin<THREADS>(best, best_p, -1, red, red_i);
+    if (tid == 0) loser_t = n;
+    __syncthreads();
+    for (int t = tid; t < n; t += THREADS) if (P[u0 * n + t] == lp) loser_t = t;
+    __syncthreads();
+    const int lt = loser_t;
+    const bool wr = lt < n;
+    const int slot = wr ? lt : 0;
+    const int d = K_shape[3];
+    for (int hh = SHARED ? 0 : h0; hh < (SHARED ? H : h0 + 1); ++hh) {
+        const size_t u = bi * H + hh;
+        if (tid == 0) { oslot[u] = slot; }
+        for (int c = tid; c < d; c += THREADS) {
+            rowk[u * d + c] = wr ? knew[u * d + c] : K[(u * n + slot) * d + c];
+            rowv[u * d + c] = wr ? vnew[u * d + c] : V[(u * n + slot) * d + c];
+        }
+        const int npu = next_pos[u];
+        for (int i = tid; i < n; i += THREADS) {
+            const bool taken = wr && i == slot;
+            opos[u * n + i] = taken ? npu : P[u * n + i];
+            CARRY_SLOT
+        }
+    }
+"""
+
+
+def _select_spec(carry: bool = False) -> dict:
+    """The ``mx.fast.cuda_kernel`` arguments of ``select`` (``carry``: the carried scores
+    ``C [b, h, n + 1]`` over the candidates, written with the slot taken)."""
+    return dict(
+        name="velox_select" + ("_carry" if carry else ""),
+        input_names=["S", "P", "next_pos", "K", "V", "knew", "vnew"] + (["C"] if carry else []),
+        output_names=["oslot", "rowk", "rowv", "opos"] + (["oc"] if carry else []),
+        source=_SELECT_BODY.replace("CARRY_SLOT", "oc[u * n + i] = taken ? C[u * N + n] : C[u * N + i];"
+                                    if carry else "").replace("THREADS", str(COMPACT_THREADS)),
+        header=_HEADER)
+
+
+@lru_cache(maxsize=None)
+def _select_kernel(carry: bool):
+    return mx.fast.cuda_kernel(**_select_spec(carry))
+
+
+def select(scores, positions, next_pos, keys, values, new_keys, new_values, *, n_sink: int,
+           recent: int, shared: bool, carried=None):
+    """A decode step's selection at a full state of slots in one launch, as
+    ``velox.evict``'s slot step decides it (:func:`velox.evict.slot_losers` with one loser,
+    every slot filled): ``(slot, rows_k, rows_v, positions, carried)``. ``scores [b, h, n + 1]``
+    (float32; ``shared``: the row's heads share one selection on their mean), ``positions
+    [b, h, n]``, ``next_pos [b, h]``, stored ``keys``/``values [b, h, n, d]``, the new token's
+    ``[b, h, 1, d]``; ``carried [b, h, n + 1]`` (float32, optional) the carried scores over the
+    candidates. ``slot [b, h, 1]`` is where the step's row goes and ``rows_*`` what is written
+    there (the slot's own row when the new token lost); ``positions`` and ``carried`` come back
+    with the slot taken (``[b, h, n]``; ``carried`` None without it)."""
+    b, h, n, d = keys.shape
+    units = b if shared else b * h
+    outs = _select_kernel(carried is not None)(
+        inputs=[scores, positions, next_pos, keys, values, new_keys, new_values]
+        + ([carried] if carried is not None else []),
+        grid=(units * COMPACT_THREADS, 1, 1), threadgroup=(COMPACT_THREADS, 1, 1),
+        output_shapes=[(b, h, 1), (b, h, 1, d), (b, h, 1, d), (b, h, n)] + ([(b, h, n)] if carried is not None else []),
+        output_dtypes=[mx.int32, keys.dtype, values.dtype, mx.int32] + ([mx.float32] if carried is not None else []),
+        template=[("N_SINK", n_sink), ("RECENT", recent), ("SHARED", int(shared))])
+    return outs[0], outs[1], outs[2], outs[3], (outs[4] if carried is not None else None)
 
 
 def _weights_spec(group: str = "mean", accumulate: str | None = None, noise: bool = False,

@@ -250,12 +250,14 @@ WEIGHTS_VARIANTS += [("weights", group, acc, False, True) for group in ("mean", 
 COMPACT_VARIANTS = [("compact", select, carry) for select in ("fixed", "full", "split")
                     for carry in ("none", "full", "split", "profiles")]
 MERGE_VARIANTS = [("merge_plan",), ("merge_compact",)]
-KERNEL_VARIANTS = WEIGHTS_VARIANTS + COMPACT_VARIANTS + MERGE_VARIANTS
+SELECT_VARIANTS = [("select", False), ("select", True)]
+KERNEL_VARIANTS = WEIGHTS_VARIANTS + COMPACT_VARIANTS + MERGE_VARIANTS + SELECT_VARIANTS
 TEMPLATE = {"weights": {"HEAD_DIM": 128},
             "compact": dict(CHUNKS=2, FIXED_DROP=0, UNIT_HEADS=1, N_SINK=3, RECENT=2, CHUNK_SIZE=4),
             "merge_plan": dict(HEAD_DIM=128, N_SINK=3, RECENT=5, WINDOW=6, MERGE_GATE=1, MODE=0,
                                MERGE_KEYS=1, FW=9),
-            "merge_compact": dict(CHUNKS=2, MODE=0, MERGE_KEYS=1, FW=9)}
+            "merge_compact": dict(CHUNKS=2, MODE=0, MERGE_KEYS=1, FW=9),
+            "select": dict(N_SINK=3, RECENT=2, SHARED=1)}
 
 
 def _spec(variant):
@@ -264,6 +266,8 @@ def _spec(variant):
     kind, *args = variant
     if kind.startswith("merge"):
         return kind, merge._plan_spec() if kind == "merge_plan" else merge._compact_spec()
+    if kind == "select":
+        return kind, kernels._select_spec(*args)
     return kind, kernels._weights_spec(*args) if kind == "weights" else kernels._compact_spec(*args)
 
 
@@ -275,7 +279,7 @@ def test_kernel_sources_are_complete(variant):
     kind, spec = _spec(variant)
     src = spec["source"]
     for token in ("ACCUMULATE", "BIAS", "NOISE", "GROUP_COMBINE", "GROUP_FINAL", "THREADS", "SELECT",
-                  "ATTEND", "KEEP_P",
+                  "ATTEND", "KEEP_P", "CARRY_SLOT",
                   "RAW_SCORE", "CARRY", "CARRY_ROWS", "NT"):
         assert not re.search(rf"\b{token}\b", src), (variant, token)
     for name in spec["input_names"] + spec["output_names"]:
@@ -287,8 +291,8 @@ def test_kernel_sources_are_complete(variant):
 
 def _dtypes(kind, spec, dtype):
     """Input and output dtypes of a launch whose keys and values are ``dtype``."""
-    rows = {"q", "K", "knew", "V", "vnew", "ok", "ov", "o"}
-    ints = {"P", "next_pos", "op", "onext", "iplan"}
+    rows = {"q", "K", "knew", "V", "vnew", "ok", "ov", "o", "rowk", "rowv"}
+    ints = {"P", "next_pos", "op", "onext", "iplan", "oslot", "opos"}
     def of(name):
         return (dtype if name in rows else "int32" if name in ints
                 else "uint32" if name == "seedmix" else "float32")

@@ -286,12 +286,15 @@ class Move(NamedTuple):
     ``write`` (``[b, h, 1]``, or ``None``: everywhere) holds, else nothing moves. Otherwise
     the filled slots are first gathered by ``pre`` (``[b, h, f]``, ``None``: as stored), then
     the candidates (those rows followed by the new ones) by ``idx`` (``None``: all are kept,
-    the new rows appended), as :func:`keep_rows` does."""
+    the new rows appended), as :func:`keep_rows` does. ``rows`` (a decode step of the fused
+    kernels, ``velox.kernels.evict.select``) are the keys and values ``[b, h, 1, d]`` that
+    belong in ``slot`` and that the step left unwritten (the adapter writes them in place)."""
 
     pre: Any = None
     idx: Any = None
     slot: Any = None
     write: Any = None
+    rows: Any = None  # a decode step whose rows were not written: (keys, values) for ``slot``
 
 
 def write_slot(a: Shaped[Array, "b h n *rest"], x: Shaped[Array, "b h 1 *rest"],
@@ -831,12 +834,42 @@ def _kernel_step(score, kernel, carry, fields, plan: _Plan) -> Callable:
         state, by, updates, _ = inputs(state, keys, values, queries, False)
         return finish(state, keys, values, by, updates)
 
+    def selected(state, keys, values, by, updates):
+        """The per-token rule's selection (``slack = 0``) in one launch
+        (``velox.kernels.evict.select``): ``(state, Move)``, the move carrying the slot's
+        row; ``None`` where the step's inputs do not fit it."""
+        from .kernels.evict import select
+        b, h, n, _ = state.keys.shape
+        if plan.slack(state) or (by is not None and (by.shape != (b, h, n + 1) or by.dtype != mx.float32)):
+            return None
+        carried = None
+        if carry:
+            carried = updates.get(carry[0])
+            if (len(carry) > 1 or not isinstance(carried, mx.array) or carried.shape != (b, h, n + 1)
+                    or carried.dtype != mx.float32 or getattr(state, carry[0]).dtype != mx.float32):
+                return None
+        if by is None:  # a rule without a score: the protected tokens stay, the oldest other goes
+            by = cached_const(("zeros", b, h, n + 1), lambda: np.zeros((b, h, n + 1), np.float32))
+        slot, rk, rv, positions, kept = select(
+            by, state.positions, state.next_pos, state.keys, state.values, keys, values,
+            n_sink=plan.sinks(state), recent=plan.recent(state), shared=plan.shared(state),
+            carried=carried)
+        fields = dict(positions=positions, next_pos=state.next_pos + 1)
+        if carry:
+            fields[carry[0]] = kept
+        if hasattr(state, "empty"):
+            fields["empty"] = 0
+        return state._replace(**fields), Move(slot=slot, rows=(rk, rv))
+
     def with_attention(state, keys, values, queries):
         from .kernels.evict import attend_weights
         state, by, updates, out = inputs(state, keys, values, queries, True)
         if out is None:  # the kernel input did not attend: one launch for the output alone
             out = attend_weights(queries, state.keys, state.values, keys, values)[0]
-        return (out.astype(queries.dtype), *finish(state, keys, values, by, updates))
+        done = selected(state, keys, values, by, updates)
+        if done is None:
+            done = finish(state, keys, values, by, updates)
+        return (out.astype(queries.dtype), *done)
 
     def update(state, keys, values, queries):
         return step(state, keys, values, queries)[0]
