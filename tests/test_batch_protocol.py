@@ -22,9 +22,11 @@ def _leaves(c: VeloxCache) -> list:
     return [] if st is None else [(k, v) for k, v in tree_flatten(st)]
 
 
-def assert_same(a: VeloxCache, b: VeloxCache) -> None:
+def assert_same(a: VeloxCache, b: VeloxCache, *, close: bool = False) -> None:
     """Two single caches hold the same thing: offset, size, positions, every state field and
-    the tail, bit for bit."""
+    the tail, bit for bit (``close``: floating arrays within a relative 1e-4 of the field's
+    largest magnitude, for a row computed in a batch, whose projections the BLAS may round
+    differently in the last bits)."""
     assert isinstance(a, VeloxCache) and isinstance(b, VeloxCache)
     assert (a.offset, a.size(), a.empty()) == (b.offset, b.size(), b.empty())
     assert a.nbytes == b.nbytes
@@ -33,12 +35,19 @@ def assert_same(a: VeloxCache, b: VeloxCache) -> None:
     assert [k for k, _ in la] == [k for k, _ in lb]
     for (name, x), (_, y) in zip(la, lb):
         if isinstance(x, mx.array):
-            assert x.dtype == y.dtype and bool(mx.array_equal(x, y)), name
+            assert x.dtype == y.dtype and _equal(x, y, close), name
         else:
             assert x == y, name
     assert (a.tail is None) == (b.tail is None)
     if a.tail is not None:
-        assert all(bool(mx.array_equal(x, y)) for x, y in zip(a.tail, b.tail))
+        assert all(_equal(x, y, close) for x, y in zip(a.tail, b.tail))
+
+
+def _equal(x: mx.array, y: mx.array, close: bool) -> bool:
+    if not close or not mx.issubdtype(x.dtype, mx.floating):
+        return bool(mx.array_equal(x, y))
+    x, y = np.array(x.astype(mx.float32)), np.array(y.astype(mx.float32))
+    return x.shape == y.shape and bool(np.allclose(x, y, rtol=0, atol=1e-4 * (np.abs(y).max() + 1e-30)))
 
 
 def feed(model, caches, tokens, step=4):
@@ -118,7 +127,7 @@ def test_a_copy_and_an_extracted_row_are_independent_of_the_batch(tiny_llama):
     for layer in range(len(batch)):
         assert_same(kept[layer], rows[0][layer])          # extracted before: unchanged
         assert_same(snapshot[layer].extract(0), rows[0][layer])
-        assert_same(batch[layer].extract(0), alone[layer])  # the batch's row advanced as alone
+        assert_same(batch[layer].extract(0), alone[layer], close=True)  # advanced as alone
         assert batch[layer].extract(1).offset == rows[1][layer].offset + 1
 
 
@@ -160,8 +169,8 @@ def test_a_row_without_valid_tokens_is_left_bit_identical(tiny_llama):
     tiny_llama(chunk[:1], cache=before[0])
     mx.eval([c.state for c in before[0]])
     for layer, c in enumerate(batch):
-        assert_same(c.extract(1), rows[1][layer])
-        assert_same(c.extract(0), before[0][layer])
+        assert_same(c.extract(1), rows[1][layer])  # bit for bit
+        assert_same(c.extract(0), before[0][layer], close=True)
     assert batch[0].offset.tolist() == [12, 6]
 
 
@@ -180,7 +189,7 @@ def test_ragged_chunk_gives_each_row_its_own_tokens(tiny_llama):
     tiny_llama(mx.array([[3, 4, 5, 6]]), cache=alone[1])
     for layer, c in enumerate(batch):
         for i in range(2):
-            assert_same(c.extract(i), alone[i][layer])
+            assert_same(c.extract(i), alone[i][layer], close=True)
     empty = rows_for(tiny_llama, lengths=(0, 0))
     alone = [copy.deepcopy(r) for r in empty]
     batch = [VeloxCache.merge([r[i] for r in empty]) for i in range(len(empty[0]))]
@@ -193,7 +202,7 @@ def test_ragged_chunk_gives_each_row_its_own_tokens(tiny_llama):
     tiny_llama(mx.array([[9, 10, 11]]), cache=alone[1])
     for layer, c in enumerate(batch):
         for i in range(2):
-            assert_same(c.extract(i), alone[i][layer])
+            assert_same(c.extract(i), alone[i][layer], close=True)
 
 
 def test_merge_refuses_what_one_batch_cannot_run(tiny_llama):
@@ -257,7 +266,8 @@ def test_cross_layer_rows_keep_one_record_per_row(tiny_llama):
         tiny_llama(mx.array([[t]]), cache=alone[i])
     for layer, c in enumerate(batch):
         for i in range(2):
-            assert_same(c.extract(i), alone[i][layer])
+            assert_same(c.extract(i), alone[i][layer], close=True)
     rec = [np.array(x) for _, x in tree_flatten(batch[0].rows[0]._model.record) if isinstance(x, mx.array)]
     want = [np.array(x) for _, x in tree_flatten(alone[0][0]._model.record) if isinstance(x, mx.array)]
-    assert all((a == b).all() for a, b in zip(rec, want)) and len(rec) == len(want)
+    assert len(rec) == len(want)
+    assert all(np.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(rec, want))
