@@ -394,14 +394,21 @@ def _file_spec(key: str) -> Spec:
 
 def method_table(keys: tuple[str, ...] | None = None) -> str:
     """Markdown table of the methods: key, name, family, phases, queries, backends beyond
-    ``reference`` and ``mlx``, paper, parameters."""
-    lines = ["| key | method | family | phases | queries | kernels | paper | parameters (defaults) |",
-             "|---|---|---|---|---|---|---|---|"]
+    ``reference`` and ``mlx``, batching, paper, parameters.
+
+    Batching is how mlx-lm's batched generation (``batch_generate``, the server) runs the
+    method's caches: ``per row`` is the adapter's batch cache that holds one batch-of-one
+    state per sequence (``velox.adapters.batch``), which takes every method; a spec may
+    declare another way in its contract (``batching``)."""
+    lines = ["| key | method | family | phases | queries | kernels | batching | paper "
+             "| parameters (defaults) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for key in keys or spec_keys():
         s = load_spec(key)
         params = ", ".join(f"`{p.name}={p.default!r}`" for p in s.params.values())
         paper = f"[{s.arxiv}](https://arxiv.org/abs/{s.arxiv})" if s.arxiv else s.venue
         kernels = ", ".join(b for b in s.backends if b not in ("reference", "mlx")) or "-"
+        batching = s.contract.get("batching", "per row")
         lines.append(f"| `{s.key}` | {s.name} | {s.family} | {s.phases} | {s.queries} | {kernels} "
-                     f"| {paper} | {params} |")
+                     f"| {batching} | {paper} | {params} |")
     return "\n".join(lines) + "\n"
