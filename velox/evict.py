@@ -44,6 +44,7 @@ import numpy as np
 from ._typing import Array, Bool, Float, Int, Shaped
 from .attention import CodedKeys
 from .ordering import order_key
+from .ragged import ragged
 from .registry import dims_of
 from .spec import param_fields
 
@@ -694,6 +695,7 @@ def _mlx_backend(score, carry, fields, plan: _Plan, logits_only: bool = False) -
     update.logits_only = logits_only
     update.slots = plan.slots
     update.with_move = step
+    update.ragged = ragged(update)  # valid counts per row (velox.ragged)
     return update
 
 
@@ -755,6 +757,7 @@ def _reference_backend(reference, carry, fields, plan: _Plan, logits_only: bool 
     update.logits_only = logits_only
     update.slots = plan.slots
     update.with_move = step
+    update.ragged = ragged(update)  # valid counts per row (velox.ragged)
     return update
 
 

@@ -7,6 +7,7 @@ per-method branches. Kernel modules add backends to a registered method with
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import sys
@@ -108,9 +109,17 @@ def _slot_kv(state: State) -> tuple[mx.array, mx.array]:
 
 def _slot_kv_slots(state: State) -> tuple[mx.array, mx.array, mx.array | None]:
     """Stored keys and values in storage order, and the mask of filled slots (``None`` when
-    every slot holds a token)."""
-    mask = state.positions >= 0 if getattr(state, "empty", 0) else None
+    every slot holds a token; always given for a state of ragged rows, ``velox.ragged``)."""
+    from .ragged import is_ragged
+    mask = state.positions >= 0 if getattr(state, "empty", 0) or is_ragged(state) else None
     return state.keys, state.values, mask
+
+
+def _slot_nbytes(state: State) -> int:
+    """Bytes of every array a state of slots holds; for a state of ragged rows
+    (``velox.ragged``) its filled slots' and per-row arrays' bytes, the sum of its rows'."""
+    from .ragged import filled_nbytes, is_ragged
+    return filled_nbytes(state) if is_ragged(state) else state_nbytes(state)
 
 
 def _default_kv_slots(get_kv: Callable) -> Callable:
@@ -140,8 +149,12 @@ def register(key: str, state_type: type, init: Callable, backends: Any = None, *
       constraints), resolves ``backend`` (``"auto"`` -> a concrete name) and calls the
       function with the checked values. ``help(<key>.init)`` shows the signature and its
       ``Args:``.
-    * ``update(state, keys, values, *, queries=None)``: checks the new rows against the
-      state's dims and runs ``backends[state.backend]``.
+    * ``update(state, keys, values, *, queries=None, valid=None)``: checks the new rows against
+      the state's dims and runs ``backends[state.backend]``. ``valid`` (int ``[b]``) counts
+      each row's real new tokens: a method whose spec declares ``contract.ragged`` runs its
+      backend's ``ragged`` update (``velox.ragged``; the ``cuda`` backend its ``mlx`` one),
+      as it does for a state of ragged rows given no ``valid``; any other method raises
+      ValueError unless every count is ``s``.
     * ``get_kv``: the state's ``keys`` and ``values``; ``nbytes``: the bytes of every array
       the state holds; ``positions``: the state's ``positions``; ``dims``: from ``keys``.
       For a method whose ``mlx`` backend keeps rows in slots (``velox.evict``'s
@@ -151,7 +164,8 @@ def register(key: str, state_type: type, init: Callable, backends: Any = None, *
       one older than the next update's tokens (what attention reads: it is invariant to the
       order of the stored rows), and ``mask`` ``None`` when every slot holds a token, else
       a bool ``[b, h, n]`` (True: a token). Slot states: their arrays and the mask of
-      ``positions >= 0``; others: ``get_kv`` and ``None``.
+      ``positions >= 0``; others: ``get_kv`` and ``None``. A state of slots holding ragged
+      rows (``velox.ragged``) always has the mask, and ``nbytes`` counts its filled slots.
 
     Args:
         key: the method key (``velox/specs/<key>.toml`` is its spec, unless ``spec`` is given).
@@ -195,6 +209,16 @@ def register(key: str, state_type: type, init: Callable, backends: Any = None, *
             m.get_kv = get_kv or _slot_kv
             m.positions = positions or _slot_positions
             m.kv_slots = kv_slots or _slot_kv_slots
+            m.nbytes = nbytes or _slot_nbytes
+        if m.spec.contract.get("ragged", False) and (update is not None or not all(
+                hasattr(fn, "ragged") for name, fn in m.backends.items() if name != "cuda")):
+            if spec is None:
+                raise ValueError(f"{key}: contract.ragged needs every backend's update to take valid "
+                                 f"counts (its ``ragged`` attribute: velox.evict.score_and_keep builds them)")
+            # a generated spec (a composition's) inherits its policy's contract: its own
+            # updates take no valid counts
+            m.spec_override = dataclasses.replace(
+                spec, contract={k: v for k, v in spec.contract.items() if k != "ragged"})
         if m.kv_slots is None:
             m.kv_slots = _default_kv_slots(m.get_kv)
         if update is None:
@@ -237,19 +261,41 @@ def _dispatching_update(m: Method, module: str) -> Callable:
     """The update every method shares: check the new rows, run the state's backend."""
     from .validate import check_update
 
+    from .ragged import check_valid, is_ragged, unsupported
+
     backends, dims = m.backends, m.dims or _keys_dims
+    ragged = bool(m.spec.contract.get("ragged", False))
 
     def update(state: State, keys: mx.array, values: mx.array, *,
-               queries: mx.array | None = None) -> State:
+               queries: mx.array | None = None, valid: Any = None) -> State:
         b, h, d, dtype = dims(state)
         check_update(keys, values, queries, batch=b, heads=h, head_dim=d, dtype=dtype)
+        s = keys.shape[2]
+        if ragged and (valid is not None or is_ragged(state)):
+            v = _full(b, s) if valid is None else check_valid(valid, b, s, m.key)
+            step = getattr(backends[state.backend], "ragged", None) or backends["mlx"].ragged  # cuda: mlx ops
+            return step(state, keys, values, queries, v)
+        if valid is not None:
+            v = check_valid(valid, b, s, m.key)
+            if (v != s).any():
+                raise unsupported(m.key, v, s)
         return backends[state.backend](state, keys, values, queries)
 
     update.__module__, update.__qualname__ = module, "update"
+    rows = ("a state of ragged rows (``velox.ragged``): row ``i`` takes its first ``valid[i]`` "
+            "tokens and evolves as that row alone" if ragged else
+            "counts other than ``s`` raise ValueError: this method's state holds equal rows")
     update.__doc__ = (f"Absorb ``s`` new tokens ``keys, values [b, h, s, d]`` (``queries [b, q, "
                       f"s, d]``: their real queries, optional): {m.spec.summary}.\n\n"
+                      f"``valid`` (optional, int ``[b]``): the real new tokens of each row, the "
+                      f"real ones first; {rows}.\n\n"
                       f"Returns the new state; the state given is left as it was.")
     return update
+
+
+def _full(b: int, s: int):
+    import numpy as np
+    return np.full(b, s, np.int64)
 
 
 def _document(m: Method, module: str) -> None:

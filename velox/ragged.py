@@ -1,0 +1,221 @@
+"""Ragged rows in one state: batch rows holding different numbers of tokens.
+
+A state of slots (``velox.evict``: ``positions [b, h, n]``, ``-1`` an empty slot) may hold a
+different number of tokens in each batch row: the rows' extra slots are empty. Such a state
+comes from an update with ``valid`` (``update(state, keys, values, *, queries=None,
+valid=None)``): ``valid [b]`` counts the real new tokens of each row, the real ones first
+(right padding, as mlx-lm pads a batch's chunks); the padding is never stored, scored,
+protected or counted. A method declares it in its spec (``contract.ragged = true``); every
+score-and-keep method (``velox.evict.score_and_keep``) does.
+
+The rule, for every backend: each row evolves exactly as that row alone (a batch-of-one
+state fed only its real tokens). A row with ``valid = 0`` keeps its slots bit for bit.
+
+How a state holds ragged rows:
+
+* ``positions`` is ``-1`` at every empty slot; the static ``empty`` field (slack methods) is
+  the number of slots empty in *every* row and head: the common count when all rows and
+  heads hold the same, else 0 (a lower bound).
+* ``get_kv`` and ``positions`` (``velox.registry``) gather ``n - empty`` columns per row in
+  increasing position: a row's extra empty slots come first, at position -1 (left padding,
+  as mlx-lm's batch caches hold rows); ``kv_slots``' mask (``positions >= 0``) is given for
+  every ragged state and is what attention over the stored rows applies.
+* ``nbytes`` counts the filled slots (and the per-row arrays): the sum of the rows' own
+  accounting (:func:`filled_nbytes`); a state whose rows are not ragged is counted as before,
+  array by array.
+
+The update (:func:`ragged`): when every row takes ``s`` real tokens and every row holds the
+same slots (each row and head exactly ``empty`` empty ones), the state is an ordinary batch
+and the backend's update runs on it as it is. Otherwise each row that takes tokens runs the
+backend's update as a batch-of-one state of its filled slots (:func:`compact`) with its real
+tokens (and queries) alone, and the rows are stacked back into one state (:func:`stack`),
+padded with empty slots to the widest row. A method's score reads whole rows (attention over
+the stored and new keys, the last queries of a chunk), so a row's score is its own call on
+its own tokens: no padded key, value or query reaches it, whatever it holds.
+
+A ragged state is recognised by its ``positions`` array (:func:`is_ragged`, a weak record of
+the arrays this module produced): an update without ``valid`` of a ragged state runs as
+``valid = s`` for every row.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from collections.abc import Callable
+
+import mlx.core as mx
+import numpy as np
+
+__all__ = ["check_valid", "is_ragged", "token_fields", "row", "compact", "stack", "filled_nbytes",
+           "ragged", "unsupported"]
+
+_RAGGED: "weakref.WeakValueDictionary[int, mx.array]" = weakref.WeakValueDictionary()
+
+
+def _mark(state) -> None:
+    _RAGGED[id(state.positions)] = state.positions
+
+
+def is_ragged(state) -> bool:
+    """Whether ``state`` holds ragged rows (an output of :func:`ragged` whose rows or heads
+    hold different numbers of empty slots)."""
+    pos = getattr(state, "positions", None)
+    return isinstance(pos, mx.array) and _RAGGED.get(id(pos)) is pos
+
+
+def check_valid(valid, batch: int, s: int, key: str) -> np.ndarray:
+    """``valid`` as an int64 NumPy array ``[batch]`` of counts in ``0..s``, or ValueError."""
+    v = np.asarray(valid.astype(mx.int64) if isinstance(valid, mx.array) else valid)
+    if v.shape != (batch,) or not np.issubdtype(v.dtype, np.integer):
+        raise ValueError(f"{key}: valid must be an int array [batch={batch}] of real tokens per row; "
+                         f"got shape {v.shape}, dtype {v.dtype}")
+    if (v < 0).any() or (v > s).any():
+        raise ValueError(f"{key}: valid counts {v.tolist()} must lie in 0..{s} (the update's new tokens)")
+    return v.astype(np.int64)
+
+
+def unsupported(key: str, v: np.ndarray, s: int) -> ValueError:
+    """The error of a method whose state cannot hold ragged rows."""
+    return ValueError(f"{key}: ragged rows (valid counts {v.tolist()} of {s} new tokens) are not "
+                      f"supported by its state (its spec does not declare contract.ragged); "
+                      f"update each row as its own batch-of-one state")
+
+
+def _dims(annotation) -> str | None:
+    """The dimension string of a field's annotation (``Float[Array, "b h n d"]``, also as
+    the text of a postponed annotation), or None."""
+    dims = getattr(annotation, "dim_str", None)
+    text = getattr(annotation, "__forward_arg__", annotation)  # typing.ForwardRef: its text
+    if dims is None and isinstance(text, str):
+        found = re.search(r"""["']([^"']*)["']""", text)
+        dims = found.group(1) if found else None
+    return dims
+
+
+def token_fields(state) -> tuple[str, ...]:
+    """The per-token fields of a state of slots: arrays ``[b, h, n, ...]`` laid out like
+    ``positions`` (keys, values, positions and the carried fields), by their annotations
+    (dims ``"b h n ..."``; a field without one: by its shape)."""
+    shape = tuple(state.positions.shape)
+    notes = getattr(type(state), "__annotations__", {})
+    out = []
+    for name, x in zip(state._fields, state):
+        if not (isinstance(x, mx.array) and x.ndim >= 3 and tuple(x.shape[:3]) == shape):
+            continue
+        dims = _dims(notes.get(name))
+        if dims is None or dims.split()[:3] == ["b", "h", "n"]:
+            out.append(name)
+    return tuple(out)
+
+
+def _row_arrays(state) -> tuple[str, ...]:
+    b = state.positions.shape[0]
+    return tuple(name for name, x in zip(state._fields, state)
+                 if isinstance(x, mx.array) and x.ndim >= 1 and x.shape[0] == b)
+
+
+def row(state, i: int):
+    """Row ``i`` of ``state`` as a batch-of-one state, its slots as stored."""
+    return state._replace(**{name: getattr(state, name)[i:i + 1] for name in _row_arrays(state)})
+
+
+def _filled(state) -> np.ndarray:
+    """``[b, h]`` filled slots of each row and head (a host read of ``positions``)."""
+    return (np.array(state.positions) >= 0).sum(axis=-1)
+
+
+def compact(state):
+    """A batch-of-one ``state`` with its filled slots only, in increasing position
+    (``empty`` 0): the row as a state of its own tokens."""
+    pos = np.array(state.positions)
+    filled = (pos >= 0).sum(axis=-1)
+    if (filled != filled[:, :1]).any():
+        raise ValueError("the heads of a row hold different numbers of tokens")
+    n = pos.shape[-1]
+    order = mx.array(np.argsort(pos, axis=-1, kind="stable")[..., n - int(filled[0, 0]):].astype(np.int32))
+    fields = {name: mx.take_along_axis(getattr(state, name),
+                                       order.reshape(order.shape + (1,) * (getattr(state, name).ndim - 3)),
+                                       axis=2)
+              for name in token_fields(state)}
+    if hasattr(state, "empty"):
+        fields["empty"] = 0
+    return state._replace(**fields)
+
+
+def _pad_slots(x: mx.array, width: int, fill) -> mx.array:
+    n = x.shape[2]
+    if n == width:
+        return x
+    pad = mx.full(x.shape[:2] + (width - n,) + x.shape[3:], fill, x.dtype)
+    return mx.concatenate([x, pad], axis=2) if n else pad
+
+
+def stack(rows: list, like):
+    """One state of the batch-of-one states ``rows`` (``like``'s static fields): per-token
+    fields padded at the end to the widest row with empty slots (position -1, zeros), per-row
+    arrays stacked; ``empty`` the count of slots empty in every row and head when all hold
+    the same, else 0 (the state is then marked ragged, :func:`is_ragged`)."""
+    width = max(r.positions.shape[2] for r in rows)
+    tokens = token_fields(rows[0])
+    fields = {}
+    for name in _row_arrays(rows[0]):
+        if name in tokens:
+            fill = -1 if name == "positions" else 0
+            fields[name] = mx.concatenate([_pad_slots(getattr(r, name), width, fill) for r in rows], axis=0)
+        else:
+            fields[name] = mx.concatenate([getattr(r, name) for r in rows], axis=0)
+    out = like._replace(**fields)
+    empties = width - _filled(out)
+    uniform = bool((empties == empties.flat[0]).all()) if empties.size else True
+    if hasattr(out, "empty"):
+        out = out._replace(empty=int(empties.flat[0]) if uniform and empties.size else 0)
+    if not uniform or (not hasattr(out, "empty") and empties.size and empties.flat[0]):
+        _mark(out)
+    return out
+
+
+def filled_nbytes(state) -> int:
+    """Bytes of a state's filled slots beyond its static ``empty`` count, plus every other
+    array: the bytes of the state's arrays less its rows' extra empty slots. For a ragged
+    state, the sum of its rows' own accounting (each row's :func:`compact` state)."""
+    from .accounting import state_nbytes
+    total = state_nbytes(state)
+    tokens = token_fields(state)
+    per_slot = sum(_slot_bytes(getattr(state, name)) for name in tokens)
+    b, h, n = state.positions.shape
+    extra = int(b * h * n - _filled(state).sum()) - b * h * getattr(state, "empty", 0)
+    return int(total - per_slot * extra)
+
+
+def _slot_bytes(x: mx.array) -> int:
+    """Bytes one slot of one row and head takes in ``x [b, h, n, ...]``."""
+    return int(x.itemsize * int(np.prod(x.shape[3:], dtype=np.int64)))
+
+
+def ragged(step: Callable) -> Callable:
+    """The ragged update of a backend's update ``step(state, keys, values, queries)``:
+    ``update(state, keys, values, queries, valid)`` with ``valid`` a checked ``[b]`` NumPy
+    count (see the module)."""
+    def update(state, keys, values, queries, valid: np.ndarray):
+        from .attention import CodedKeys
+        if isinstance(state.keys, CodedKeys):
+            raise ValueError("ragged rows are not supported by composed states (codes follow the policy's moves)")
+        b, h, n = state.positions.shape
+        s = keys.shape[2]
+        filled = _filled(state)
+        if (valid == s).all() and not is_ragged(state) and (filled == n - getattr(state, "empty", 0)).all():
+            return step(state, keys, values, queries)  # an ordinary batch
+        if not valid.any():
+            return state
+        rows = []
+        for i in range(b):
+            r = row(state, i)
+            v = int(valid[i])
+            if v:
+                q = None if queries is None else queries[i:i + 1, :, :v]
+                r = step(compact(r), keys[i:i + 1, :, :v], values[i:i + 1, :, :v], q)
+            rows.append(r)
+        return stack(rows, state)
+
+    return update
