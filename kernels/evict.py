@@ -396,13 +396,14 @@ def select(scores, positions, next_pos, keys, values, new_keys, new_values, *, n
     with the slot taken (``[b, h, n]``; ``carried`` None without it)."""
     b, h, n, d = keys.shape
     units = b if shared else b * h
-    outs = _select_kernel(carried is not None)(
-        inputs=[scores, positions, next_pos, keys, values, new_keys, new_values]
+    outs = _run_kernel(
+        ("select", carried is not None),
+        [scores, positions, next_pos, keys, values, new_keys, new_values]
         + ([carried] if carried is not None else []),
-        grid=(units * COMPACT_THREADS, 1, 1), threadgroup=(COMPACT_THREADS, 1, 1),
-        output_shapes=[(b, h, 1), (b, h, 1, d), (b, h, 1, d), (b, h, n)] + ([(b, h, n)] if carried is not None else []),
-        output_dtypes=[mx.int32, keys.dtype, values.dtype, mx.int32] + ([mx.float32] if carried is not None else []),
-        template=[("N_SINK", n_sink), ("RECENT", recent), ("SHARED", int(shared))])
+        (units * COMPACT_THREADS, 1, 1), (COMPACT_THREADS, 1, 1),
+        [(b, h, 1), (b, h, 1, d), (b, h, 1, d), (b, h, n)] + ([(b, h, n)] if carried is not None else []),
+        [mx.int32, keys.dtype, values.dtype, mx.int32] + ([mx.float32] if carried is not None else []),
+        [("N_SINK", n_sink), ("RECENT", recent), ("SHARED", int(shared))])
     return outs[0], outs[1], outs[2], outs[3], (outs[4] if carried is not None else None)
 
 
@@ -463,6 +464,26 @@ def _compact_kernel(select: str, carry: str):
     return mx.fast.cuda_kernel(**_compact_spec(select, carry))
 
 
+_SPECS = {"weights": _weights_spec, "select": _select_spec, "compact": _compact_spec}
+_KERNELS = {"weights": _weights_kernel, "select": _select_kernel, "compact": _compact_kernel}
+
+
+def _spec(variant: tuple) -> dict:
+    """The ``mx.fast.cuda_kernel`` arguments of ``variant``: the kernel's name (``weights``,
+    ``select``, ``compact``) then its spec function's arguments, as :func:`_run_kernel` takes it."""
+    kind, *args = variant
+    return _SPECS[kind](*args)
+
+
+def _run_kernel(variant, inputs, grid, threadgroup, output_shapes, output_dtypes, template):
+    """One launch of ``variant`` (as :func:`_spec` names it); every launch of this module
+    goes through here. The tests replace it by an emulation."""
+    kind, *args = variant
+    return _KERNELS[kind](*args)(inputs=inputs, grid=grid, threadgroup=threadgroup,
+                                 output_shapes=output_shapes, output_dtypes=output_dtypes,
+                                 template=template)
+
+
 @lru_cache(maxsize=None)
 def _params(scale: float, decay: float, tau_init: float = 0.0, tau_end: float = 0.0,
             anneal_steps: int = 0) -> mx.array:
@@ -517,11 +538,11 @@ def weights(queries, keys, new_keys, *, old=None, accumulate: str | None = None,
         params = _params(d ** -0.5, decay, gumbel["tau_init"], gumbel["tau_end"],
                          gumbel["anneal_steps"])
         noise = [gumbel["positions"], gumbel["next_pos"], _seed_mix(gumbel["seed"])]
-    out = _weights_kernel(group, accumulate, gumbel is not None)(
-        inputs=[queries, keys, new_keys, params] + ([old] if accumulate else []) + noise,
-        grid=(b * h * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-        output_shapes=shapes, output_dtypes=[mx.float32] * len(shapes),
-        template=[("HEAD_DIM", d)])
+    out = _run_kernel(
+        ("weights", group, accumulate, gumbel is not None, False),
+        [queries, keys, new_keys, params] + ([old] if accumulate else []) + noise,
+        (b * h * THREADS, 1, 1), (THREADS, 1, 1), shapes, [mx.float32] * len(shapes),
+        [("HEAD_DIM", d)])
     return out[0], (out[2] if accumulate else None)
 
 
@@ -551,11 +572,11 @@ def attend_weights(queries, keys, values, new_keys, new_values, *, old=None,
     g = hq // h
     shapes = [(b, h, n + 1), (b, h, g, n + 1)] + ([(b, h, n + 1)] if accumulate else []) + [(b, hq, 1, d)]
     dtypes = [mx.float32] * (len(shapes) - 1) + [values.dtype]
-    out = _weights_kernel(group, accumulate, False, True)(
-        inputs=[queries[:, :, -1], keys, new_keys, _params(d ** -0.5, decay)]
+    out = _run_kernel(
+        ("weights", group, accumulate, False, True),
+        [queries[:, :, -1], keys, new_keys, _params(d ** -0.5, decay)]
         + ([old] if accumulate else []) + [values, new_values],
-        grid=(b * h * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-        output_shapes=shapes, output_dtypes=dtypes, template=[("HEAD_DIM", d)])
+        (b * h * THREADS, 1, 1), (THREADS, 1, 1), shapes, dtypes, [("HEAD_DIM", d)])
     return out[-1], out[0], (out[2] if accumulate else None)
 
 
@@ -603,10 +624,10 @@ def compact(keys, values, positions, new_keys, new_values, next_pos, *, drop: in
         shapes.append(positions.shape)
         dtypes.append(mx.float32)
     chunks = max(1, -(-n * d // COMPACT_SPAN))
-    return _compact_kernel(select, mode)(
-        inputs=[keys, values, positions, new_keys, new_values, next_pos] + sel + extra,
-        grid=(b * h * chunks * COMPACT_THREADS, 1, 1), threadgroup=(COMPACT_THREADS, 1, 1),
-        output_shapes=shapes, output_dtypes=dtypes,
-        template=[("CHUNKS", chunks), ("FIXED_DROP", 0 if drop is None else drop),
-                  ("UNIT_HEADS", h if shared else 1), ("N_SINK", n_sink), ("RECENT", recent),
-                  ("CHUNK_SIZE", chunk_size)])
+    return _run_kernel(
+        ("compact", select, mode),
+        [keys, values, positions, new_keys, new_values, next_pos] + sel + extra,
+        (b * h * chunks * COMPACT_THREADS, 1, 1), (COMPACT_THREADS, 1, 1), shapes, dtypes,
+        [("CHUNKS", chunks), ("FIXED_DROP", 0 if drop is None else drop),
+         ("UNIT_HEADS", h if shared else 1), ("N_SINK", n_sink), ("RECENT", recent),
+         ("CHUNK_SIZE", chunk_size)])

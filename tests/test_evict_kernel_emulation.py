@@ -1,0 +1,511 @@
+"""The eviction decode kernels (``velox.kernels.evict``) emulated on the CPU.
+
+The ``cuda`` backend's attended decode step runs two kernels only an NVIDIA GPU launches:
+``attend_weights`` (the step's attention output with the scores, from one softmax) and
+``select`` (the loser, the slot's row, the positions and carried scores). Here their very
+sources run as C++ on the CPU through the module's one launch function (``_run_kernel``):
+``test_codec_kernel``'s emulation prelude, with the threads of a block as fibers of one
+thread (a fiber per CUDA thread, switched at ``__syncthreads`` and at the warp shuffles, so a
+1024-thread block costs microseconds per barrier, not an OS thread switch per thread), blocks
+one after another, shared memory as static storage. Three checks:
+
+* ``attend_weights`` (mean and max over a kv head's query heads, with and without H2O's
+  decayed sum): the output equals ``mx.fast.scaled_dot_product_attention`` over stored + new,
+  ``w`` and the carried scores the MLX score functions';
+* ``select``, given the ``mlx`` scores, decides as the ``mlx`` slot step (``with_move``):
+  slot, the slot's row, positions and carried scores, over states whose slots are out of
+  position order, with ties, non-finite scores, a losing new token, shared and per-head
+  selections, sinks and recent tokens protected;
+* end to end: the adapter's fused decode step (``velox.adapters.mlxlm._fused_step``) on states
+  of the ``cuda`` backend gives the attention over stored + new and, its deferred row
+  written, the ``mlx`` backend's state, step after step.
+
+Skipped without a C++20 compiler or ``ucontext`` (POSIX fibers), and on a CUDA machine, where
+``tests/test_kernels.py`` runs the kernels themselves. Compiled variants are cached on disk
+and in the session.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests import test_codec_kernel as tck
+from velox import evict
+from velox.adapters import mlxlm
+from velox.attention import candidate_weights, scoring_queries
+from velox.backend import device_supports
+from velox.heavy_hitters import heavy_hitter_scores
+from velox.kernels import evict as ev
+from velox.kernels import nvrtc
+from velox.methods import knorm, tova
+from velox.registry import get_method
+
+pytestmark = [
+    tck.needs_cxx,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fibers use glibc's ucontext"),
+    pytest.mark.skipif(device_supports("cuda"), reason="the GPU tests run the kernels themselves"),
+]
+
+# --- the emulation ---------------------------------------------------------------------------
+
+# test_codec_kernel's prelude runs a thread per CUDA thread with a std::barrier; here the
+# threads of a block are fibers of one OS thread. A fiber waiting at a barrier yields to the
+# scheduler, which resumes every unfinished fiber in turn (threadIdx set to the fiber's).
+_THREAD_SYNC = "static inline void __syncthreads() { velox_bar->arrive_and_wait(); }"
+_FIBERS = r"""
+#include <ucontext.h>
+#include <cstdlib>
+static ucontext_t velox_main;
+static ucontext_t* velox_ctx = nullptr;
+static int velox_cur = 0;
+static long velox_moves = 0;  // barrier arrivals and finished fibers: the scheduler's progress
+static inline void velox_yield() { swapcontext(&velox_ctx[velox_cur], &velox_main); }
+struct velox_fbar { int count; unsigned int gen; };
+static inline void velox_fbar_wait(velox_fbar& b, int parties) {
+    const unsigned int g = b.gen;
+    ++velox_moves;
+    if (++b.count == parties) { b.count = 0; ++b.gen; return; }
+    while (b.gen == g) velox_yield();
+}
+static velox_fbar velox_block_bar = {0, 0};
+static velox_fbar velox_warp_bar[32] = {};
+static float velox_lanes[1024];
+static inline void __syncthreads() { velox_fbar_wait(velox_block_bar, (int)blockDim.x); }
+// a warp's exchange: every lane of the warp writes, waits for the warp, reads its partner's,
+// waits again (so no lane overwrites a value before its partner read it)
+static inline float __shfl_xor_sync(unsigned int, float v, int off) {
+    const unsigned int t = threadIdx.x;
+    velox_lanes[t] = v;
+    velox_fbar_wait(velox_warp_bar[t >> 5], 32);
+    const float r = velox_lanes[t ^ (unsigned int)off];
+    velox_fbar_wait(velox_warp_bar[t >> 5], 32);
+    return r;
+}
+static inline float __fdiv_rn(float a, float b) { return a / b; }
+"""
+_STACK = 1 << 16  # bytes of stack per fiber
+_EMU_DIR = os.path.join(tempfile.gettempdir(), "velox_evict_kernel_emu")
+_LIBS: dict[str, ctypes.CDLL] = {}
+
+
+def _prelude() -> str:
+    assert _THREAD_SYNC in tck._EMU_PRELUDE
+    return tck._EMU_PRELUDE.replace(_THREAD_SYNC, _FIBERS)
+
+
+def _library(spec, in_dtypes, out_dtypes, template) -> ctypes.CDLL:
+    """The kernel of ``spec`` compiled as C++ with a fiber launcher, ``velox_launch(blocks,
+    threads, args)`` (0, or 1 if the block deadlocked: a barrier some fibers never reach)."""
+    src = nvrtc.kernel_source(spec, in_dtypes, out_dtypes, template)
+    assert src.startswith(nvrtc._PRELUDE)
+    src = _prelude() + src[len(nvrtc._PRELUDE):]
+    args, k = [], 0
+    for name in spec["input_names"]:
+        args.append(f"(const {nvrtc._CUDA_TYPES[in_dtypes[name]]}*)velox_args[{k}]")
+        k += 1
+        if f"{name}_shape" in spec["source"]:
+            args.append(f"velox_shape((const int*)velox_args[{k}])")
+            k += 1
+    for dt in out_dtypes:
+        args.append(f"({nvrtc._CUDA_TYPES[dt]}*)velox_args[{k}]")
+        k += 1
+    src += f"""
+static void** velox_args = nullptr;
+static unsigned char* velox_done = nullptr;
+static void velox_entry() {{
+    velox_check::{spec["name"]}({", ".join(args)});
+    velox_done[velox_cur] = 1;
+    ++velox_moves;
+}}
+extern "C" int velox_launch(int nblocks, int nt, void** a) {{
+    static char* stacks = nullptr;
+    static int stack_fibers = 0;
+    if (nt > stack_fibers) {{
+        std::free(stacks);
+        stacks = (char*)std::malloc((size_t)nt * {_STACK});
+        stack_fibers = nt;
+    }}
+    std::vector<ucontext_t> ctx(nt);
+    std::vector<unsigned char> done(nt);
+    velox_ctx = ctx.data();
+    velox_done = done.data();
+    velox_args = a;
+    gridDim = {{(unsigned int)nblocks, 1, 1}};
+    blockDim = {{(unsigned int)nt, 1, 1}};
+    for (int b = 0; b < nblocks; ++b) {{
+        blockIdx = {{(unsigned int)b, 0, 0}};
+        for (int i = 0; i < nt; ++i) {{
+            getcontext(&ctx[i]);
+            ctx[i].uc_stack.ss_sp = stacks + (size_t)i * {_STACK};
+            ctx[i].uc_stack.ss_size = {_STACK};
+            ctx[i].uc_link = &velox_main;
+            makecontext(&ctx[i], velox_entry, 0);
+            done[i] = 0;
+        }}
+        int alive = nt;
+        while (alive > 0) {{
+            const long before = velox_moves;
+            for (int i = 0; i < nt; ++i) {{
+                if (done[i]) continue;
+                velox_cur = i;
+                threadIdx = {{(unsigned int)i, 0, 0}};
+                swapcontext(&velox_main, &ctx[i]);
+                if (done[i]) --alive;
+            }}
+            if (alive > 0 && velox_moves == before) return 1;
+        }}
+    }}
+    return 0;
+}}
+"""
+    key = hashlib.sha1(src.encode()).hexdigest()[:20]
+    if key in _LIBS:
+        return _LIBS[key]
+    os.makedirs(_EMU_DIR, exist_ok=True)
+    so = os.path.join(_EMU_DIR, f"{key}.so")
+    if not os.path.exists(so):
+        cpp = os.path.join(_EMU_DIR, f"{key}.cpp")
+        with open(cpp, "w") as f:
+            f.write(src)
+        tmp = so + f".{os.getpid()}"
+        subprocess.run([tck._CXX, "-std=c++20", "-O1", "-shared", "-fPIC", "-w", cpp, "-o", tmp],
+                       check=True, capture_output=True)
+        os.replace(tmp, so)
+    lib = ctypes.CDLL(so)
+    lib.velox_launch.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]
+    lib.velox_launch.restype = ctypes.c_int
+    _LIBS[key] = lib
+    return lib
+
+
+LAUNCHES: list[tuple] = []  # the variants launched, for the tests that check the path taken
+
+
+def _emulated_kernel(variant, inputs, grid, threadgroup, output_shapes, output_dtypes, template):
+    """``velox.kernels.evict._run_kernel`` on the CPU: the same source, compiled as C++."""
+    LAUNCHES.append(variant)
+    spec = ev._spec(variant)
+    assert grid[1:] == threadgroup[1:] == (1, 1) and grid[0] % threadgroup[0] == 0
+    ins = dict(zip(spec["input_names"], inputs, strict=True))
+    lib = _library(spec, {k: tck._NAME_OF[v.dtype] for k, v in ins.items()},
+                   [tck._NAME_OF[d] for d in output_dtypes], dict(template))
+    keep, ptrs = [], []
+    for name in spec["input_names"]:
+        a = tck._to_np(ins[name])
+        keep.append(a)
+        ptrs.append(a.ctypes.data)
+        if f"{name}_shape" in spec["source"]:
+            s = np.zeros(10, np.int32)
+            s[:a.ndim] = a.shape
+            keep.append(s)
+            ptrs.append(s.ctypes.data)
+    outs = []
+    for shape, dt in zip(output_shapes, output_dtypes):  # unwritten elements stay NaN (or -1)
+        if dt == mx.bfloat16:
+            o = np.full(shape, 0x7FC0, np.uint16)
+        elif dt == mx.int32:
+            o = np.full(shape, -1, np.int32)
+        else:
+            o = np.full(shape, np.nan, np.float32).astype(tck._NP_OF[dt])
+        outs.append(o)
+        ptrs.append(o.ctypes.data)
+    arr = (ctypes.c_void_p * len(ptrs))(*ptrs)
+    assert lib.velox_launch(grid[0] // threadgroup[0], threadgroup[0], arr) == 0, f"{variant}: deadlock"
+    res = []
+    for o, dt in zip(outs, output_dtypes):
+        m = mx.array(o)
+        res.append(m.view(mx.bfloat16) if dt == mx.bfloat16 else m)
+    return res
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    monkeypatch.setattr(ev, "_run_kernel", _emulated_kernel)
+    LAUNCHES.clear()
+    return LAUNCHES
+
+
+def _rng(*what):
+    return np.random.default_rng(zlib.crc32(repr(what).encode()))
+
+
+def _arr(rng, *shape, dtype=mx.float32):
+    return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+
+# --- attend_weights ----------------------------------------------------------------------------
+
+ATTEND_CASES = [  # b, h, g, d, n, group, accumulate
+    (1, 2, 4, 64, 21, "mean", None),
+    (2, 2, 2, 32, 19, "mean", "decay"),
+    (1, 2, 3, 64, 20, "max", None),
+    (2, 1, 2, 32, 23, "max", "decay"),
+]
+
+
+@pytest.mark.parametrize("case", ATTEND_CASES, ids=str)
+def test_attend_weights_match_attention_and_the_scores(case, emulated):
+    b, h, g, d, n, group, accumulate = case
+    rng = _rng("attend", case)
+    q, k, v = _arr(rng, b, h * g, 1, d), _arr(rng, b, h, n, d), _arr(rng, b, h, n, d)
+    kn, vn = _arr(rng, b, h, 1, d), _arr(rng, b, h, 1, d)
+    old = mx.array(rng.random((b, h, n)).astype(np.float32)) if accumulate else None
+    out, w, scores = ev.attend_weights(q, k, v, kn, vn, old=old, accumulate=accumulate, decay=0.9,
+                                       group=group)
+    assert emulated == [("weights", group, accumulate, False, True)]
+    want = mx.fast.scaled_dot_product_attention(q, mx.concatenate([k, kn], axis=2),
+                                                mx.concatenate([v, vn], axis=2), scale=d ** -0.5)
+    assert out.shape == want.shape and out.dtype == mx.float32
+    np.testing.assert_allclose(np.array(out), np.array(want), rtol=1e-5, atol=1e-6)
+    p = candidate_weights(scoring_queries(kn, q)[:, :, :, -1:], k, kn)[:, :, :, 0]  # [b, h, g, n + 1]
+    ref_w = p.mean(axis=2) if group == "mean" else p.max(axis=2)
+    np.testing.assert_allclose(np.array(w), np.array(ref_w), rtol=1e-5, atol=1e-7)
+    if accumulate is None:
+        assert scores is None
+    else:
+        ref_s = mx.concatenate([old * 0.9, mx.zeros((b, h, 1))], axis=2) + ref_w
+        np.testing.assert_allclose(np.array(scores), np.array(ref_s), rtol=1e-5, atol=1e-7)
+
+
+def test_attend_weights_keep_the_values_dtype(emulated):
+    """bfloat16 rows: the output in bfloat16, the attention of the rows as they are stored."""
+    b, h, g, d, n = 1, 2, 2, 64, 17
+    rng = _rng("attend-bf16")
+    q, k, v = (_arr(rng, *s, dtype=mx.bfloat16) for s in ((b, h * g, 1, d), (b, h, n, d), (b, h, n, d)))
+    kn, vn = _arr(rng, b, h, 1, d, dtype=mx.bfloat16), _arr(rng, b, h, 1, d, dtype=mx.bfloat16)
+    out, w, _ = ev.attend_weights(q, k, v, kn, vn)
+    assert out.dtype == mx.bfloat16
+    up = [x.astype(mx.float32) for x in (q, k, v, kn, vn)]
+    want = mx.fast.scaled_dot_product_attention(up[0], mx.concatenate([up[1], up[3]], axis=2),
+                                                mx.concatenate([up[2], up[4]], axis=2), scale=d ** -0.5)
+    np.testing.assert_allclose(np.array(out.astype(mx.float32)), np.array(want), rtol=1e-2, atol=1e-2)
+
+
+# --- select ------------------------------------------------------------------------------------
+
+# key, params, b, h, g, d (budget 20 unless given; tova's per_head False shares the selection;
+# KNorm's keys are integers, so squared norms tie often; budget 300: more candidates than the
+# select block's threads)
+SELECT_CASES = [
+    ("tova", dict(n_sink=3, per_head=False), 2, 2, 2, 32),
+    ("tova", dict(n_sink=2, per_head=True), 1, 4, 1, 64),
+    ("h2o", dict(n_sink=3, grace=2, decay=0.95), 2, 2, 2, 32),
+    ("streaming_llm", dict(n_sink=3, window_size=17), 1, 2, 2, 32),
+    ("knorm", dict(n_sink=3, recent=2, keep="low"), 2, 3, 1, 64),
+    ("knorm", dict(n_sink=1, recent=0, keep="low"), 1, 2, 1, 32),
+    ("knorm", dict(n_sink=3, recent=0, keep="low", budget=300), 1, 2, 1, 32),
+]
+BUDGET = 20
+
+
+def _init(key, params, b, h, d, dtype=mx.float32):
+    m = get_method(key)
+    budget = {} if key == "streaming_llm" else dict(budget=BUDGET)
+    return m, m.init(b, h, d, dtype=dtype, backend="mlx", **{**budget, **params})
+
+
+def _mlx_scores(key, st, k, v, q):
+    """The ``mlx`` score the slot step ranks by, and the carried scores over the candidates."""
+    if key == "tova":
+        return tova._score(st, k, v, q, True), None
+    if key == "knorm":
+        return knorm._score(st, k, v, q, True), None
+    if key == "h2o":
+        s = heavy_hitter_scores(st, k, v, q).scores
+        return s, s
+    return None, None
+
+
+def _prefill(rng, b, h, g, d, n, integer=False):
+    """Keys with equal rows (ties of every score of a key; ``integer``: integer keys) and
+    values, queries."""
+    k = np.asarray(rng.standard_normal((b, h, n, d)), np.float32)
+    if integer:
+        k = np.round(k)
+    k[:, :, 7] = k[:, :, 11]
+    k[:, :, 8] = k[:, :, 12] = k[:, :, 15]
+    return (mx.array(k), _arr(rng, b, h, n, d), _arr(rng, b, h * g, n, d))
+
+
+# the NaN last: a NaN key stays in the state, and every later attention over it is NaN
+STEP_KINDS = ["random", "tie", "lose", "random", "tie", "random", "lose", "random", "tie", "nan"]
+
+
+def _step_inputs(rng, key, st, step, b, h, g, d, integer=False):
+    """A step's new key, value, queries: random; a copy of a stored key (a tie); a NaN in the
+    new key; a new key the step attends to least or with the largest norm (the new token
+    loses where nothing protects it)."""
+    k, v, q = _arr(rng, b, h, 1, d), _arr(rng, b, h, 1, d), _arr(rng, b, h * g, 1, d)
+    if integer:
+        k = mx.round(k)
+    kind = STEP_KINDS[step]
+    if kind == "tie":
+        k = st.keys[:, :, 9:10]
+    elif kind == "nan":
+        k = mx.array(np.where(np.arange(d) == 3, np.nan, np.array(k)).astype(np.float32))
+    elif kind == "lose":
+        if key == "knorm":
+            k = k * 50
+        else:  # against the mean of the group's queries: the lowest weight
+            k = -10 * q.reshape(b, h, g, 1, d).mean(axis=2)
+    return k, v, q
+
+
+@pytest.mark.parametrize("case", SELECT_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2:]}")
+def test_select_decides_as_the_mlx_slot_step(case, emulated):
+    key, params, b, h, g, d = case
+    rng = _rng("select", case)
+    m, st = _init(key, params, b, h, d)
+    plan = evict._plan(m.spec)
+    n = plan.capacity(st)
+    k, v, q = _prefill(rng, b, h, g, d, n + 6, integer=key == "knorm")
+    st = m.update(st, k, v, queries=q)
+    lost_new = 0
+    for step in range(len(STEP_KINDS)):
+        k, v, q = _step_inputs(rng, key, st, step, b, h, g, d, integer=key == "knorm")
+        by, carried = _mlx_scores(key, st, k, v, q)
+        if by is None:  # the rule without a score: the protected tokens stay, the oldest other goes
+            by = mx.zeros((b, h, n + 1), mx.float32)
+        slot, rk, rv, pos, kept = ev.select(
+            by, st.positions, st.next_pos, st.keys, st.values, k, v, n_sink=plan.sinks(st),
+            recent=plan.recent(st), shared=plan.shared(st), carried=carried)
+        new, move = m.backends["mlx"].with_move(st, k, v, q)
+        assert move.slot is not None and move.write is not None, (key, step)
+        what = f"{case} step {step}"
+        np.testing.assert_array_equal(np.array(slot), np.array(move.slot), err_msg=what)
+        written = [np.array(mx.take_along_axis(getattr(new, f), move.slot[..., None], axis=2))
+                   for f in ("keys", "values")]
+        np.testing.assert_array_equal(np.array(rk), written[0], err_msg=what)
+        np.testing.assert_array_equal(np.array(rv), written[1], err_msg=what)
+        np.testing.assert_array_equal(np.array(pos), np.array(new.positions), err_msg=what)
+        if carried is not None:
+            np.testing.assert_array_equal(np.array(kept), np.array(new.scores), err_msg=what)
+        else:
+            assert kept is None
+        lost_new += int((~np.array(move.write)).sum())
+        st = new
+    assert emulated == [("select", key == "h2o")] * len(STEP_KINDS)
+    pos = np.array(st.positions)
+    assert (np.sort(pos, axis=-1)[:, :, :plan.sinks(st)] == np.arange(plan.sinks(st))).all()
+    if key in ("tova", "knorm") and plan.recent(st) == 0:
+        assert lost_new > 0, "no step where the new token lost"
+
+
+def test_select_ranks_nonfinite_lowest_and_ties_by_age(emulated):
+    """Scores given directly: NaN and -inf go before any finite score, the older of equal
+    scores first; protected sinks and recent tokens never go, the new token may."""
+    b, h, n, d = 1, 2, 8, 32
+    rng = _rng("select-direct")
+    k, v = _arr(rng, b, h, n, d), _arr(rng, b, h, n, d)
+    kn, vn = _arr(rng, b, h, 1, d), _arr(rng, b, h, 1, d)
+    pos = mx.array(np.array([[[0, 1, 9, 4, 12, 6, 3, 10], [0, 1, 2, 11, 4, 5, 6, 7]]], np.int32))
+    nxt = mx.array(np.array([[13, 12]], np.int32))
+    nan, inf = np.nan, np.inf
+    scores = mx.array(np.array([[[-inf, 5, 1, 2, 1, 1, 7, 3, 4],     # a sink's -inf stays; ties 9/12/6: 6 goes
+                                 [5, 5, 3, 2, nan, -inf, 8, 8, 9]]],  # NaN, -inf: the older (pos 4) goes
+                               np.float32))
+    slot, rk, rv, p, _ = ev.select(scores, pos, nxt, k, v, kn, vn, n_sink=1, recent=2, shared=False)
+    assert np.array(slot)[0, :, 0].tolist() == [5, 4]
+    np.testing.assert_array_equal(np.array(rk), np.array(kn))
+    np.testing.assert_array_equal(np.array(p)[0, 0], [0, 1, 9, 4, 12, 13, 3, 10])
+    # the new token's score the lowest: it loses, the slot (0) keeps its row
+    low = mx.array(np.array([[[9, 9, 9, 9, 9, 9, 9, 9, -1], [9, 9, 9, 9, 9, 9, 9, 9, nan]]], np.float32))
+    slot, rk, rv, p, _ = ev.select(low, pos, nxt, k, v, kn, vn, n_sink=0, recent=0, shared=False)
+    assert np.array(slot)[0, :, 0].tolist() == [0, 0]
+    np.testing.assert_array_equal(np.array(rk), np.array(k[:, :, :1]))
+    np.testing.assert_array_equal(np.array(rv), np.array(v[:, :, :1]))
+    np.testing.assert_array_equal(np.array(p), np.array(pos))
+    # shared: the mean over the heads decides for both (each head alone would drop another)
+    same = mx.broadcast_to(pos[:, :1], pos.shape)
+    split = mx.array(np.array([[[9, 9, 0, 9, 9, 9, 4, 9, 9], [9, 9, 9, 0, 9, 9, 4, 9, 9]]], np.float32))
+    slot, rk, _, p, _ = ev.select(split, same, mx.full((1, 2), 13, mx.int32), k, v, kn, vn, n_sink=1,
+                                  recent=2, shared=True)
+    assert np.array(slot)[0, :, 0].tolist() == [6, 6]
+    np.testing.assert_array_equal(np.array(rk), np.array(kn))
+    np.testing.assert_array_equal(np.array(p)[0], [[0, 1, 9, 4, 12, 6, 13, 10]] * 2)
+
+
+def test_select_over_more_candidates_than_threads(emulated):
+    """600 slots in shuffled position order (each thread ranks several), scores of a few
+    values and NaNs: the loser is the lowest ranked, the oldest among the tied."""
+    b, h, n, d, n_sink, recent = 1, 4, 600, 32, 4, 3
+    rng = _rng("select-many")
+    k, v = _arr(rng, b, h, n, d), _arr(rng, b, h, n, d)
+    kn, vn = _arr(rng, b, h, 1, d), _arr(rng, b, h, 1, d)
+    pos = np.stack([rng.permutation(n) for _ in range(h)])[None].astype(np.int32)
+    scores = rng.integers(0, 3, (b, h, n + 1)).astype(np.float32)
+    scores[0, 1, rng.integers(0, n, 40)] = np.nan
+    slot, _, _, p, _ = ev.select(mx.array(scores), mx.array(pos), mx.full((b, h), n, mx.int32), k, v, kn, vn,
+                                 n_sink=n_sink, recent=recent, shared=False)
+    cand = np.concatenate([pos, np.full((b, h, 1), n, np.int32)], axis=2)
+    rank = np.where(np.isfinite(scores), scores, -np.inf)
+    rank = np.where((cand < n_sink) | (cand >= n + 1 - recent), np.inf, rank)
+    for j in range(h):
+        loser = min(range(n + 1), key=lambda t: (rank[0, j, t], cand[0, j, t]))
+        assert int(np.array(slot)[0, j, 0]) == (loser if loser < n else 0), j
+        want = pos[0, j].copy()
+        if loser < n:
+            want[loser] = n
+        np.testing.assert_array_equal(np.array(p)[0, j], want)
+
+
+# --- end to end: the adapter's fused decode step -------------------------------------------------
+
+# key, params, b, h, g, d, dtype
+FUSED_CASES = [  # budget 20, or 40: more candidates than the weights block's warps
+    ("tova", dict(n_sink=3, per_head=False, budget=40), 1, 2, 2, 64, mx.float32),
+    ("tova", dict(n_sink=3, per_head=True), 2, 2, 1, 32, mx.float32),
+    ("h2o", dict(n_sink=3, grace=2, decay=0.95), 1, 2, 2, 64, mx.float32),
+    ("streaming_llm", dict(n_sink=3, window_size=17), 1, 2, 2, 32, mx.float32),
+    ("knorm", dict(n_sink=3, recent=2, keep="low"), 1, 2, 2, 64, mx.bfloat16),
+]
+
+
+def _compare(key, got, want, what):
+    np.testing.assert_array_equal(np.array(got.positions), np.array(want.positions), err_msg=what)
+    np.testing.assert_array_equal(np.array(got.next_pos), np.array(want.next_pos), err_msg=what)
+    for f in ("keys", "values"):
+        np.testing.assert_array_equal(np.array(getattr(got, f).astype(mx.float32)),
+                                      np.array(getattr(want, f).astype(mx.float32)), err_msg=what)
+    if "scores" in got._fields:
+        np.testing.assert_allclose(np.array(got.scores), np.array(want.scores), rtol=2e-5, atol=1e-6,
+                                   err_msg=what)
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2:6]}-{c[6]}")
+def test_fused_decode_step_matches_attention_then_update(case, emulated):
+    key, params, b, h, g, d, dtype = case
+    rng = _rng("fused", case)
+    m, st = _init(key, params, b, h, d, dtype)
+    n = evict._plan(m.spec).capacity(st) + 6
+    st = m.update(st, _arr(rng, b, h, n, d, dtype=dtype), _arr(rng, b, h, n, d, dtype=dtype),
+                  queries=_arr(rng, b, h * g, n, d, dtype=dtype))
+    fused = mlxlm._fused_step(m)
+    tol = 2e-5 if dtype == mx.float32 else 2e-2
+    for step in range(4):
+        q, k, v = (_arr(rng, b, h * g, 1, d, dtype=dtype), _arr(rng, b, h, 1, d, dtype=dtype),
+                   _arr(rng, b, h, 1, d, dtype=dtype))
+        emulated.clear()
+        out, new, row = fused(st._replace(backend="cuda"), q, k, v, d ** -0.5)
+        assert [x[0] for x in emulated] == ["weights", "select"], emulated
+        assert new.backend == "cuda" and row is not None
+        new = mlxlm._write_row(new, row)._replace(backend="mlx")
+        want = mx.fast.scaled_dot_product_attention(
+            q, mx.concatenate([st.keys, k], axis=2), mx.concatenate([st.values, v], axis=2), scale=d ** -0.5)
+        plain = m.update(st, k, v, queries=q)
+        assert out.dtype == dtype
+        what = f"{case} step {step}"
+        np.testing.assert_allclose(np.array(out.astype(mx.float32)), np.array(want.astype(mx.float32)),
+                                   rtol=tol, atol=tol, err_msg=what)
+        _compare(key, new, plain, what)
+        st = plain
