@@ -193,3 +193,33 @@ def test_a_request_joins_a_running_batch(smol):
         want, want_cache = alone(model, prompt, n, "tova", params, eos)
         assert got[uid] == want
         assert_same_caches(caches[uid], want_cache)
+
+
+# -- the benchmark script ------------------------------------------------------------------
+
+def test_benchmark_short_run(tmp_path, capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "batch_generate.py"
+    spec = importlib.util.spec_from_file_location("bench_batch_generate", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "rows.json"
+    assert bench.main(["--model", "tiny-random", "--batch", "1", "2", "--context", "24", "--budget", "8",
+                       "--max-tokens", "3", "--prefill-step", "8", "--json", str(out)]) == 0
+    assert "| batch | cache |" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["cache"]) for r in rows] == [
+        (b, c) for b in (1, 2) for c in ("mlx-lm", "tova budget=8", "kivi bits=4")]
+    for r in rows:
+        assert r["generation_tokens"] == 3 * r["batch"] and r["prompt_tokens"] > 0
+        assert r["total_tok_s"] > 0 and r["peak_bytes"] > 0
+    by = {(r["batch"], r["method"]): r for r in rows}
+    # 24 prompt + 3 new tokens per row: mlx-lm holds them all, TOVA its 8 (2 layers, 2 kv
+    # heads, head_dim 32, float32: 8 * 2 * 2 * 32 * 4 * 2 bytes of keys and values, and its
+    # positions and scores), KIVI 4-bit codes.
+    assert by[(2, "mlx-lm")]["kv_bytes_per_row"] == 27 * 2 * 2 * 32 * 4 * 2
+    assert by[(2, "tova")]["kv_bytes_per_row"] < by[(2, "mlx-lm")]["kv_bytes_per_row"] / 2
+    assert by[(2, "kivi")]["kv_bytes_per_row"] < by[(2, "mlx-lm")]["kv_bytes_per_row"]
