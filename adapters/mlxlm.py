@@ -194,6 +194,21 @@ def _check_rollback(rollback: Any) -> None:
         raise ValueError(f"rollback={rollback!r} must be an integer >= 0 (the steps trim can undo)")
 
 
+class _BatchMerge:
+    """``merge`` as a classmethod, hidden on an instance known to be unrouted (its
+    ``_routed`` is ``False``): ``hasattr(cache, "merge")`` is then false."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.__doc__ = fn.__doc__
+
+    def __get__(self, obj, cls=None):
+        if obj is not None and obj.__dict__.get("_routed") is False:
+            raise AttributeError(f"{type(obj).__name__} of a model whose attention does not reach "
+                                 "velox's wrapper does not batch (no merge)")
+        return self.fn.__get__(cls if cls is not None else type(obj), type)
+
+
 class VeloxCache(_BaseCache):
     """mlx-lm cache protocol around one layer's velox state (any registered method).
 
@@ -321,10 +336,16 @@ class VeloxCache(_BaseCache):
             return False
         return n == 0 or any(e.offset == self._offset - n for e in self._journal)
 
-    @classmethod
+    @_BatchMerge
     def merge(cls, caches: list) -> "velox.adapters.batch.VeloxBatchCache":
         """mlx-lm's batch protocol: one batch cache of these single-sequence caches, in order
-        (``velox.adapters.batch.VeloxBatchCache``: each row runs exactly as alone)."""
+        (``velox.adapters.batch.VeloxBatchCache``: each row runs exactly as alone).
+
+        A classmethod. A cache made for a model whose attention does not reach the adapter's
+        wrapper (``make_cache`` found it unrouted) has no ``merge`` attribute at all: mlx-lm
+        decides from ``hasattr(cache, "merge")`` whether a model batches, so its server and
+        ``BatchGenerator`` then serve that model one request at a time instead of failing
+        at the second request."""
         from .batch import VeloxBatchCache
         return VeloxBatchCache.merge(caches)
 

@@ -231,6 +231,9 @@ def test_merge_refuses_several_rows_without_the_attention_wrapper(tiny_llama):
         b = make_cache(tiny_llama, "tova", budget=BUDGET, real_queries=False)
         with pytest.raises(ValueError, match="scaled_dot_product_attention"):
             VeloxCache.merge([a[0], b[0]])
+        # mlx-lm decides batching from hasattr(cache, "merge") (its server's is_batchable):
+        # caches of an unrouted model have none, so such a model is served one request at a time
+        assert not any(hasattr(c, "merge") for c in a)
         # One row runs anyway: the batch of one hands the row's own result to the model.
         one = [VeloxCache.merge([c]) for c in a]
         alone = make_cache(tiny_llama, "tova", budget=BUDGET, real_queries=False)
@@ -241,6 +244,10 @@ def test_merge_refuses_several_rows_without_the_attention_wrapper(tiny_llama):
             assert_same(c.extract(0), w)
     finally:
         mlxlm.install_query_capture()
+
+
+def test_caches_of_a_routed_model_offer_merge(tiny_llama):
+    assert all(hasattr(c, "merge") for c in make_cache(tiny_llama, "tova", budget=BUDGET))
 
 
 def test_cross_layer_rows_keep_one_record_per_row(tiny_llama):
