@@ -81,7 +81,9 @@ def run_one(method: str, budget: int, requests: list[str], max_tokens: int,
     if method != "full":
         cmd[cmd.index("--method") + 2:cmd.index("--method") + 2] = ["--budget", str(budget)]
     log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+    # outside the checkout: ``-m`` puts the working directory first on sys.path, where the
+    # source tree's ``velox`` lacks an installed package's ``velox.kernels``
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, cwd=tempfile.gettempdir())
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120

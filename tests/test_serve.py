@@ -5,6 +5,7 @@ import json
 import os
 import socket
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -162,7 +163,9 @@ def server():
         [sys.executable, "-m", "velox.adapters.cli", "serve", "--model", "smollm2", "--method",
          "tova", "--budget", str(BUDGET), "--port", str(port), "--log-level", "WARNING",
          "--prefill-step-size", "512"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        # run outside the checkout: ``-m`` puts the working directory first on sys.path, where
+        # the source tree's ``velox`` lacks the installed package's ``velox.kernels``
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=tempfile.gettempdir())
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 90
