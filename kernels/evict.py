@@ -21,9 +21,13 @@ costs launch and bookkeeping time that dwarfs its work at decode sizes. Two kern
   token, ChunkKV's key norms), as one ``[b, h, n + 1]`` array or stored and new apart.
 
 Which kernels a step runs: the score-and-keep methods (``velox.evict.score_and_keep``) keep
-their rows in slots and take only ``weights`` (or their MLX scores) on the GPU; the loser and
-the one-row slot write are MLX ops (``compact``'s outputs are fresh buffers, so it would copy
-every kept row at each step). ``compact`` serves the methods whose rows stay sorted
+their rows in slots. Their ``update`` takes ``weights`` (or their MLX scores) on the GPU, the
+loser and the one-row slot write being MLX ops (``compact``'s outputs are fresh buffers, so it
+would copy every kept row at each step). The adapter's fused decode step (``with_attention``)
+runs two launches instead: ``attend_weights``, the ``weights`` kernel that also returns the
+step's attention output from the same softmax (no stored + new concatenation, the keys read
+once), and ``select``, the per-token rule's loser with the slot's row, the positions and the
+carried scores; the row is then written in place by MLX at the next step. ``compact`` serves the methods whose rows stay sorted
 (``contract.slots = "sorted"``: CaM's merge, ChunkKV's chunks), which move the kept rows anyway. MLX compiles each kernel at its first launch and caches it
 per template values and dtypes; ``weights`` takes head_dim as one, so each lane's loads of a
 key row unroll and issue together. ``velox.kernels.nvrtc`` compiles every variant's source
