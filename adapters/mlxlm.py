@@ -713,11 +713,15 @@ class VeloxCache(_BaseCache):
         if (not self.compile or keys.shape[2] != 1 or self._state.backend == "reference"
                 or m.layer_update is not None):
             return False
-        contract = m.spec.contract
-        cap = m.spec.capacity(self._full_params)
-        return (cap is not None and contract.get("bound_phase", "all") == "all"
-                and contract.get("compilable", True)
-                and self._slot_count() == cap + _slack(m, self._full_params))
+        rows = self.__dict__.get("_steady_rows", False)
+        if rows is False:  # the rows of a full state, or None: the parameters never change
+            contract = m.spec.contract
+            cap = m.spec.capacity(self._full_params)
+            rows = (cap + _slack(m, self._full_params) if cap is not None
+                    and contract.get("bound_phase", "all") == "all"
+                    and contract.get("compilable", True) else None)
+            self.__dict__["_steady_rows"] = rows
+        return rows is not None and self._slot_count() == rows
 
     def _stored_count(self) -> int:
         return 0 if self._state is None else int(self.method.positions(self._state).shape[2])
