@@ -835,13 +835,36 @@ def _fused_step(m: Method) -> Callable:
             out = m.attend(state, queries, keys, values, scale=scale, mask=None)
         else:  # the stored rows in storage order, empty slots masked, then the new token
             k, v, filled = m.kv_slots(state)
-            mask = _with_empty_slots(None, filled, queries, k.shape[2] + keys.shape[2])
-            out = mx.fast.scaled_dot_product_attention(
-                queries, evict.append_rows(k, keys), evict.append_rows(v, values), scale=scale,
-                mask=mask)
+            out = _weights_attention(m, queries, k, v, filled, keys, values, scale)
+            if out is None:
+                mask = _with_empty_slots(None, filled, queries, k.shape[2] + keys.shape[2])
+                out = mx.fast.scaled_dot_product_attention(
+                    queries, evict.append_rows(k, keys), evict.append_rows(v, values), scale=scale,
+                    mask=mask)
         return (out, *_split_step(m, state, keys, values, queries))
 
     return step
+
+
+def _weights_attention(m: Method, queries, k, v, filled, keys, values, scale):
+    """On the CPU, for a method whose score is the step's attention weights over the stored
+    keys as logits (``velox.evict.scores_by_logits``: TOVA, the heavy-hitter family): the
+    decode step's attention output from the very weights the score computes
+    (``velox.attention.candidate_weights`` of the newest query, the same expression, which
+    ``mx.compile`` computes once), times the stored values plus the new token's: no
+    stored + new concatenation and no second pass over the keys. ``None`` elsewhere (another
+    device, empty slots, a scale other than ``head_dim ** -0.5``, coded keys)."""
+    from velox.attention import candidate_weights, scoring_queries
+    if (mx.default_device() != mx.cpu or filled is not None or not evict.scores_by_logits(m)
+            or not isinstance(k, mx.array) or k.dtype != mx.float32 or queries.shape[2] != 1
+            or not math.isclose(scale, keys.shape[-1] ** -0.5, rel_tol=1e-6)):
+        return None
+    b, hq, _, d = queries.shape
+    h, n = k.shape[1], k.shape[2]
+    w = candidate_weights(scoring_queries(keys, queries)[:, :, :, -1:], k, keys)  # [b, h, g, 1, n + 1]
+    w = w.reshape(b, h, hq // h, n + 1)
+    out = w[..., :n] @ v.astype(mx.float32) + w[..., n:] * values.astype(mx.float32)
+    return out.reshape(b, hq, 1, d).astype(queries.dtype)
 
 
 def _attended_step(m: Method, state, queries, keys, values, scale):

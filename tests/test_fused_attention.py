@@ -1,0 +1,63 @@
+"""The adapter's fused decode step on the CPU: for methods scored by the step's attention
+weights (TOVA, the heavy-hitter family) the output comes from those weights
+(``_weights_attention``), and must equal attention over stored + new; the state must equal
+the plain update's."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import velox  # noqa: F401
+from velox.adapters import mlxlm
+from velox.registry import get_method
+
+
+def _state(key, b=1, h=3, hq=9, d=64, budget=24, **params):
+    m = get_method(key)
+    st = m.init(b, h, d, backend="mlx", budget=budget, **params)
+    k, q = mx.random.normal((b, h, budget + 9, d)), mx.random.normal((b, hq, budget + 9, d))
+    return m, m.update(st, k, k * 0.5, queries=q)
+
+
+@pytest.mark.parametrize("key", ["tova", "h2o", "tova_per_head"])
+def test_fused_step_output_is_attention_over_stored_and_new(key):
+    mx.random.seed(3)
+    m, st = _state("tova", per_head=True) if key == "tova_per_head" else _state(key)
+    fused = mx.compile(mlxlm._fused_step(m))
+    for step in range(6):
+        q, k, v = (mx.random.normal(s) for s in ((1, 9, 1, 64), (1, 3, 1, 64), (1, 3, 1, 64)))
+        sk, sv, filled = m.kv_slots(st)
+        assert filled is None
+        assert mlxlm._weights_attention(m, q, sk, sv, filled, k, v, 64 ** -0.5) is not None
+        want = mx.fast.scaled_dot_product_attention(
+            q, mx.concatenate([m.kv_slots(st)[0], k], axis=2),
+            mx.concatenate([m.kv_slots(st)[1], v], axis=2), scale=64 ** -0.5)
+        out, new, row = fused(st, q, k, v, 64 ** -0.5)
+        if row is not None:
+            new = mlxlm._write_row(new, row)
+        plain = m.update(st, k, v, queries=q)
+        np.testing.assert_allclose(np.array(out), np.array(want), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(np.array(m.positions(new)), np.array(m.positions(plain)))
+        np.testing.assert_array_equal(np.array(m.get_kv(new)[0]), np.array(m.get_kv(plain)[0]))
+        st = plain
+
+
+def test_weights_attention_applies_only_where_the_weights_are_the_score():
+    mx.random.seed(4)
+    q, k, v = (mx.random.normal(s) for s in ((1, 9, 1, 64), (1, 3, 1, 64), (1, 3, 1, 64)))
+    m = get_method("streaming_llm")
+    st = m.init(1, 3, 64, backend="mlx", n_sink=4, window_size=20)
+    st = m.update(st, mx.random.normal((1, 3, 30, 64)), mx.random.normal((1, 3, 30, 64)))
+    sk, sv, filled = m.kv_slots(st)
+    assert mlxlm._weights_attention(m, q, sk, sv, filled, k, v, 64 ** -0.5) is None  # no score
+    m, st = _state("tova")
+    sk, sv, filled = m.kv_slots(st)
+    assert mlxlm._weights_attention(m, q, sk, sv, filled, k, v, 0.1) is None  # another scale
+    m, st = _state("tova", slack=4)
+    for _ in range(8):  # decode until a selection frees slots: empty ones then
+        st = m.update(st, k, v, queries=q)
+        sk, sv, filled = m.kv_slots(st)
+        if filled is not None:
+            break
+    assert filled is not None
+    assert mlxlm._weights_attention(m, q, sk, sv, filled, k, v, 64 ** -0.5) is None
