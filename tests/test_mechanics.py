@@ -392,7 +392,7 @@ def test_attention_over_slots_masks_empty_slots():
 def test_adapter_decodes_over_slots(tiny_llama, slack):
     """Deferred mode over slots: the fused compiled decode step (the slot write left for the
     next step, empty slots masked) produces the logits of the plain step, and its state holds
-    the plain step's tokens; proxy mode runs with empty slots too."""
+    the plain step's tokens (their rows within rounding); proxy mode runs with empty slots too."""
     from velox.adapters.mlxlm import make_cache
     prompt = [int(x) for x in np.random.default_rng(0).integers(0, 97, 40)]
 
@@ -415,7 +415,10 @@ def test_adapter_decodes_over_slots(tiny_llama, slack):
         assert np.array_equal(np.array(c.positions()), np.array(d.positions()))
         k1, v1 = velox.get_kv(c.velox_state)
         k2, v2 = velox.get_kv(d.velox_state)
-        assert mx.array_equal(k1, k2).item() and mx.array_equal(v1, v2).item()
+        # the fused step's attention output comes from TOVA's score weights (another rounding
+        # than scaled_dot_product_attention), so the next layers' keys agree to rounding
+        np.testing.assert_allclose(np.array(k1), np.array(k2), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.array(v1), np.array(v2), rtol=1e-5, atol=1e-5)
     proxy, _ = run(real_queries=False)
     assert all(np.isfinite(x).all() for x in proxy)
 
