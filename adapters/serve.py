@@ -55,6 +55,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from .cli import _positive_int
+
 FULL = "full"
 EMBEDDED = ("smollm2", "embedded")
 STATS_PATH = "/velox/stats"
@@ -115,16 +117,6 @@ class ServeConfig:
         return {"method": self.method, "params": dict(self.params), "backend": self.backend,
                 "decode": self.decode, "decode_cap": self.decode_cap, "rollback": self.rollback,
                 "artifacts": self.artifacts, "capacity": self.capacity(), "model": self.model}
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _count(text: str) -> int:

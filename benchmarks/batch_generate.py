@@ -34,25 +34,23 @@ import gc
 import importlib.util
 import json
 import platform
-import statistics
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import velox  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 from mlx_lm import batch_generate
 
-from velox.adapters.cli import budget_params, parse_param
+from velox.adapters.cli import budget_params
 from velox.adapters.mlxlm import make_cache
-from velox.registry import get_method
 
 
 def _decode_speed():
-    """``benchmarks/decode_speed.py`` (its models), loaded by path."""
+    """``benchmarks/decode_speed.py`` (its models and its parsing of ``--methods`` and
+    ``--param``), loaded by path."""
     name = "velox_bench_decode_speed"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("decode_speed.py"))
@@ -69,25 +67,9 @@ TOKENIZER = SimpleNamespace(eos_token_ids=[], decode=lambda ids: "")
 
 def configs(methods: list[str], budget: int, params: list[str]) -> list[tuple[str, str, dict]]:
     """``(label, method, parameters)``: mlx-lm's caches, then each velox configuration."""
-    common: dict[str, Any] = {}
-    scoped: dict[str, dict[str, Any]] = {m: {} for m in methods}
-    for text in params:
-        key, value = parse_param(text)
-        method, dot, name = key.partition(".")
-        if dot:
-            if method not in scoped:
-                raise ValueError(f"--param {text!r} names {method!r}, which is not measured")
-            scoped[method][name] = value
-        else:
-            common[key] = value
     out = [(PLAIN, PLAIN, {})]
-    for entry in methods:
-        m, colon, rest = entry.partition(":")
-        spec = get_method(m).spec
-        given = {k: v for k, v in common.items() if k in spec.params}
-        given.update(scoped[entry])
-        if colon:
-            given.update(dict(parse_param(t) for t in rest.split(",")))
+    for entry, given in _decode_speed().method_params(methods, params).items():
+        m = entry.partition(":")[0]
         if m == "kivi":
             given.setdefault("bits", 4)
         p = dict(given)

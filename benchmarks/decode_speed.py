@@ -158,14 +158,12 @@ def gemv_bandwidth(mib: int) -> float:
 
 # --- caches ---------------------------------------------------------------------------
 
-def cache_configs(methods: list[str], budget: int, params: list[str]) -> list[tuple[str, str, dict]]:
-    """``(label, method, parameters)``: full, rotating, then each velox method."""
+def method_params(methods: list[str], params: list[str]) -> dict[str, dict[str, Any]]:
+    """The parameters given to each ``--methods`` entry: the unscoped ``--param key=value``
+    its method's spec takes, then ``--param method.key=value``, then the entry's own
+    ``method:key=value,...``."""
     common: dict[str, Any] = {}
     scoped: dict[str, dict[str, Any]] = {m: {} for m in methods}
-    inline: dict[str, dict[str, Any]] = {}
-    for entry in methods:  # "tova:slack=16,n_sink=4": the method with its own parameters
-        name, colon, rest = entry.partition(":")
-        inline[entry] = dict(parse_param(t) for t in rest.split(",")) if colon else {}
     for text in params:
         key, value = parse_param(text)
         method, dot, name = key.partition(".")
@@ -175,13 +173,23 @@ def cache_configs(methods: list[str], budget: int, params: list[str]) -> list[tu
             scoped[method][name] = value
         else:
             common[key] = value
-    out = [(FULL, FULL, {}), (ROTATING, ROTATING, dict(max_size=budget, keep=KEEP))]
-    for entry in methods:
-        m = entry.partition(":")[0]
+    out = {}
+    for entry in methods:  # "tova:slack=16,n_sink=4": the method with its own parameters
+        m, colon, rest = entry.partition(":")
         spec = get_method(m).spec
         given = {k: v for k, v in common.items() if k in spec.params}
         given.update(scoped[entry])
-        given.update(inline[entry])
+        if colon:
+            given.update(dict(parse_param(t) for t in rest.split(",")))
+        out[entry] = given
+    return out
+
+
+def cache_configs(methods: list[str], budget: int, params: list[str]) -> list[tuple[str, str, dict]]:
+    """``(label, method, parameters)``: full, rotating, then each velox method."""
+    out = [(FULL, FULL, {}), (ROTATING, ROTATING, dict(max_size=budget, keep=KEEP))]
+    for entry, given in method_params(methods, params).items():
+        m = entry.partition(":")[0]
         if m == "kivi":
             given.setdefault("bits", 4)
         p = dict(given)
