@@ -46,7 +46,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import base as _mlx_base
 
-from .mlxlm import _KV_BITS, VeloxCache, _BatchAttention, _capture_installed
+from velox import ragged as _ragged
+
+from .mlxlm import _KV_BITS, Mode, VeloxCache, _BatchAttention, _capture_installed
 
 __all__ = ["VeloxBatchCache"]
 
@@ -134,21 +136,127 @@ def _clone(c: VeloxCache, memo: dict | None = None) -> VeloxCache:
     return copy.deepcopy(c, memo)
 
 
-class VeloxBatchCache(_BatchAttention):
-    """A batch of velox caches, one batch-of-one :class:`VeloxCache` per row (``rows``).
+def _shell(c: VeloxCache) -> VeloxCache:
+    """A copy of ``c``'s settings with no state (its arrays are not copied)."""
+    d = c.__dict__
+    held, row = d.get("_held"), d.get("_row")
+    d["_held"] = d["_row"] = None
+    try:
+        return _clone(c)
+    finally:
+        d["_held"], d["_row"] = held, row
 
-    Created by ``VeloxCache.merge``; see the module docstring for the protocol.
+
+def _joinable(rows: list) -> list | None:
+    """The rows' states when ``rows`` can run as one batched state (see
+    :meth:`VeloxBatchCache._join`), else ``None``. Reads shapes and static fields only."""
+    first = rows[0]
+    m = first.method
+    if len(rows) < 2 or not m.spec.contract.get("ragged", False) or m.layer_update is not None:
+        return None
+    states = []
+    for r in rows:
+        if (r.rollback or r.decode != "evict" or r._tail is not None or r._pending is not None
+                or r.mode is not Mode.DEFERRED or r.artifact is not None):
+            return None
+        st = r._state  # (writes a decode step's pending row into its slot)
+        if st is None or _ragged.is_ragged(st) or getattr(st, "positions", None) is None:
+            return None
+        states.append(st)
+    s0 = states[0]
+    for st in states[1:]:
+        for a, b in zip(s0, st):
+            if isinstance(a, mx.array):
+                if not isinstance(b, mx.array) or a.shape != b.shape or a.dtype != b.dtype:
+                    return None
+            elif isinstance(b, mx.array) or a != b:
+                return None
+    return states
+
+
+class VeloxBatchCache(_BatchAttention):
+    """A batch of velox caches, one batch-of-one :class:`VeloxCache` per row (``rows``), or,
+    while its rows hold the same slot layout, one batched state (joined mode).
+
+    Created by ``VeloxCache.merge``; see the module docstring for the protocol. Set the
+    class attribute ``join_rows`` to ``False`` to keep one state per row always (e.g. to
+    measure what joining gains).
     """
 
+    join_rows = True
+
     def __init__(self, rows: list[VeloxCache]):
-        self.rows = list(rows)
+        self._rows = list(rows)
+        # Joined mode (:meth:`_join`): one VeloxCache whose state holds every row, and each
+        # row's offset; ``_rows`` is then stale until :meth:`_split`.
+        self._joined: VeloxCache | None = None
+        self._offsets: list[int] | None = None
         self._left: list[int] | None = None    # prepare: leading padding still to come, per row
         self._valid: list[int] | None = None   # prepare: valid tokens still to come, per row
         self._right: list[int] | None = None   # prepare: trailing padding (without lengths)
         # Between update_and_fetch and the wrapper's attention: per row None (no valid token)
-        # or (start, count, keys, values), what that row's attention reads.
-        self._calls: list | None = None
-        self._direct = False  # the call was the single row's own: its result went to the model
+        # or (start, count, keys, values), what that row's attention reads; "joined" for a
+        # call of the joined state.
+        self._calls: list | str | None = None
+        self._direct = False  # the call was one cache's own: its result went to the model
+
+    # -- rows, one state per row or one joined state -----------------------------------
+    @property
+    def rows(self) -> list[VeloxCache]:
+        """One single-sequence cache per row (a joined batch is split back into them)."""
+        self._split()
+        return self._rows
+
+    @rows.setter
+    def rows(self, rows: list[VeloxCache]) -> None:
+        self._joined, self._offsets, self._rows = None, None, list(rows)
+
+    @property
+    def joined(self) -> bool:
+        """Whether the rows run as one batched state now (see :meth:`_join`)."""
+        return self._joined is not None
+
+    def _count(self) -> int:
+        return len(self._offsets) if self._joined is not None else len(self._rows)
+
+    def _join(self) -> bool:
+        """Run the rows as one batched state from now on, when they can: a method whose
+        state is a state of slots that batches ragged rows (``contract.ragged``, the
+        score-and-keep evictors), deferred mode, ``decode="evict"``, no rollback, tail or
+        calibration, and every
+        row's state of the same shapes and static fields (same slot count: e.g. every row's
+        cache is full at its budget). A row's state then evolves as the batch-of-one state
+        would (the update is vectorised over rows and each row's selection is its own); each
+        row keeps its own positions and offset. Its cost: one copy of the rows' states into
+        one."""
+        if self._joined is not None:
+            return True
+        if not self.join_rows:
+            return False
+        states = _joinable(self._rows)
+        if states is None:
+            return False
+        joined = _shell(self._rows[0])
+        joined._state = _ragged.stack(states, states[0])
+        joined._offset = max(r.offset for r in self._rows)
+        self._offsets = [r.offset for r in self._rows]
+        self._joined, self._rows = joined, []
+        return True
+
+    def _row(self, i: int) -> VeloxCache:
+        """Row ``i`` of the joined state as a single-sequence cache."""
+        j = self._joined
+        c = _shell(j)
+        c._state = _ragged.row(j._state, i)
+        c._offset = self._offsets[i]
+        return c
+
+    def _split(self) -> None:
+        """Back to one cache per row (from joined mode)."""
+        if self._joined is None:
+            return
+        rows = [self._row(i) for i in range(len(self._offsets))]
+        self._joined, self._offsets, self._rows = None, None, rows
 
     # -- construction and row operations -------------------------------------------
     @classmethod
@@ -174,7 +282,12 @@ class VeloxBatchCache(_BatchAttention):
         self._check_idle()
         idx = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
         idx = [int(i) for i in idx]
-        self.rows = [self.rows[i] for i in idx]
+        if self._joined is not None and len(idx) >= 2:
+            j = self._joined
+            j._state = _ragged.take_rows(j._state, idx)
+            self._offsets = [self._offsets[i] for i in idx]
+        else:
+            self.rows = [self.rows[i] for i in idx]
         for name in ("_left", "_valid", "_right"):
             v = getattr(self, name)
             if v is not None:
@@ -196,10 +309,14 @@ class VeloxBatchCache(_BatchAttention):
     def extract(self, idx: int) -> VeloxCache:
         """Row ``idx`` as a single-sequence ``VeloxCache`` (a copy; the batch is unchanged)."""
         self._check_idle()
-        return _clone(self.rows[idx])
+        if self._joined is not None:
+            return self._row(idx)
+        return _clone(self._rows[idx])
 
     def __deepcopy__(self, memo: dict) -> "VeloxBatchCache":
-        new = VeloxBatchCache([_clone(r, memo) for r in self.rows])
+        new = VeloxBatchCache([_clone(r, memo) for r in self._rows])
+        if self._joined is not None:
+            new._joined, new._offsets = _clone(self._joined, memo), list(self._offsets)
         new._left, new._valid, new._right = (None if v is None else list(v)
                                              for v in (self._left, self._valid, self._right))
         memo[id(self)] = new
@@ -211,7 +328,7 @@ class VeloxBatchCache(_BatchAttention):
         ``left_padding[b]`` leading tokens (an empty batch only) and takes ``lengths[b]``
         tokens (else all but ``right_padding[b]`` trailing ones of the next call)."""
         self._check_idle()
-        n = len(self.rows)
+        n = self._count()
 
         def ints(v, name):
             if v is None:
@@ -244,7 +361,7 @@ class VeloxBatchCache(_BatchAttention):
         """Each row's ``(start, count)`` of valid tokens in a call of ``s`` tokens (and the
         recorded counts advanced past it)."""
         out = []
-        for b in range(len(self.rows)):
+        for b in range(self._count()):
             skip = 0 if self._left is None else min(self._left[b], s)
             if self._valid is not None:
                 take = min(self._valid[b], s - skip)
@@ -270,19 +387,29 @@ class VeloxBatchCache(_BatchAttention):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Give each row its valid tokens; their attention follows in :meth:`attention`.
 
-        Returns the row's own result for a batch of one without padding, else the call's
-        keys and values (the wrapper reads the rows' results instead)."""
+        A decode step (one valid token per row) of rows that can run as one batched state
+        joins them (:meth:`_join`) and runs that state's update; a call with padding splits
+        a joined batch back into rows. Returns the row's own result for a batch of one
+        without padding (the joined state's for a joined batch), else the call's keys and
+        values (the wrapper reads the rows' results instead)."""
         self._check_idle()
         b, _, s, _ = keys.shape
-        if b != len(self.rows):
-            raise ValueError(f"a call of {b} rows on a velox batch of {len(self.rows)}")
+        if b != self._count():
+            raise ValueError(f"a call of {b} rows on a velox batch of {self._count()}")
         spans = self._spans(s)
+        whole = all(sp == (0, s) for sp in spans)
+        if whole and (self._joined is not None or (s == 1 and self._join())):
+            k, v = self._joined.update_and_fetch(keys, values)
+            self._offsets = [o + s for o in self._offsets]
+            self._calls, self._direct = "joined", True
+            return k, v
+        rows = self.rows  # (a joined batch given padding splits here)
         if b == 1 and spans[0] == (0, s):
-            k, v = self.rows[0].update_and_fetch(keys, values)
+            k, v = rows[0].update_and_fetch(keys, values)
             self._calls, self._direct = [(0, s, k, v)], True
             return k, v
         calls = []
-        for i, (row, (start, count)) in enumerate(zip(self.rows, spans)):
+        for i, (row, (start, count)) in enumerate(zip(rows, spans)):
             if not count:
                 calls.append(None)
                 continue
@@ -296,17 +423,20 @@ class VeloxBatchCache(_BatchAttention):
                   mask, sinks=None) -> mx.array:
         """Each row's attention (and deferred update) with its own queries, as alone; zeros
         at padded query positions. ``keys``/``values``/``mask`` from the model are not read
-        (except by a batch of one without padding, which is the row's own call)."""
+        (except by a batch of one without padding, which is the row's own call, and by the
+        joined state's call)."""
         calls, self._calls = self._calls, None
         if calls is None:
             raise RuntimeError("attention on a velox batch without update_and_fetch before it")
+        if calls == "joined":
+            return self._joined.attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
         b, hq, s, _ = queries.shape
         if b == 1 and calls[0] is not None and calls[0][:2] == (0, s):
             _, _, k, v = calls[0]
-            return self.rows[0].attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
+            return self._rows[0].attention(queries, k, v, scale=scale, mask=mask, sinks=sinks)
         dv = values.shape[-1]
         outs = []
-        for i, (row, call) in enumerate(zip(self.rows, calls)):
+        for i, (row, call) in enumerate(zip(self._rows, calls)):
             if call is None:
                 outs.append(mx.zeros((1, hq, s, dv), queries.dtype))
                 continue
@@ -325,11 +455,11 @@ class VeloxBatchCache(_BatchAttention):
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """The row's own mask for a batch of one; else ``None``/``"causal"`` (the wrapper
-        builds each row's mask itself and ignores this one)."""
+        builds each row's mask itself and ignores this one; a joined state holds no padding)."""
         if window_size is not None:
             raise ValueError("velox caches do not support sliding-window attention layers")
-        if len(self.rows) == 1:
-            return self.rows[0].make_mask(N, return_array=return_array)
+        if self._joined is None and len(self._rows) == 1:
+            return self._rows[0].make_mask(N, return_array=return_array)
         if N == 1:
             return None
         if return_array:
@@ -341,8 +471,9 @@ class VeloxBatchCache(_BatchAttention):
     def offset(self) -> mx.array:
         """Each row's absolute next position, int32 ``[B]`` (less the left padding still to
         come, so that a row's first real token gets its own position)."""
-        left = self._left or [0] * len(self.rows)
-        return mx.array([r.offset - p for r, p in zip(self.rows, left)], dtype=mx.int32)
+        offsets = self._offsets if self._joined is not None else [r.offset for r in self._rows]
+        left = self._left or [0] * len(offsets)
+        return mx.array([o - p for o, p in zip(offsets, left)], dtype=mx.int32)
 
     @offset.setter
     def offset(self, value) -> None:
@@ -350,20 +481,27 @@ class VeloxBatchCache(_BatchAttention):
 
     def size(self) -> int:
         """The largest row's token count."""
-        return max((r.size() for r in self.rows), default=0)
+        if self._joined is not None:
+            return self._joined.size()
+        return max((r.size() for r in self._rows), default=0)
 
     def empty(self) -> bool:
-        return all(r.empty() for r in self.rows)
+        return self._joined is None and all(r.empty() for r in self._rows)
 
     @property
     def nbytes(self) -> int:
-        """The sum of the rows' bytes (what each row alone holds; no padding)."""
-        return sum(r.nbytes for r in self.rows)
+        """The sum of the rows' bytes (what each row alone holds; no padding); for a joined
+        batch, its one state's."""
+        if self._joined is not None:
+            return self._joined.nbytes
+        return sum(r.nbytes for r in self._rows)
 
     @property
     def state(self) -> list[mx.array]:
         """Every array of every row (mlx-lm evaluates these)."""
-        return [x for r in self.rows for x in r.state]
+        if self._joined is not None:
+            return self._joined.state
+        return [x for r in self._rows for x in r.state]
 
     @state.setter
     def state(self, v) -> None:

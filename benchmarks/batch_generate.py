@@ -5,19 +5,23 @@ seed, a different prompt per row) generate ``--max-tokens`` greedy tokens each t
 ``mlx_lm.batch_generate(..., prefill_step_size=--prefill-step)``, once with mlx-lm's own caches
 (``prompt_caches=None``: a ``KVCache`` per request, batched as ``BatchKVCache``; the row
 ``mlx-lm``) and once per velox configuration of ``--methods`` (``prompt_caches=[make_cache(model,
-method, ...) for each prompt]``: velox's batch cache, Stage A, one batch-of-one state per row).
+method, ...) for each prompt]``: velox's batch cache, ``velox.adapters.batch``, whose rows run
+as one batched state once they hold the same slot layout, else one batch-of-one state per row;
+``--per-row`` adds each configuration that can join (``contract.ragged``) again with the rows never joined, ``(per row)``).
 Budgeted methods keep ``--budget`` tokens (sinks included), ``kivi`` runs at ``bits=4``;
 ``--param key=value`` or ``--param method.key=value`` override, ``--methods tova:slack=16``
 gives one configuration its own parameters.
 
 Each configuration first runs once untimed with 2 tokens (compilation, allocation), then
-``--reps`` timed runs; the table gives the median run. Columns (from mlx-lm's ``BatchStats``
+``--reps`` timed rounds, each running every configuration once (interleaved, the starting
+configuration rotating); the table gives each configuration's median run. Columns (from mlx-lm's ``BatchStats``
 and the wall clock): ``prompt tok/s`` (prompt tokens over prompt time), ``decode tok/s``
 (generated tokens over the time after the prompts), ``total tok/s`` (generated tokens over
 the whole run, prompts included), ``wall s``, ``peak MiB`` (``mx.get_peak_memory()`` over the
 run, reset before it: weights, caches and activations) and ``KV MiB/row`` (``nbytes`` of the
 first request's returned cache: velox caches their real state bytes, mlx-lm's the bytes its
-arrays hold). ``x mlx-lm`` is the configuration's total tok/s over mlx-lm's at that batch.
+arrays hold). ``x mlx-lm`` is the configuration's total tok/s over mlx-lm's at that batch,
+``x mlx-lm decode`` the same for decode tok/s.
 
     python benchmarks/batch_generate.py --model smollm2 --batch 1 8 --context 1024 --budget 256
     python benchmarks/batch_generate.py --model llama-1b-random --batch 1 8 32 --context 8192 --budget 2048
@@ -46,6 +50,7 @@ from mlx_lm import batch_generate
 
 from velox.adapters.cli import budget_params
 from velox.adapters.mlxlm import make_cache
+from velox.registry import get_method
 
 
 def _decode_speed():
@@ -89,7 +94,10 @@ def prompts_for(batch: int, context: int, vocab: int, seed: int) -> list[list[in
     return ids.tolist()
 
 
-def run_once(model, prompts, method: str, params: dict, max_tokens: int, step: int) -> dict:
+def run_once(model, prompts, method: str, params: dict, max_tokens: int, step: int,
+             join: bool = True) -> dict:
+    from velox.adapters.batch import VeloxBatchCache
+    VeloxBatchCache.join_rows = join
     caches = None if method == PLAIN else [make_cache(model, method, **params) for _ in prompts]
     gc.collect()
     mx.clear_cache()
@@ -99,6 +107,7 @@ def run_once(model, prompts, method: str, params: dict, max_tokens: int, step: i
                        prefill_step_size=step, return_prompt_caches=True,
                        prefill_batch_size=len(prompts), completion_batch_size=len(prompts))
     wall = time.perf_counter() - t0
+    VeloxBatchCache.join_rows = True
     peak = mx.get_peak_memory()
     s = r.stats
     kv = sum(int(c.nbytes) for c in r.caches[0])
@@ -113,13 +122,14 @@ def mib(x: float) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| batch | cache | prompt tok/s | decode tok/s | total tok/s | x mlx-lm | wall s "
-            "| peak MiB | KV MiB/row |")
-    lines = [head, "|" + "---|" * 9]
+    head = ("| batch | cache | prompt tok/s | decode tok/s | x mlx-lm decode | total tok/s | x mlx-lm "
+            "| wall s | peak MiB | KV MiB/row |")
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
         ratio = "-" if r.get("x_plain") is None else f"{r['x_plain']:.2f}"
+        dratio = "-" if r.get("x_plain_decode") is None else f"{r['x_plain_decode']:.2f}"
         lines.append(f"| {r['batch']} | {r['cache']} | {r['prompt_tok_s']:.0f} | {r['decode_tok_s']:.1f} "
-                     f"| {r['total_tok_s']:.1f} | {ratio} | {r['wall_s']:.2f} | {mib(r['peak_bytes'])} "
+                     f"| {dratio} | {r['total_tok_s']:.1f} | {ratio} | {r['wall_s']:.2f} | {mib(r['peak_bytes'])} "
                      f"| {mib(r['kv_bytes_per_row'])} |")
     return "\n".join(lines) + "\n"
 
@@ -138,11 +148,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-step", type=int, default=512)
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--per-row", action="store_true",
+                    help="also run each velox configuration with one state per row (never joined)")
     args = ap.parse_args(argv)
 
     ds = _decode_speed()
     model, label = ds.build_model(args.model, args.dtype, args.seed)
-    cfgs = configs(args.methods, args.budget, args.param)
+    cfgs = [(name, method, params, True) for name, method, params in
+            configs(args.methods, args.budget, args.param)]
+    if args.per_row:
+        cfgs += [(name + " (per row)", method, params, False) for name, method, params, _ in cfgs
+                 if method != PLAIN and get_method(method).spec.contract.get("ragged", False)]
     vocab = model.args.vocab_size
     meta = dict(model=label, device=str(mx.default_device()), machine=platform.machine(),
                 processor=platform.processor(), mlx=mx.__version__,
@@ -155,18 +171,26 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     for batch in args.batch:
         prompts = prompts_for(batch, args.context, vocab, args.seed + batch)
+        for name, method, params, join in cfgs:  # warm-up: compilation, allocation
+            run_once(model, prompts, method, params, 2, args.prefill_step, join)
+        runs: dict[str, list[dict]] = {name: [] for name, *_ in cfgs}
+        for rep in range(args.reps):  # interleaved: each round runs every configuration
+            order = cfgs[rep % len(cfgs):] + cfgs[:rep % len(cfgs)]
+            for name, method, params, join in order:
+                runs[name].append(run_once(model, prompts, method, params, args.max_tokens,
+                                           args.prefill_step, join))
         plain = None
-        for name, method, params in cfgs:
-            run_once(model, prompts, method, params, 2, args.prefill_step)  # warm-up
-            runs = [run_once(model, prompts, method, params, args.max_tokens, args.prefill_step)
-                    for _ in range(args.reps)]
-            runs.sort(key=lambda r: r["total_tok_s"])
-            row = dict(batch=batch, cache=name, method=method, params=params,
-                       **runs[len(runs) // 2],
-                       total_tok_s_runs=[r["total_tok_s"] for r in runs])
+        for name, method, params, join in cfgs:
+            mine = sorted(runs[name], key=lambda r: r["total_tok_s"])
+            row = dict(batch=batch, cache=name, method=method, params=params, joined=join,
+                       **mine[len(mine) // 2],
+                       total_tok_s_runs=[r["total_tok_s"] for r in runs[name]],
+                       decode_tok_s_runs=[r["decode_tok_s"] for r in runs[name]])
             if method == PLAIN:
-                plain = row["total_tok_s"]
-            row["x_plain"] = None if plain is None or method == PLAIN else row["total_tok_s"] / plain
+                plain = row
+            row["x_plain"] = None if plain is None or method == PLAIN else row["total_tok_s"] / plain["total_tok_s"]
+            row["x_plain_decode"] = (None if plain is None or method == PLAIN
+                                     else row["decode_tok_s"] / plain["decode_tok_s"])
             rows.append(row)
             print(f"batch {batch} {name}: {row['total_tok_s']:.1f} tok/s total, "
                   f"{row['decode_tok_s']:.1f} decode, peak {mib(row['peak_bytes'])} MiB", flush=True)

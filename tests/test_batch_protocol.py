@@ -278,3 +278,63 @@ def test_cross_layer_rows_keep_one_record_per_row(tiny_llama):
     want = [np.array(x) for _, x in tree_flatten(alone[0][0]._model.record) if isinstance(x, mx.array)]
     assert len(rec) == len(want)
     assert all(np.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(rec, want))
+
+
+def _decode(model, batch_layers, alone_rows, tokens):
+    """One decode step: ``tokens[i]`` for row ``i`` of the batch and of each row alone."""
+    model(mx.array([[t] for t in tokens]), cache=batch_layers)
+    for caches, t in zip(alone_rows, tokens):
+        model(mx.array([[t]]), cache=caches)
+    mx.eval([c.state for c in batch_layers] + [c.state for r in alone_rows for c in r])
+
+
+@pytest.mark.parametrize("method,params", [("tova", dict(budget=BUDGET)),
+                                           ("h2o", dict(budget=BUDGET, n_sink=1, grace=2))])
+def test_rows_of_one_slot_layout_run_joined_as_one_state(tiny_llama, method, params):
+    """Rows whose caches are full at the budget run as one batched state (joined mode): a
+    decode step vectorised over the rows, each row still evolving as alone, through filter,
+    extend (which splits the batch until the next decode step), extract and deepcopy."""
+    rows = rows_for(tiny_llama, method, lengths=(11, 9, 7), **params)
+    alone = copy.deepcopy(rows)
+    batch = [VeloxCache.merge([r[i] for r in rows]) for i in range(len(rows[0]))]
+    assert not any(b.joined for b in batch)
+    for step in range(2):
+        _decode(tiny_llama, batch, alone, [5 + step, 6, 7])
+        assert all(b.joined for b in batch)
+    for layer, b in enumerate(batch):
+        assert b.nbytes == sum(r[layer].nbytes for r in alone)
+        assert b.offset.tolist() == [r[layer].offset for r in alone]
+        for i, r in enumerate(alone):
+            assert_same(b.extract(i), r[layer], close=True)
+    for b in batch:
+        b.filter([2, 0])  # still joined: the kept rows' states taken out of the one state
+        assert b.joined
+    alone = [alone[2], alone[0]]
+    _decode(tiny_llama, batch, alone, [8, 9])
+    twin = copy.deepcopy(batch)
+    extra = rows_for(tiny_llama, method, lengths=(8,), **params)
+    for layer, b in enumerate(batch):
+        b.extend(VeloxCache.merge([extra[0][layer]]))
+        assert not b.joined and len(b.rows) == 3
+    alone.append(copy.deepcopy(extra[0]))
+    _decode(tiny_llama, batch, alone, [10, 11, 12])
+    assert all(b.joined for b in batch)
+    for layer, b in enumerate(batch):
+        for i, r in enumerate(alone):
+            assert_same(b.extract(i), r[layer], close=True)
+        assert twin[layer].joined and twin[layer].offset.tolist() == [o - 1 for o in b.offset.tolist()[:2]]
+
+
+def test_rows_of_different_slot_counts_stay_apart(tiny_llama):
+    """A row whose cache is not yet full holds fewer slots: the batch keeps one state per row
+    until every row's state has the same shape."""
+    rows = rows_for(tiny_llama, lengths=(11, 5))  # 5 tokens: one slot short of the budget
+    batch = [VeloxCache.merge([r[i] for r in rows]) for i in range(len(rows[0]))]
+    alone = copy.deepcopy(rows)
+    _decode(tiny_llama, batch, alone, [5, 6])  # row 1 fills its last slot in this step
+    assert not any(b.joined for b in batch)
+    _decode(tiny_llama, batch, alone, [7, 8])
+    assert all(b.joined for b in batch)
+    for layer, b in enumerate(batch):
+        for i, r in enumerate(alone):
+            assert_same(b.extract(i), r[layer], close=True)

@@ -48,7 +48,7 @@ import mlx.core as mx
 import numpy as np
 
 __all__ = ["check_valid", "is_ragged", "token_fields", "row", "compact", "stack", "filled_nbytes",
-           "ragged", "unsupported"]
+           "ragged", "unsupported", "take_rows"]
 
 _RAGGED: "weakref.WeakValueDictionary[int, mx.array]" = weakref.WeakValueDictionary()
 
@@ -118,6 +118,16 @@ def _row_arrays(state) -> tuple[str, ...]:
 def row(state, i: int):
     """Row ``i`` of ``state`` as a batch-of-one state, its slots as stored."""
     return state._replace(**{name: getattr(state, name)[i:i + 1] for name in _row_arrays(state)})
+
+
+def take_rows(state, idx):
+    """The rows ``idx`` (a list of row numbers, in that order) of ``state``, as one state;
+    a ragged state stays marked ragged."""
+    take = mx.array(list(idx), dtype=mx.int32)
+    out = state._replace(**{name: getattr(state, name)[take] for name in _row_arrays(state)})
+    if is_ragged(state):
+        _mark(out)
+    return out
 
 
 def _filled(state) -> np.ndarray:

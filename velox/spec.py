@@ -397,9 +397,11 @@ def method_table(keys: tuple[str, ...] | None = None) -> str:
     ``reference`` and ``mlx``, batching, paper, parameters.
 
     Batching is how mlx-lm's batched generation (``batch_generate``, the server) runs the
-    method's caches: ``per row`` is the adapter's batch cache that holds one batch-of-one
-    state per sequence (``velox.adapters.batch``), which takes every method; a spec may
-    declare another way in its contract (``batching``)."""
+    method's caches (``velox.adapters.batch``): ``per row`` is one batch-of-one state per
+    sequence, which takes every method; ``joined`` (the methods whose spec declares
+    ``contract.ragged``) is that, and the rows run as one batched state whenever they hold the
+    same slot layout (e.g. every row's cache full at its budget); a spec may declare another
+    way in its contract (``batching``)."""
     lines = ["| key | method | family | phases | queries | kernels | batching | paper "
              "| parameters (defaults) |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -408,7 +410,7 @@ def method_table(keys: tuple[str, ...] | None = None) -> str:
         params = ", ".join(f"`{p.name}={p.default!r}`" for p in s.params.values())
         paper = f"[{s.arxiv}](https://arxiv.org/abs/{s.arxiv})" if s.arxiv else s.venue
         kernels = ", ".join(b for b in s.backends if b not in ("reference", "mlx")) or "-"
-        batching = s.contract.get("batching", "per row")
+        batching = s.contract.get("batching", "joined" if s.contract.get("ragged", False) else "per row")
         lines.append(f"| `{s.key}` | {s.name} | {s.family} | {s.phases} | {s.queries} | {kernels} "
                      f"| {batching} | {paper} | {params} |")
     return "\n".join(lines) + "\n"
