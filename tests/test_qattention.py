@@ -1,8 +1,10 @@
-"""Attention over stored segments (``velox.qattention``): blocks of query rows.
+"""Attention over stored segments (``velox.qattention``): blocks of query rows on the codes,
+and a chunk's fused attention over the dequantized rows.
 
-A prefill chunk's queries go in blocks sized so one block's logits stay within
-``TILE_BYTES``; the result must not depend on the block size, and must equal dense attention
-over the dequantized segments plus the new tokens.
+``attend_blocks`` scores a chunk's queries in blocks sized so one block's logits stay within
+``TILE_BYTES``; the result must not depend on the block size. It, and ``attend_segments``
+(which runs a chunk of several queries as the fused attention over the dequantized
+segments), must equal dense attention over the dequantized segments plus the new tokens.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 
 from velox import qattention
-from velox.qattention import Affine, AffineRows, Dense, attend_segments, query_block
+from velox.qattention import Affine, AffineRows, Dense, attend_blocks, attend_segments, query_block
 
 
 def _segments(b, h, d, n1, n2, n3, seed):
@@ -62,15 +64,35 @@ def test_blocks_of_query_rows_equal_one_block_and_dense_attention(monkeypatch, s
     keys = mx.array(rng.standard_normal((b, h, s, d)).astype(np.float32))
     values = mx.array(rng.standard_normal((b, h, s, d)).astype(np.float32))
     mask = "causal" if causal else None
-    whole = attend_segments(q, segs, keys, values, scale=0.125, mask=mask)
+    whole = attend_blocks(q, segs, keys, values, scale=0.125, mask=mask)
+    fused = attend_segments(q, segs, keys, values, scale=0.125, mask=mask)
     n = k_all.shape[2] + s
     # blocks of 2 query rows per kv head (g * s rows in all)
     monkeypatch.setattr(qattention, "TILE_BYTES", 4 * b * h * n * 2)
     assert query_block(b * h, n, g * s) == min(2, g * s)
-    blocked = attend_segments(q, segs, keys, values, scale=0.125, mask=mask)
+    blocked = attend_blocks(q, segs, keys, values, scale=0.125, mask=mask)
     np.testing.assert_allclose(np.array(blocked), np.array(whole), rtol=1e-5, atol=1e-6)
     ref = _dense_attention(q, k_all, v_all, keys, values, 0.125, causal)
     np.testing.assert_allclose(np.array(whole), ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.array(fused), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_chunk_over_a_bfloat16_model_and_float16_rows(causal):
+    """The fused chunk path casts the dequantized rows to the queries' dtype and agrees with
+    the blockwise path on the codes (bfloat16 rounding)."""
+    b, h, g, d, s = 1, 2, 2, 64, 9
+    segs, k_all, v_all = _segments(b, h, d, 4, 32, 2, seed=7)
+    segs = [Dense(segs[0].keys.astype(mx.float16), segs[0].values.astype(mx.float16))] + segs[1:]
+    rng = np.random.default_rng(5)
+    f = lambda *sh: mx.array(rng.standard_normal(sh).astype(np.float32)).astype(mx.bfloat16)
+    q, keys, values = f(b, h * g, s, d), f(b, h, s, d), f(b, h, s, d)
+    mask = "causal" if causal else None
+    fused = attend_segments(q, segs, keys, values, scale=0.125, mask=mask)
+    blocks = attend_blocks(q, segs, keys, values, scale=0.125, mask=mask)
+    assert fused.dtype == blocks.dtype == mx.bfloat16
+    np.testing.assert_allclose(np.array(fused.astype(mx.float32)), np.array(blocks.astype(mx.float32)),
+                               rtol=3e-2, atol=3e-2)
 
 
 def test_query_block_bounds():

@@ -6,10 +6,17 @@ KIVI's per-channel keys) and values ``[b, h, n, d]`` (groups along the channels)
 ``AffineRows`` with keys and values both per token (the layout of ``velox.quant`` and of
 ``mx.quantize``). Scores and outputs of affine segments go through
 ``mx.quantized_matmul`` on the packed codes; one softmax spans every segment and the new
-tokens, so the result equals dense attention over ``get_kv`` plus the new tokens. A chunk's
-queries go in blocks of rows (:func:`query_block`) so that no more than :data:`TILE_BYTES` of
-logits exist at once (a single row's ``b x h x n`` float32 logits, when larger, are the least
-a block holds): a prefill never materialises the whole chunk x cache score matrix.
+tokens, so the result equals dense attention over ``get_kv`` plus the new tokens.
+
+A chunk of several queries (a prefill) is attention over the same rows too, but a chunk's
+logits against a long cache are large and ``mx.quantized_matmul`` over blocks of them is slow
+(KIVI at 32k: 74 s for a prompt whose dense prefill takes seconds): a chunk dequantizes the
+stored segments once (``velox.quant.dequantize``, float32 arithmetic rounded to the queries'
+dtype, as ``get_kv`` rounds them) and runs ``mx.fast.scaled_dot_product_attention`` over them and the new
+tokens, whose fused kernel never materialises the chunk x cache score matrix. What a chunk
+holds beyond the codes is one layer's dequantized rows, as much as a dense cache of that layer.
+:func:`query_block` bounds the logits of the blockwise path (:data:`TILE_BYTES`), which the
+quantized decode step (one query per row) and callers of :func:`attend_blocks` use.
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ import mlx.core as mx
 
 from ._typing import Array, Float, UInt
 
-__all__ = ["Dense", "Affine", "AffineRows", "attend_segments", "query_block", "TILE_BYTES"]
+__all__ = ["Dense", "Affine", "AffineRows", "attend_segments", "attend_blocks", "dequantized",
+           "query_block", "TILE_BYTES"]
 
 #: Bytes of one block's float32 logits (heads x query rows x keys) that
 #: :func:`attend_segments` holds at once; a prefill chunk goes in blocks of query rows.
@@ -74,6 +82,33 @@ def attend_segments(queries: Float[Array, "b q s d"], segments: list,
     """
     if mask is not None and not (isinstance(mask, str) and mask == "causal"):
         raise ValueError("attend_segments takes mask=None or 'causal'")
+    if queries.shape[2] > 1:  # a chunk: dense rows and the fused kernel (see the module)
+        segs = [dequantized(x, queries.dtype) for x in segments if _length(x) > 0]
+        k = mx.concatenate([x.keys for x in segs] + [keys.astype(queries.dtype)], axis=2)
+        v = mx.concatenate([x.values for x in segs] + [values.astype(queries.dtype)], axis=2)
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
+    return attend_blocks(queries, segments, keys, values, scale=scale, mask=mask)
+
+
+def dequantized(seg, dtype) -> Dense:
+    """A segment's rows as ``Dense`` keys and values ``[b, h, n, d]`` in ``dtype``."""
+    from .quant import dequantize  # float32 arithmetic, as get_kv rounds it
+
+    if isinstance(seg, Dense):
+        return Dense(seg.keys.astype(dtype), seg.values.astype(dtype))
+    k = dequantize(seg.key_codes, seg.key_scales, seg.key_zeros, seg.bits, seg.group_size, dtype)
+    if isinstance(seg, Affine):  # keys stored transposed, groups along the tokens
+        k = k.swapaxes(-1, -2)
+    v = dequantize(seg.value_codes, seg.value_scales, seg.value_zeros, seg.bits, seg.group_size, dtype)
+    return Dense(k, v)
+
+
+def attend_blocks(queries: Float[Array, "b q s d"], segments: list,
+                  keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"], *,
+                  scale: float, mask=None) -> Float[Array, "b q s d"]:
+    """:func:`attend_segments` on the codes themselves: scores and outputs of affine segments
+    through ``mx.quantized_matmul``, one float32 softmax over every segment and the new
+    tokens, the queries in blocks of rows (:func:`query_block`)."""
     b, hq, s, d = queries.shape
     h = keys.shape[1]
     g = hq // h
