@@ -95,7 +95,7 @@ def prompts_for(batch: int, context: int, vocab: int, seed: int) -> list[list[in
 
 
 def run_once(model, prompts, method: str, params: dict, max_tokens: int, step: int,
-             join: bool = True) -> dict:
+             join: bool = True, prefill_batch: int | None = None) -> dict:
     from velox.adapters.batch import VeloxBatchCache
     VeloxBatchCache.join_rows = join
     caches = None if method == PLAIN else [make_cache(model, method, **params) for _ in prompts]
@@ -105,7 +105,8 @@ def run_once(model, prompts, method: str, params: dict, max_tokens: int, step: i
     t0 = time.perf_counter()
     r = batch_generate(model, TOKENIZER, prompts, prompt_caches=caches, max_tokens=max_tokens,
                        prefill_step_size=step, return_prompt_caches=True,
-                       prefill_batch_size=len(prompts), completion_batch_size=len(prompts))
+                       prefill_batch_size=prefill_batch or len(prompts),
+                       completion_batch_size=len(prompts))
     wall = time.perf_counter() - t0
     VeloxBatchCache.join_rows = True
     peak = mx.get_peak_memory()
@@ -126,6 +127,9 @@ def table(rows: list[dict]) -> str:
             "| wall s | peak MiB | KV MiB/row |")
     lines = [head, "|" + "---|" * 10]
     for r in rows:
+        if "failed" in r:
+            lines.append(f"| {r['batch']} | {r['cache']} | failed: {r['failed']} |" + " |" * 7)
+            continue
         ratio = "-" if r.get("x_plain") is None else f"{r['x_plain']:.2f}"
         dratio = "-" if r.get("x_plain_decode") is None else f"{r['x_plain_decode']:.2f}"
         lines.append(f"| {r['batch']} | {r['cache']} | {r['prompt_tok_s']:.0f} | {r['decode_tok_s']:.1f} "
@@ -148,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-step", type=int, default=512)
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--prefill-batch", type=int, default=None,
+                    help="prompts prefilled at once (mlx-lm's prefill_batch_size; default: the batch)")
     ap.add_argument("--per-row", action="store_true",
                     help="also run each velox configuration with one state per row (never joined)")
     args = ap.parse_args(argv)
@@ -171,16 +177,38 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     for batch in args.batch:
         prompts = prompts_for(batch, args.context, vocab, args.seed + batch)
+        failed: dict[str, str] = {}
+
+        def attempt(name, method, params, join, max_tokens):
+            """One run; a configuration that fails (e.g. out of device memory) is reported
+            and left out of the later rounds."""
+            if name in failed:
+                return None
+            try:
+                return run_once(model, prompts, method, params, max_tokens, args.prefill_step,
+                                join, args.prefill_batch)
+            except RuntimeError as e:
+                failed[name] = str(e).splitlines()[0][:160]
+                print(f"batch {batch} {name}: failed: {failed[name]}", flush=True)
+                gc.collect()
+                mx.clear_cache()
+                return None
+
         for name, method, params, join in cfgs:  # warm-up: compilation, allocation
-            run_once(model, prompts, method, params, 2, args.prefill_step, join)
+            attempt(name, method, params, join, 2)
         runs: dict[str, list[dict]] = {name: [] for name, *_ in cfgs}
         for rep in range(args.reps):  # interleaved: each round runs every configuration
             order = cfgs[rep % len(cfgs):] + cfgs[:rep % len(cfgs)]
             for name, method, params, join in order:
-                runs[name].append(run_once(model, prompts, method, params, args.max_tokens,
-                                           args.prefill_step, join))
+                r = attempt(name, method, params, join, args.max_tokens)
+                if r is not None:
+                    runs[name].append(r)
         plain = None
         for name, method, params, join in cfgs:
+            if not runs[name]:
+                rows.append(dict(batch=batch, cache=name, method=method, params=params, joined=join,
+                                 failed=failed.get(name, "no run")))
+                continue
             mine = sorted(runs[name], key=lambda r: r["total_tok_s"])
             row = dict(batch=batch, cache=name, method=method, params=params, joined=join,
                        **mine[len(mine) // 2],

@@ -208,11 +208,12 @@ def test_benchmark_short_run(tmp_path, capsys):
     spec.loader.exec_module(bench)
     out = tmp_path / "rows.json"
     assert bench.main(["--model", "tiny-random", "--batch", "1", "2", "--context", "24", "--budget", "8",
-                       "--max-tokens", "3", "--prefill-step", "8", "--json", str(out)]) == 0
+                       "--max-tokens", "3", "--prefill-step", "8", "--per-row", "--json", str(out)]) == 0
     assert "| batch | cache |" in capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["cache"]) for r in rows] == [
-        (b, c) for b in (1, 2) for c in ("mlx-lm", "tova budget=8", "kivi bits=4")]
+        (b, c) for b in (1, 2) for c in ("mlx-lm", "tova budget=8", "kivi bits=4", "tova budget=8 (per row)")]
+    assert [r["joined"] for r in rows[:4]] == [True, True, True, False]  # (kivi never joins: no per-row twin)
     for r in rows:
         assert r["generation_tokens"] == 3 * r["batch"] and r["prompt_tokens"] > 0
         assert r["total_tok_s"] > 0 and r["peak_bytes"] > 0
