@@ -1,6 +1,7 @@
-"""Ragged rows in one state (``velox.ragged``): every method whose spec declares
-``contract.ragged`` evolves each batch row exactly as that row alone, whatever its padding
-holds; every other method refuses unequal ``valid`` counts."""
+"""Ragged rows (``velox.ragged``): every method whose spec declares ``contract.ragged`` holds
+them in one state of slots, every other method as one batch-of-one state per row
+(``RowStates``); either way each batch row evolves exactly as that row alone, whatever its
+padding holds."""
 
 import re
 
@@ -12,7 +13,8 @@ from hypothesis import strategies as st
 
 from velox import testing as vt
 from velox.accounting import state_nbytes
-from velox.ragged import compact, token_fields
+import velox
+from velox.ragged import RowStates, compact, token_fields
 from velox.registry import get_method, method_keys
 
 RAGGED = [k for k in method_keys() if get_method(k).spec.contract.get("ragged", False)]
@@ -189,20 +191,102 @@ def test_decode_of_a_ragged_state_without_valid():
     assert np.array(a.next_pos).tolist() == [[6, 6], [3, 3]]
 
 
-@pytest.mark.parametrize("key", ["kivi", "turboquant_mse", "tova+affine", "adakv"])
-def test_other_methods_refuse_unequal_counts(key):
-    if key not in method_keys():
-        pytest.skip(f"{key} is not registered")
+OTHERS = [k for k in method_keys() if k not in RAGGED]
+
+
+def _check_row_states(m, state, alone_rows) -> None:
+    """A ``RowStates`` batch: each row is the row alone (integer and code fields exactly,
+    floating ones within float32 rounding of a batched first update); the batch's get_kv,
+    positions, kv_slots and nbytes are the rows' own, left-padded."""
+    assert isinstance(state, RowStates) and len(state.rows) == len(alone_rows)
+    width = max(int(m.positions(a).shape[2]) for a in alone_rows)
+    pos, (keys, values), (sk, sv, mask) = m.positions(state), m.get_kv(state), m.kv_slots(state)
+    assert pos.shape[2] == keys.shape[2] == width
+    for i, (got, want) in enumerate(zip(state.rows, alone_rows)):
+        lg, lw = list(vt._leaves(got)), list(vt._leaves(want))
+        assert len(lg) == len(lw)
+        for x, y in zip(lg, lw):
+            assert x.shape == y.shape and x.dtype == y.dtype
+            if mx.issubdtype(x.dtype, mx.floating):
+                a, b = np.array(x.astype(mx.float32)), np.array(y.astype(mx.float32))
+                assert np.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True), f"row {i} differs from alone"
+            else:
+                assert np.array_equal(np.array(x), np.array(y)), f"row {i} differs from alone"
+        n = int(m.positions(want).shape[2])
+        p = np.array(pos[i])
+        assert (p[:, :width - n] == -1).all() and np.array_equal(p[:, width - n:], np.array(m.positions(want)[0]))
+        assert np.array_equal(np.array(keys[i, :, width - n:]), np.array(m.get_kv(want)[0][0]))
+        wk, wv, wm = m.kv_slots(want)
+        ns = int(wk.shape[2])
+        assert np.array_equal(np.array(sk[i, :, sk.shape[2] - ns:]), np.array(wk[0]))
+        if mask is not None:
+            real = np.array(mask[i])
+            assert not real[:, :sk.shape[2] - ns].any()
+            assert np.array_equal(real[:, sk.shape[2] - ns:], np.ones_like(real[:, sk.shape[2] - ns:]) if wm is None
+                                  else np.array(wm[0]))
+    assert m.nbytes(state) == sum(m.nbytes(a) for a in alone_rows)
+
+
+@pytest.mark.parametrize("key", OTHERS)
+@settings(max_examples=2)
+@given(data=st.data())
+def test_other_methods_hold_ragged_rows_one_state_per_row(key, data):
+    """Every method without a state of ragged slots: an update with unequal valid counts
+    splits the batch into one batch-of-one state per row (``RowStates``), each row then
+    equal to that row alone whatever its padding holds; a row with valid 0 is left as it is."""
+    case, valid, poison = data.draw(ragged_cases(key), label="case")
     m = get_method(key)
-    state = m.init(2, 2, 32)
-    rng = np.random.default_rng(2)
-    k = mx.array(rng.standard_normal((2, 2, 4, 32)).astype(np.float32))
-    with pytest.raises(ValueError, match=rf"{re.escape(key)}.*ragged rows.*not supported by its state"):
-        m.update(state, k, k, valid=mx.array([4, 2]))
-    same = m.update(state, k, k, valid=mx.array([4, 4]))  # equal counts equal to s: as None
-    plain = m.update(state, k, k)
-    for x, y in zip(vt._leaves(same), vt._leaves(plain)):
-        assert np.array_equal(np.array(x), np.array(y))
+    steps = vt.make_inputs(case)
+    alone = _rows_alone(case, steps, valid, "mlx")
+    state = m.init(case.batch, case.heads, case.head_dim, dtype=case.mx_dtype, **case.params)
+    for t, (step, v) in enumerate(zip(_poisoned(steps, valid, poison), valid)):
+        before = state
+        state = m.update(state, step.keys, step.values, queries=step.queries, valid=mx.array(v))
+        mx.eval(state)
+        if isinstance(state, RowStates):
+            if isinstance(before, RowStates):
+                assert all(state.rows[i] is before.rows[i] for i in range(case.batch) if v[i] == 0)
+            _check_row_states(m, state, [alone[i][t] for i in range(case.batch)])
+        else:  # every count so far was the whole chunk: an ordinary batch
+            assert all(n == step.keys.shape[2] for n in v)
+
+
+def test_row_states_of_given_rows_and_their_attention():
+    """RowStates built from one-row states (requests of different lengths): the update
+    without valid gives every row the chunk, KIVI's attend is each row's own."""
+    m = get_method("kivi")
+    rng = np.random.default_rng(3)
+    f = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    rows = []
+    for n in (40, 7):
+        k = f(1, 2, n, 32)
+        rows.append(m.update(m.init(1, 2, 32, residual_length=4), k, k))
+    both = RowStates(tuple(rows))
+    assert velox.method_of(both) is m and m.dims(both)[:3] == (2, 2, 32)
+    k, q = f(2, 2, 1, 32), f(2, 4, 1, 32)
+    nxt = velox.update(both, k, k, queries=q)
+    assert isinstance(nxt, RowStates) and velox.tokens_seen(nxt) == 41
+    for i in range(2):
+        alone = m.update(rows[i], k[i:i + 1], k[i:i + 1], queries=q[i:i + 1])
+        assert all(np.array_equal(np.array(x), np.array(y)) for x, y in zip(vt._leaves(nxt.rows[i]), vt._leaves(alone)))
+    out = m.attend(both, q, k, k, scale=32 ** -0.5)
+    for i in range(2):
+        want = m.attend(rows[i], q[i:i + 1], k[i:i + 1], k[i:i + 1], scale=32 ** -0.5)
+        assert np.array_equal(np.array(out[i:i + 1]), np.array(want))
+
+
+def test_a_state_whose_rows_cannot_be_cut_is_refused():
+    """A field without a batch axis that holds data (CacheGen's stream of every row's codes)
+    cannot be cut by row: the ragged update says how to build the batch instead."""
+    m = get_method("cachegen")
+    rng = np.random.default_rng(4)
+    k = mx.array(rng.standard_normal((2, 2, 40, 32)).astype(np.float32))
+    state = m.update(m.init(2, 2, 32), k, k)
+    streams = [name for name, x in zip(state._fields, state) if isinstance(x, mx.array) and x.ndim == 1 and x.size]
+    if not streams:
+        pytest.skip("this CacheGen state keeps its codes per row")
+    with pytest.raises(ValueError, match="cannot be split into rows.*RowStates"):
+        m.update(state, k[:, :, :2], k[:, :, :2], valid=mx.array([2, 1]))
 
 
 def test_bad_valid_is_refused():

@@ -37,9 +37,10 @@ def init(key: str, batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype 
 
 
 def update(state: State, keys: mx.array, values: mx.array, *,
-           queries: mx.array | None = None) -> State:
-    """``<key>_update`` for whichever method ``state`` belongs to."""
-    return method_of(state).update(state, keys, values, queries=queries)
+           queries: mx.array | None = None, valid: Any = None) -> State:
+    """``<key>_update`` for whichever method ``state`` belongs to (``valid``: each row's real
+    new tokens, ``velox.ragged``)."""
+    return method_of(state).update(state, keys, values, queries=queries, valid=valid)
 
 
 def get_kv(state: State) -> tuple[mx.array, mx.array]:
@@ -66,7 +67,11 @@ def kv_slots(state: State) -> tuple[mx.array, mx.array, mx.array | None]:
 
 
 def tokens_seen(state: State) -> int:
-    """Tokens absorbed so far (the absolute position of the next token)."""
+    """Tokens absorbed so far (the absolute position of the next token; of row 0 when rows
+    are ragged)."""
+    from .ragged import RowStates
+    if isinstance(state, RowStates):
+        state = state.rows[0]
     return int(state.next_pos[0, 0].item())
 
 

@@ -5,8 +5,9 @@ different number of tokens in each batch row: the rows' extra slots are empty. S
 comes from an update with ``valid`` (``update(state, keys, values, *, queries=None,
 valid=None)``): ``valid [b]`` counts the real new tokens of each row, the real ones first
 (right padding, as mlx-lm pads a batch's chunks); the padding is never stored, scored,
-protected or counted. A method declares it in its spec (``contract.ragged = true``); every
-score-and-keep method (``velox.evict.score_and_keep``) does.
+protected or counted. A method whose state of slots holds ragged rows declares it in its
+spec (``contract.ragged = true``); every score-and-keep method (``velox.evict.score_and_keep``)
+does; every other method holds them as one state per row (the end of this docstring).
 
 The rule, for every backend: each row evolves exactly as that row alone (a batch-of-one
 state fed only its real tokens). A row with ``valid = 0`` keeps its slots bit for bit.
@@ -36,6 +37,12 @@ its own tokens: no padded key, value or query reaches it, whatever it holds.
 A ragged state is recognised by its ``positions`` array (:func:`is_ragged`, a weak record of
 the arrays this module produced): an update without ``valid`` of a ragged state runs as
 ``valid = s`` for every row.
+
+Every other method (quantizers, codecs, compositions, low-rank and cross-layer states: no
+``contract.ragged``) holds ragged rows as :class:`RowStates`, one batch-of-one state per row:
+an update with unequal ``valid`` counts splits the batch state (:func:`split_rows`), and
+every function of the method takes the result (the registry wraps them): the same rule,
+each row exactly the row alone, without vectorising the rows' updates.
 """
 
 from __future__ import annotations
@@ -43,12 +50,14 @@ from __future__ import annotations
 import re
 import weakref
 from collections.abc import Callable
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
 __all__ = ["check_valid", "is_ragged", "token_fields", "row", "compact", "stack", "filled_nbytes",
-           "ragged", "unsupported", "take_rows"]
+           "ragged", "take_rows", "RowStates", "split_rows", "rows_kv", "rows_positions",
+           "rows_kv_slots", "rows_update", "rows_attend"]
 
 _RAGGED: "weakref.WeakValueDictionary[int, mx.array]" = weakref.WeakValueDictionary()
 
@@ -73,13 +82,6 @@ def check_valid(valid, batch: int, s: int, key: str) -> np.ndarray:
     if (v < 0).any() or (v > s).any():
         raise ValueError(f"{key}: valid counts {v.tolist()} must lie in 0..{s} (the update's new tokens)")
     return v.astype(np.int64)
-
-
-def unsupported(key: str, v: np.ndarray, s: int) -> ValueError:
-    """The error of a method whose state cannot hold ragged rows."""
-    return ValueError(f"{key}: ragged rows (valid counts {v.tolist()} of {s} new tokens) are not "
-                      f"supported by its state (its spec does not declare contract.ragged); "
-                      f"update each row as its own batch-of-one state")
 
 
 def _dims(annotation) -> str | None:
@@ -229,3 +231,128 @@ def ragged(step: Callable) -> Callable:
         return stack(rows, state)
 
     return update
+
+
+# --- ragged rows of any other method: one batch-of-one state per row ------------------------
+
+class RowStates(NamedTuple):
+    """Ragged rows of a method whose state holds equal rows (no ``contract.ragged``): one
+    batch-of-one state of that method per batch row, each exactly the row alone.
+
+    Made by an update with unequal ``valid`` counts (:func:`split_rows` of the state given),
+    or from states of one row each (``RowStates(rows=(s0, s1, ...))``). Every function of the
+    method takes it: ``update`` runs each row's update on its real tokens (a row with
+    ``valid = 0`` is the same object afterwards), ``get_kv`` and ``positions`` give each row's
+    rows left-padded to the widest row (padding at position -1, zeros), ``kv_slots`` the same
+    with the mask of real rows, ``nbytes`` the sum of the rows' bytes, ``attend`` each row's
+    attention; ``velox.method_of`` finds the method of its rows. The update is not vectorised
+    over rows (a call per row); the score-and-keep methods hold ragged rows in one state of
+    slots instead (the module docstring)."""
+
+    rows: tuple
+
+
+def _per_row(x: mx.array, b: int, h: int, dims: str | None) -> bool:
+    """Whether the array ``x`` has a batch axis: annotated with a leading ``b`` dim, or
+    without an annotation of shape ``[b, h, ...]`` (a shared table such as a rotation
+    ``[d, d]`` or a codebook ``[c]`` has neither)."""
+    if dims is not None:
+        return dims.split()[:1] == ["b"]
+    return x.ndim >= 2 and tuple(x.shape[:2]) == (b, h)
+
+
+def _cut(x, i: int, b: int, h: int, dims: str | None, top: str | None):
+    """Row ``i`` of the field ``x`` (an array, or a nested record, tuple, list or dict of
+    them); ``top`` names a top-level field (arrays there without a batch axis must be empty)."""
+    if isinstance(x, mx.array):
+        if _per_row(x, b, h, dims):
+            return x[i:i + 1]
+        if top is not None and x.size:
+            raise ValueError(f"its state's {top} {tuple(x.shape)} has no batch axis and holds data")
+        return x
+    if hasattr(x, "_fields"):
+        notes = getattr(type(x), "__annotations__", {})
+        return x._replace(**{n: _cut(y, i, b, h, _dims(notes.get(n)), None) for n, y in zip(x._fields, x)})
+    if isinstance(x, (tuple, list)):
+        return type(x)(_cut(y, i, b, h, None, None) for y in x)
+    if isinstance(x, dict):
+        return {k: _cut(y, i, b, h, None, None) for k, y in x.items()}
+    return x
+
+
+def split_rows(m, state) -> RowStates:
+    """An ordinary batch ``state`` of method ``m`` as :class:`RowStates`: row ``i``'s state
+    holds the batch state's per-row arrays at row ``i`` (an array annotated ``"b ..."``, or
+    without an annotation one of shape ``[batch, kv_heads, ...]``, also inside nested
+    records) and shares the rest (static fields, and the tables of a nested record: a
+    codec's rotation and codebooks). Raises ValueError when an array directly in the state has
+    no batch axis and holds data (a stream of every row's codes cannot be cut by row)."""
+    b, h = (m.dims or _keys_dims)(state)[:2]
+    notes = getattr(type(state), "__annotations__", {})
+    try:
+        rows = tuple(state._replace(**{n: _cut(x, i, b, h, _dims(notes.get(n)), n)
+                                       for n, x in zip(state._fields, state)}) for i in range(b))
+    except ValueError as e:
+        raise ValueError(f"{m.key}: {e}, so the state cannot be split into rows; build the ragged "
+                         "batch from one-row states (velox.ragged.RowStates)") from None
+    return RowStates(rows)
+
+
+def _keys_dims(state):
+    b, h, _, d = state.keys.shape
+    return b, h, d, state.keys.dtype
+
+
+def _pad_left(x: mx.array, width: int, fill) -> mx.array:
+    n = x.shape[2]
+    if n == width:
+        return x
+    pad = mx.full(x.shape[:2] + (width - n,) + x.shape[3:], fill, x.dtype)
+    return mx.concatenate([pad, x], axis=2) if n else pad
+
+
+def rows_kv(get_kv: Callable, rs: RowStates) -> tuple[mx.array, mx.array]:
+    """Each row's ``get_kv``, left-padded with zeros to the widest row, stacked."""
+    kv = [get_kv(r) for r in rs.rows]
+    width = max(k.shape[2] for k, _ in kv)
+    return tuple(mx.concatenate([_pad_left(x[j], width, 0) for x in kv], axis=0) for j in (0, 1))
+
+
+def rows_positions(positions: Callable, rs: RowStates) -> mx.array:
+    """Each row's positions, left-padded with -1 to the widest row, stacked."""
+    pos = [positions(r) for r in rs.rows]
+    width = max(p.shape[2] for p in pos)
+    return mx.concatenate([_pad_left(p, width, -1) for p in pos], axis=0)
+
+
+def rows_kv_slots(kv_slots: Callable, rs: RowStates):
+    """Each row's ``kv_slots``, left-padded to the widest row and stacked, with the mask of
+    the real rows (``None`` when every row fills every slot)."""
+    parts = [kv_slots(r) for r in rs.rows]
+    width = max(k.shape[2] for k, _, _ in parts)
+    if all(k.shape[2] == width and m is None for k, _, m in parts):
+        return (mx.concatenate([k for k, _, _ in parts], axis=0),
+                mx.concatenate([v for _, v, _ in parts], axis=0), None)
+    keys = mx.concatenate([_pad_left(k, width, 0) for k, _, _ in parts], axis=0)
+    values = mx.concatenate([_pad_left(v, width, 0) for _, v, _ in parts], axis=0)
+    masks = [mx.ones(k.shape[:3], mx.bool_) if m is None else m for k, _, m in parts]
+    return keys, values, mx.concatenate([_pad_left(m, width, False) for m in masks], axis=0)
+
+
+def rows_update(update: Callable, rs: RowStates, keys, values, queries, valid: np.ndarray) -> RowStates:
+    """Row ``i``'s update on its first ``valid[i]`` tokens (its queries' first too); a row with
+    none is kept as it is."""
+    out = []
+    for i, r in enumerate(rs.rows):
+        v = int(valid[i])
+        if v:
+            q = None if queries is None else queries[i:i + 1, :, :v]
+            r = update(r, keys[i:i + 1, :, :v], values[i:i + 1, :, :v], queries=q)
+        out.append(r)
+    return RowStates(tuple(out))
+
+
+def rows_attend(attend: Callable, rs: RowStates, queries, keys, values, *, scale: float, mask=None):
+    """Each row's ``attend`` with its own queries and new tokens, stacked."""
+    return mx.concatenate([attend(r, queries[i:i + 1], keys[i:i + 1], values[i:i + 1], scale=scale, mask=mask)
+                           for i, r in enumerate(rs.rows)], axis=0)

@@ -153,8 +153,9 @@ def register(key: str, state_type: type, init: Callable, backends: Any = None, *
       the state's dims and runs ``backends[state.backend]``. ``valid`` (int ``[b]``) counts
       each row's real new tokens: a method whose spec declares ``contract.ragged`` runs its
       backend's ``ragged`` update (``velox.ragged``; the ``cuda`` backend its ``mlx`` one),
-      as it does for a state of ragged rows given no ``valid``; any other method raises
-      ValueError unless every count is ``s``.
+      as it does for a state of ragged rows given no ``valid``; any other method, given
+      unequal counts, holds the rows as one batch-of-one state each
+      (``velox.ragged.RowStates``, which every function of the method then takes).
     * ``get_kv``: the state's ``keys`` and ``values``; ``nbytes``: the bytes of every array
       the state holds; ``positions``: the state's ``positions``; ``dims``: from ``keys``.
       For a method whose ``mlx`` backend keeps rows in slots (``velox.evict``'s
@@ -223,12 +224,37 @@ def register(key: str, state_type: type, init: Callable, backends: Any = None, *
             m.kv_slots = _default_kv_slots(m.get_kv)
         if update is None:
             m.update = _dispatching_update(m, init.__module__)
+        if not m.spec.contract.get("ragged", False):
+            _take_row_states(m)
         if spec is None and key in spec_keys():
             _document(m, init.__module__)
     except Exception:
         del _REGISTRY[key], _BY_STATE[state_type]
         raise
     return m
+
+
+def _take_row_states(m: Method) -> None:
+    """Let ``m``'s functions take ragged rows held as one state per row
+    (``velox.ragged.RowStates``): ``get_kv``, ``positions``, ``kv_slots``, ``nbytes``, ``dims``
+    and ``attend`` (the update handles them itself, :func:`_dispatching_update`)."""
+    from . import ragged as rg
+
+    def either(plain: Callable, rows: Callable) -> Callable:
+        @functools.wraps(plain)
+        def fn(state, *args, **kwargs):
+            if isinstance(state, rg.RowStates):
+                return rows(plain, state, *args, **kwargs)
+            return plain(state, *args, **kwargs)
+        return fn
+
+    m.get_kv = either(m.get_kv, rg.rows_kv)
+    m.positions = either(m.positions, rg.rows_positions)
+    m.kv_slots = either(m.kv_slots, rg.rows_kv_slots)
+    m.nbytes = either(m.nbytes, lambda f, rs: sum(f(r) for r in rs.rows))
+    m.dims = either(m.dims or _keys_dims, lambda f, rs: (len(rs.rows), *f(rs.rows[0])[1:]))
+    if m.attend is not None:
+        m.attend = either(m.attend, rg.rows_attend)
 
 
 def _checked_init(key: str, body: Callable) -> Callable:
@@ -261,10 +287,15 @@ def _dispatching_update(m: Method, module: str) -> Callable:
     """The update every method shares: check the new rows, run the state's backend."""
     from .validate import check_update
 
-    from .ragged import check_valid, is_ragged, unsupported
+    from .ragged import RowStates, check_valid, is_ragged, rows_update, split_rows
 
-    backends, dims = m.backends, m.dims or _keys_dims
+    backends, plain_dims = m.backends, m.dims or _keys_dims
     ragged = bool(m.spec.contract.get("ragged", False))
+
+    def dims(state):
+        if isinstance(state, RowStates):
+            return (len(state.rows), *plain_dims(state.rows[0])[1:])
+        return plain_dims(state)
 
     def update(state: State, keys: mx.array, values: mx.array, *,
                queries: mx.array | None = None, valid: Any = None) -> State:
@@ -275,16 +306,18 @@ def _dispatching_update(m: Method, module: str) -> Callable:
             v = _full(b, s) if valid is None else check_valid(valid, b, s, m.key)
             step = getattr(backends[state.backend], "ragged", None) or backends["mlx"].ragged  # cuda: mlx ops
             return step(state, keys, values, queries, v)
-        if valid is not None:
-            v = check_valid(valid, b, s, m.key)
-            if (v != s).any():
-                raise unsupported(m.key, v, s)
+        v = None if valid is None else check_valid(valid, b, s, m.key)
+        if isinstance(state, RowStates) or (v is not None and (v != s).any()):
+            rows = state if isinstance(state, RowStates) else split_rows(m, state)
+            return rows_update(update, rows, keys, values, queries, _full(b, s) if v is None else v)
         return backends[state.backend](state, keys, values, queries)
 
     update.__module__, update.__qualname__ = module, "update"
     rows = ("a state of ragged rows (``velox.ragged``): row ``i`` takes its first ``valid[i]`` "
             "tokens and evolves as that row alone" if ragged else
-            "counts other than ``s`` raise ValueError: this method's state holds equal rows")
+            "unequal counts make ragged rows, one batch-of-one state per row "
+            "(``velox.ragged.RowStates``), row ``i`` taking its first ``valid[i]`` tokens "
+            "and evolving as that row alone")
     update.__doc__ = (f"Absorb ``s`` new tokens ``keys, values [b, h, s, d]`` (``queries [b, q, "
                       f"s, d]``: their real queries, optional): {m.spec.summary}.\n\n"
                       f"``valid`` (optional, int ``[b]``): the real new tokens of each row, the "
@@ -341,8 +374,10 @@ def method_keys() -> tuple[str, ...]:
 def method_of(state: State) -> Method:
     """The method a state record belongs to."""
     try:
+        if type(state).__name__ == "RowStates" and type(state).__module__ == "velox.ragged":
+            return method_of(state.rows[0])
         return _BY_STATE[type(state)]
-    except KeyError:
+    except (KeyError, IndexError):
         raise ValueError(f"{type(state).__name__} is not the state of a registered method") from None
 
 
