@@ -189,6 +189,15 @@ def test_decode_of_a_ragged_state_without_valid():
         if isinstance(x, mx.array):
             assert np.array_equal(np.array(x), np.array(y))
     assert np.array(a.next_pos).tolist() == [[6, 6], [3, 3]]
+    # the state says it is ragged in a field: a copy (arrays rebuilt, as a saved and loaded
+    # state's are) updates the same way
+    copied = state._replace(**{f: mx.array(np.array(x)) for f, x in zip(state._fields, state)
+                               if isinstance(x, mx.array)})
+    assert state.ragged and copied.ragged
+    c = m.update(copied, one, one)
+    for x, y in zip(a, c):
+        if isinstance(x, mx.array):
+            assert np.array_equal(np.array(x), np.array(y))
 
 
 OTHERS = [k for k in method_keys() if k not in RAGGED]

@@ -887,14 +887,15 @@ def state_type(name: str, init: Callable, doc: str, **carried: Any) -> type:
     ``[b, h, n, d]``, ``positions [b, h, n]``, the ``carried`` per-token arrays (``name=
     annotation``, in order), ``next_pos [b, h]``, then every parameter of ``init``'s
     signature as a static field (its annotation), ``empty`` (the empty slots, an int) when
-    ``init`` has a ``slack`` parameter, and ``backend``. The parameters are written once, in
+    ``init`` has a ``slack`` parameter, ``ragged`` (whether its batch rows hold different
+    numbers of tokens, ``velox.ragged``; False) and ``backend``. The parameters are written once, in
     the signature. Rows live in slots (see the module): ``positions`` says which token each
     holds."""
     fields = [("keys", Float[Array, "b h n d"]), ("values", Float[Array, "b h n d"]),
               ("positions", Int[Array, "b h n"]), *carried.items(), ("next_pos", Int[Array, "b h"])]
     params = param_fields(init)
     slots = [("empty", int)] if any(p == "slack" for p, _ in params) else []
-    record = NamedTuple(name, [*fields, *params, *slots, ("backend", str)])
+    record = NamedTuple(name, [*fields, *params, *slots, ("ragged", bool), ("backend", str)])
     record.__doc__ = doc
     record.__module__ = init.__module__
     return record
@@ -902,7 +903,8 @@ def state_type(name: str, init: Callable, doc: str, **carried: Any) -> type:
 
 def empty_state(state_type: type, args: dict, **arrays: mx.array):
     """A fresh eviction state from ``init``'s arguments (``locals()`` of an ``init``): no
-    rows, ``next_pos`` zero, every static field from ``args`` by name (``empty`` 0), every
+    rows, ``next_pos`` zero, every static field from ``args`` by name (``empty`` 0, ``ragged``
+    False), every
     carried per-token field an empty ``[b, h, 0]`` float32 array unless given in ``arrays``."""
     b, h, d = args["batch"], args["kv_heads"], args["head_dim"]
     k, v, pos, nxt = empty_rows(b, h, d, args["dtype"])
@@ -915,6 +917,8 @@ def empty_state(state_type: type, args: dict, **arrays: mx.array):
             out[name] = args[name]
         elif name == "empty":
             out[name] = 0
+        elif name == "ragged":
+            out[name] = False
         else:
             out[name] = mx.zeros((b, h, 0), mx.float32)
     return state_type(**out)

@@ -34,9 +34,8 @@ padded with empty slots to the widest row. A method's score reads whole rows (at
 the stored and new keys, the last queries of a chunk), so a row's score is its own call on
 its own tokens: no padded key, value or query reaches it, whatever it holds.
 
-A ragged state is recognised by its ``positions`` array (:func:`is_ragged`, a weak record of
-the arrays this module produced): an update without ``valid`` of a ragged state runs as
-``valid = s`` for every row.
+A ragged state says so in its static ``ragged`` field (:func:`is_ragged`): an update without
+``valid`` of a ragged state runs as ``valid = s`` for every row.
 
 Every other method (quantizers, codecs, compositions, low-rank and cross-layer states: no
 ``contract.ragged``) holds ragged rows as :class:`RowStates`, one batch-of-one state per row:
@@ -48,7 +47,6 @@ each row exactly the row alone, without vectorising the rows' updates.
 from __future__ import annotations
 
 import re
-import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -59,18 +57,17 @@ __all__ = ["check_valid", "is_ragged", "token_fields", "row", "compact", "stack"
            "ragged", "take_rows", "RowStates", "split_rows", "rows_kv", "rows_positions",
            "rows_kv_slots", "rows_update", "rows_attend"]
 
-_RAGGED: "weakref.WeakValueDictionary[int, mx.array]" = weakref.WeakValueDictionary()
-
-
-def _mark(state) -> None:
-    _RAGGED[id(state.positions)] = state.positions
+def _mark(state, ragged: bool = True):
+    """``state`` with its static ``ragged`` field set (a state of slots of any other record
+    type is returned as it is)."""
+    return state._replace(ragged=ragged) if "ragged" in getattr(state, "_fields", ()) else state
 
 
 def is_ragged(state) -> bool:
-    """Whether ``state`` holds ragged rows (an output of :func:`ragged` whose rows or heads
-    hold different numbers of empty slots)."""
-    pos = getattr(state, "positions", None)
-    return isinstance(pos, mx.array) and _RAGGED.get(id(pos)) is pos
+    """Whether ``state`` holds ragged rows: its static ``ragged`` field, set by :func:`stack`
+    when its rows or heads hold different numbers of empty slots (a field of the record, so
+    copies, compiled functions and saved states keep it)."""
+    return bool(getattr(state, "ragged", False))
 
 
 def check_valid(valid, batch: int, s: int, key: str) -> np.ndarray:
@@ -124,11 +121,10 @@ def row(state, i: int):
 
 def take_rows(state, idx):
     """The rows ``idx`` (a list of row numbers, in that order) of ``state``, as one state;
-    a ragged state stays marked ragged."""
+    a ragged state stays marked ragged (its update then runs row by row, as for any ragged
+    state, even if the rows kept hold the same slots)."""
     take = mx.array(list(idx), dtype=mx.int32)
     out = state._replace(**{name: getattr(state, name)[take] for name in _row_arrays(state)})
-    if is_ragged(state):
-        _mark(out)
     return out
 
 
@@ -152,15 +148,16 @@ def compact(state):
               for name in token_fields(state)}
     if hasattr(state, "empty"):
         fields["empty"] = 0
-    return state._replace(**fields)
+    return _mark(state._replace(**fields), False)
 
 
-def _pad_slots(x: mx.array, width: int, fill) -> mx.array:
+def _pad_slots(x: mx.array, width: int, fill, left: bool = False) -> mx.array:
+    """``x [b, h, n, ...]`` padded with ``fill`` to ``width`` slots, at the end (or first)."""
     n = x.shape[2]
     if n == width:
         return x
     pad = mx.full(x.shape[:2] + (width - n,) + x.shape[3:], fill, x.dtype)
-    return mx.concatenate([x, pad], axis=2) if n else pad
+    return (mx.concatenate([pad, x] if left else [x, pad], axis=2)) if n else pad
 
 
 def stack(rows: list, like):
@@ -182,9 +179,7 @@ def stack(rows: list, like):
     uniform = bool((empties == empties.flat[0]).all()) if empties.size else True
     if hasattr(out, "empty"):
         out = out._replace(empty=int(empties.flat[0]) if uniform and empties.size else 0)
-    if not uniform or (not hasattr(out, "empty") and empties.size and empties.flat[0]):
-        _mark(out)
-    return out
+    return _mark(out, bool(not uniform or (not hasattr(out, "empty") and empties.size and empties.flat[0])))
 
 
 def filled_nbytes(state) -> int:
@@ -287,6 +282,8 @@ def split_rows(m, state) -> RowStates:
     records) and shares the rest (static fields, and the tables of a nested record: a
     codec's rotation and codebooks). Raises ValueError when an array directly in the state has
     no batch axis and holds data (a stream of every row's codes cannot be cut by row)."""
+    from .registry import _keys_dims
+
     b, h = (m.dims or _keys_dims)(state)[:2]
     notes = getattr(type(state), "__annotations__", {})
     try:
@@ -298,17 +295,8 @@ def split_rows(m, state) -> RowStates:
     return RowStates(rows)
 
 
-def _keys_dims(state):
-    b, h, _, d = state.keys.shape
-    return b, h, d, state.keys.dtype
-
-
 def _pad_left(x: mx.array, width: int, fill) -> mx.array:
-    n = x.shape[2]
-    if n == width:
-        return x
-    pad = mx.full(x.shape[:2] + (width - n,) + x.shape[3:], fill, x.dtype)
-    return mx.concatenate([pad, x], axis=2) if n else pad
+    return _pad_slots(x, width, fill, left=True)
 
 
 def rows_kv(get_kv: Callable, rs: RowStates) -> tuple[mx.array, mx.array]:

@@ -49,6 +49,7 @@ class MorphKVState(NamedTuple):
     aggregate: str
     per_head: bool
     backend: str
+    ragged: bool = False  # batch rows hold different numbers of tokens (velox.ragged)
 
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,

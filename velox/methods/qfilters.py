@@ -63,6 +63,7 @@ class QFiltersState(NamedTuple):
     calibrated: bool
     empty: int  # empty slots (velox.evict)
     backend: str
+    ragged: bool = False  # batch rows hold different numbers of tokens (velox.ragged)
 
 
 def qfilters_from_queries(queries: Float[Array, "t q d"] | Float[np.ndarray, "t q d"],
