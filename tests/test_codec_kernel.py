@@ -112,24 +112,58 @@ COMPILE_CASES = ([(c, v, dt, d, k) for c, v in METHOD_VALUES.items()
                     for c, v in METHOD_VALUES.items()])
 
 
-@needs_nvrtc
-@pytest.mark.parametrize("codec,values,dtype,head_dim,k", COMPILE_CASES, ids=str)
-def test_split_sources_compile(codec, values, dtype, head_dim, k):
-    """Every split variant compiles for sm_90 as MLX wraps it at a launch (no GPU needed)."""
+def _split_ptx(case):
+    codec, values, dtype, head_dim, k = case
     spec = ck.split_spec(codec, values)
     tmpl = _template(codec, head_dim, 4, bits=k, sign_words=k)
-    ptx = nvrtc.compile_source(nvrtc.kernel_source(spec, _split_dtypes(spec, dtype), ["float32"] * 3, tmpl))
-    assert f".entry {spec['name']}" in ptx
+    return spec["name"], nvrtc.compile_source(nvrtc.kernel_source(spec, _split_dtypes(spec, dtype),
+                                                                  ["float32"] * 3, tmpl))
+
+
+@pytest.fixture(scope="module")
+def split_ptx():
+    """The PTX of every case of COMPILE_CASES, compiled two at a time (NVRTC releases the
+    interpreter while it compiles); a case that fails to compile raises in its own test."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def attempt(case):
+        try:
+            return _split_ptx(case)
+        except Exception as e:  # reported by the case's test
+            return e
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(COMPILE_CASES, pool.map(attempt, COMPILE_CASES)))
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("codec,values,dtype,head_dim,k", COMPILE_CASES, ids=str)
+def test_split_sources_compile(split_ptx, codec, values, dtype, head_dim, k):
+    """Every split variant compiles for sm_90 as MLX wraps it at a launch (no GPU needed)."""
+    got = split_ptx[(codec, values, dtype, head_dim, k)]
+    if isinstance(got, Exception):
+        raise got
+    name, ptx = got
+    assert f".entry {name}" in ptx
 
 
 @needs_nvrtc
 def test_split_sources_compile_at_the_group_extremes():
-    """One query head per kv head, and the most (32: the smallest split)."""
-    for codec, g in (("rvq", 1), ("prod", ck.MAX_GROUPS), ("qjl", ck.MAX_GROUPS)):
+    """One query head per kv head, and the most (32: the smallest split). The three compile
+    side by side (NVRTC releases the interpreter while it compiles)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def compiled(case):
+        codec, g = case
         spec = ck.split_spec(codec, "int8")
         src = nvrtc.kernel_source(spec, _split_dtypes(spec, "float16"), ["float32"] * 3,
                                   _template(codec, 128, g, bits=3, sign_words=1))
-        assert f".entry {spec['name']}" in nvrtc.compile_source(src)
+        return spec["name"], nvrtc.compile_source(src)
+
+    cases = (("rvq", 1), ("prod", ck.MAX_GROUPS), ("qjl", ck.MAX_GROUPS))
+    with ThreadPoolExecutor(max_workers=len(cases)) as pool:
+        for name, ptx in pool.map(compiled, cases):
+            assert f".entry {name}" in ptx
 
 
 @needs_nvrtc
