@@ -1,11 +1,11 @@
 """Live memory of a long decode follows the bytes a state reports, for every registered method.
 
-Each method streams a thousand single-token updates after a short prefill, the state
+Each method streams 800 single-token updates after a short prefill, the state
 evaluated every step as a decoding loop does. With MLX's buffer cache cleared, the growth of
 ``mx.get_active_memory()`` must stay within 3% of the growth of ``velox.nbytes`` plus
 ``SLACK``: the cache of shared constants (``velox.evict.CONST_BYTES``, index arrays and
 masks, bounded in bytes) and 64 KiB for MLX's own small allocations (so a leak of more than
-about 1.1 KiB a step fails). A state, a graph or a
+about 1.4 KiB a step fails). A state, a graph or a
 cache that kept one array per step alive grows with the stream and fails.
 """
 
@@ -17,7 +17,7 @@ import velox
 from velox import evict
 from velox.registry import get_method, method_keys
 
-B, H, PREFILL, WARM, STEPS = 1, 2, 16, 80, 1000
+B, H, PREFILL, WARM, STEPS = 1, 2, 16, 80, 800
 SLACK = evict.CONST_BYTES + (64 << 10)
 
 
