@@ -97,18 +97,20 @@ def prompts_for(batch: int, context: int, vocab: int, seed: int) -> list[list[in
 def run_once(model, prompts, method: str, params: dict, max_tokens: int, step: int,
              join: bool = True, prefill_batch: int | None = None) -> dict:
     from velox.adapters.batch import VeloxBatchCache
-    VeloxBatchCache.join_rows = join
     caches = None if method == PLAIN else [make_cache(model, method, **params) for _ in prompts]
     gc.collect()
     mx.clear_cache()
     mx.reset_peak_memory()
-    t0 = time.perf_counter()
-    r = batch_generate(model, TOKENIZER, prompts, prompt_caches=caches, max_tokens=max_tokens,
-                       prefill_step_size=step, return_prompt_caches=True,
-                       prefill_batch_size=prefill_batch or len(prompts),
-                       completion_batch_size=len(prompts))
-    wall = time.perf_counter() - t0
-    VeloxBatchCache.join_rows = True
+    VeloxBatchCache.join_rows = join
+    try:
+        t0 = time.perf_counter()
+        r = batch_generate(model, TOKENIZER, prompts, prompt_caches=caches, max_tokens=max_tokens,
+                           prefill_step_size=step, return_prompt_caches=True,
+                           prefill_batch_size=prefill_batch or len(prompts),
+                           completion_batch_size=len(prompts))
+        wall = time.perf_counter() - t0
+    finally:  # a failed run (out of memory) leaves the class as it was
+        VeloxBatchCache.join_rows = True
     peak = mx.get_peak_memory()
     s = r.stats
     kv = sum(int(c.nbytes) for c in r.caches[0])

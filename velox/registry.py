@@ -289,13 +289,11 @@ def _dispatching_update(m: Method, module: str) -> Callable:
 
     from .ragged import RowStates, check_valid, is_ragged, rows_update, split_rows
 
-    backends, plain_dims = m.backends, m.dims or _keys_dims
+    backends = m.backends
     ragged = bool(m.spec.contract.get("ragged", False))
 
-    def dims(state):
-        if isinstance(state, RowStates):
-            return (len(state.rows), *plain_dims(state.rows[0])[1:])
-        return plain_dims(state)
+    def dims(state):  # read at the call: _take_row_states wraps m.dims for RowStates
+        return (m.dims or _keys_dims)(state)
 
     def update(state: State, keys: mx.array, values: mx.array, *,
                queries: mx.array | None = None, valid: Any = None) -> State:
