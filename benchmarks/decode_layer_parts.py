@@ -2,7 +2,7 @@
 decode step, each timed alone (``16`` layers' worth of launches per evaluation, as a model
 step issues them; median of 5 rounds of ``--reps`` evaluations).
 
-    python benchmarks/decode_layer_parts.py --batch 1 32 [--threads 1024 512 256 128]
+    python benchmarks/decode_layer_parts.py --batch 1 32 [--split 256:1024 256:512 128:2048:16]
 
 Shapes: Llama-3.2-1B's attention (8 kv heads, 4 query heads each, head_dim 64), ``2048``
 stored tokens, bfloat16; a cache (or state) per layer, as a model holds them. Rows: a trivial MLX op and a trivial ``mx.fast.cuda_kernel`` launch
@@ -10,9 +10,9 @@ stored tokens, bfloat16; a cache (or state) per layer, as a model holds them. Ro
 then ``scaled_dot_product_attention`` over ``n + 1`` rows) and SDPA alone, velox's fused decode
 step on the ``cuda`` backend (``velox.adapters.mlxlm._fused_step``, compiled, with the next
 step's deferred row write) for TOVA, H2O and StreamingLLM, and the ``attend_weights`` kernel
-alone. ``--threads`` also times ``attend_weights`` (plain and with H2O's decayed sum) and
-``weights`` at other block sizes (``velox.kernels.evict.THREADS``), against SDPA over the same
-rows, with the output's largest difference from SDPA. Needs a CUDA device.
+alone. ``--split`` also times ``attend_weights`` (plain and with H2O's decayed sum) at other
+splits of the candidates (block size, blocks in all, smallest chunk), against SDPA over the
+same rows, with the output's largest difference from SDPA. Needs a CUDA device.
 """
 
 from __future__ import annotations
@@ -99,7 +99,10 @@ def parts(b: int, reps: int) -> dict[str, float]:
     return out
 
 
-def threads(b: int, sizes: list[int], reps: int) -> list[str]:
+def splits(b: int, settings: list[str], reps: int) -> list[str]:
+    """``attend_weights`` (plain and with H2O's decayed sum) at other splits: each setting is
+    ``THREADS:BLOCKS[:MIN_CHUNK]`` (``velox.kernels.evict.ATTEND_THREADS``, ``SPLIT_BLOCKS``,
+    ``MIN_CHUNK``), against SDPA over the same rows, with the output's largest difference."""
     from velox.kernels import evict as ev
 
     dt = mx.bfloat16
@@ -109,29 +112,35 @@ def threads(b: int, sizes: list[int], reps: int) -> list[str]:
     KK, VV = mx.concatenate([K, k], 2), mx.concatenate([V, v], 2)
     mx.eval(q, k, v, K, V, old, KK, VV)
     want = mx.fast.scaled_dot_product_attention(q, KK, VV, scale=D ** -0.5)
-    lines = [f"batch {b}: sdpa {timeit(lambda: mx.fast.scaled_dot_product_attention(q, KK, VV, scale=D ** -0.5), reps):.1f} us"]
-    default = ev.THREADS
+    lines = [f"batch {b}: sdpa over a contiguous copy {timeit(lambda: mx.fast.scaled_dot_product_attention(q, KK, VV, scale=D ** -0.5), reps):.1f} us"]
+    names = ("ATTEND_THREADS", "SPLIT_BLOCKS", "MIN_CHUNK")
+    default = {x: getattr(ev, x) for x in names}
     try:
-        for t in sizes:
-            ev.THREADS = t
-            ev._weights_kernel.cache_clear()
+        for setting in settings:
+            for name, value in zip(names, setting.split(":")):
+                setattr(ev, name, int(value))
+            ev._attend_part_kernel.cache_clear()
+            ev._attend_combine_kernel.cache_clear()
             err = float(mx.max(mx.abs(ev.attend_weights(q, K, V, k, v)[0].astype(mx.float32)
                                       - want.astype(mx.float32))))
             a = timeit(lambda: ev.attend_weights(q, K, V, k, v)[0], reps)
             h2o = timeit(lambda: ev.attend_weights(q, K, V, k, v, old=old, accumulate="decay", decay=0.98)[0], reps)
-            w = timeit(lambda: ev.weights(q, K, k)[0], reps)
-            lines.append(f"  THREADS={t}: attend_weights {a:.1f} us (max |out - sdpa| {err:.3g}), "
-                         f"with decay {h2o:.1f} us, weights {w:.1f} us")
+            chunk = ev.split_chunk(N + 1, b * H)
+            lines.append(f"  {setting} (chunks of {chunk}, {b * H * -(-(N + 1) // chunk)} blocks): attend_weights "
+                         f"{a:.1f} us (max |out - sdpa| {err:.3g}), with decay {h2o:.1f} us")
     finally:
-        ev.THREADS = default
-        ev._weights_kernel.cache_clear()
+        for name, value in default.items():
+            setattr(ev, name, value)
+        ev._attend_part_kernel.cache_clear()
+        ev._attend_combine_kernel.cache_clear()
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
-    ap.add_argument("--threads", type=int, nargs="*", default=[])
+    ap.add_argument("--split", nargs="*", default=[],
+                    help="attend_weights settings THREADS:BLOCKS[:MIN_CHUNK] to time against SDPA")
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args(argv)
     if mx.default_device() != mx.gpu:
@@ -141,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batch {b}: us per layer")
         for name, us in parts(b, args.reps).items():
             print(f"  {name:34s} {us:8.1f}")
-        if args.threads:
-            print("\n".join(threads(b, args.threads, args.reps)))
+        if args.split:
+            print("\n".join(splits(b, args.split, args.reps)))
     return 0
 
 

@@ -24,10 +24,12 @@ Which kernels a step runs: the score-and-keep methods (``velox.evict.score_and_k
 their rows in slots. Their ``update`` takes ``weights`` (or their MLX scores) on the GPU, the
 loser and the one-row slot write being MLX ops (``compact``'s outputs are fresh buffers, so it
 would copy every kept row at each step). The adapter's fused decode step (``with_attention``)
-runs two launches instead: ``attend_weights``, the ``weights`` kernel that also returns the
-step's attention output from the same softmax (no stored + new concatenation, the keys read
-once), and ``select``, the per-token rule's loser with the slot's row, the positions and the
-carried scores; the row is then written in place by MLX at the next step. ``compact`` serves the methods whose rows stay sorted
+runs ``attend_weights`` instead: the step's attention output and the scores from one softmax
+(no stored + new concatenation, the keys read once), split over the candidates as
+flash-decoding splits a cache (a block per chunk of a row's candidates, then a launch that
+combines the chunks), so a batch of one fills the GPU; then ``select``, the per-token rule's
+loser with the slot's row, the positions and the carried scores; the row is then written in
+place by MLX at the next step. ``compact`` serves the methods whose rows stay sorted
 (``contract.slots = "sorted"``: CaM's merge, ChunkKV's chunks), which move the kept rows anyway. MLX compiles each kernel at its first launch and caches it
 per template values and dtypes; ``weights`` takes head_dim as one, so each lane's loads of a
 key row unroll and issue together. ``velox.kernels.nvrtc`` compiles every variant's source
@@ -45,6 +47,13 @@ __all__ = ["weights", "attend_weights", "select", "compact"]
 THREADS = 1024  # threads per block of the weights kernel (a power of two)
 COMPACT_THREADS = 256  # threads per block of the compact kernel (a power of two)
 COMPACT_SPAN = 8 * COMPACT_THREADS  # elements of a row's keys a compact block moves
+ATTEND_THREADS = 256  # threads per block of attend_weights' two kernels (a multiple of 32)
+CHUNK_MAX = 512  # the most candidates one block of attend_weights' first kernel takes
+ATTEND_GROUPS = 8  # the most query heads one pass of that block takes (more: several passes)
+# How attend_weights splits a unit's candidates (host-side: changing these needs no new build):
+# into chunks of at least MIN_CHUNK rows, enough for about SPLIT_BLOCKS blocks in all.
+SPLIT_BLOCKS = 1024
+MIN_CHUNK = 32
 
 # Block-wide reductions (max, sum, argmin) through shared memory; every lane gets the result.
 _HEADER = """
@@ -75,6 +84,27 @@ __device__ float velox_ranked(float s) { return isfinite(s) ? s : __int_as_float
 // max propagating NaN, as MLX's maximum does (fmaxf drops a NaN)
 __device__ float velox_max_nan(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
 template <typename T> __device__ void velox_put(T* p, float x) { *p = static_cast<T>(x); }
+// elements [c, c + 8) of a D-long row as float32 (zeros past its end): 16-byte loads when the
+// row's length is a multiple of 8 (the row then starts 16-byte aligned), else one at a time
+struct alignas(16) velox_v16 { unsigned int x[4]; };
+template <int D, typename T>
+__device__ inline void velox_row8(const T* row, int c, float* out) {
+    if (D % 8 == 0 && c + 8 <= D) {
+        constexpr int per = 16 / (int)sizeof(T);
+        for (int u = 0; u < 8; u += per) {
+            velox_v16 raw;
+#ifdef __CUDACC__
+            raw = *reinterpret_cast<const velox_v16*>(row + c + u);
+#else
+            std::memcpy(&raw, row + c + u, 16);
+#endif
+            const T* e = reinterpret_cast<const T*>(&raw);
+            for (int i = 0; i < per; ++i) out[u + i] = static_cast<float>(e[i]);
+        }
+        return;
+    }
+    for (int i = 0; i < 8; ++i) out[i] = c + i < D ? static_cast<float>(row[c + i]) : 0.0f;
+}
 // (value, index) minimum; an index of `none` is empty; ties go to the lower index
 template <int NT>
 __device__ int velox_block_argmin(float v, int i, int none, float* red, int* red_i) {
@@ -146,45 +176,12 @@ _WEIGHTS_BODY = """
         for (int t = tid; t < N; t += THREADS) {
             const float p = expf(lj[t] - m) * inv;
             ws[t] = j == 0 ? p : GROUP_COMBINE;
-            KEEP_P
         }
     }
     for (int t = tid; t < N; t += THREADS) {
         const float wt = GROUP_FINAL;
         ws[t] = wt;
         ACCUMULATE
-    }
-    ATTEND
-"""
-
-# The step's attention output from the same softmax (the ``attend`` variants): each query
-# head's probabilities are kept in ``lg`` (over its logits), then THREADS / HEAD_DIM parts of
-# the block each sum a stride of the candidates' value rows (lanes across head_dim, so a
-# row's loads coalesce) and the parts are added through shared memory.
-_ATTEND = """
-    __syncthreads();
-    {
-        const int parts = THREADS / HEAD_DIM;
-        const int c = tid % HEAD_DIM, part = tid / HEAD_DIM;
-        for (int j = 0; j < G; ++j) {
-            const float* pj = l + (size_t)j * N;
-            float acc = 0.0f;
-            if (part < parts) {
-                for (int t = part; t < N; t += parts) {
-                    const float vv = t < n ? static_cast<float>(V[(bh * n + t) * HEAD_DIM + c])
-                                           : static_cast<float>(vnew[bh * HEAD_DIM + c]);
-                    acc += pj[t] * vv;
-                }
-            }
-            red[tid] = acc;
-            __syncthreads();
-            if ((int)tid < HEAD_DIM) {
-                float sum = 0.0f;
-                for (int u = 0; u < parts; ++u) sum += red[u * HEAD_DIM + tid];
-                velox_put(&o[(bi * QH + hk * G + j) * HEAD_DIM + tid], sum);
-            }
-            __syncthreads();
-        }
     }
 """
 
@@ -213,6 +210,204 @@ _ACCUMULATE = {
         if (t < n) for (int j = 0; j < old_shape[3]; ++j) a = velox_max_nan(a, old[(bh * n + t) * old_shape[3] + j]);
         scores[bh * N + t] = a;""",
 }
+
+# attend_weights, split over the candidates (flash-decoding): the first kernel runs a block
+# per chunk of CH candidates of a (batch row, kv head). In passes of up to GROUPS query heads:
+# the scaled float32 logits (a group of lanes per candidate, 8 elements of the key row per
+# lane in 16-byte loads, so a warp takes several rows at once; the key row loaded once for
+# the pass's heads), written to lg; per head the chunk's maximum pm and sum ps of
+# exp(logit - pm), and the chunk's unnormalised output po = sum exp(logit - pm) * value (the
+# value rows loaded as the keys, each lane summing its 8 elements over its rows, the lane
+# groups of a warp added by shuffles, the warps through shared memory).
+_ATTEND_PART = """
+    const unsigned int tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    constexpr int nw = THREADS / 32;
+    // the logits: lpr lanes per key row, 8 elements each (a power of two: rows stay in
+    // aligned lane groups), rpw rows per warp at a time
+    static_assert(HEAD_DIM <= 256, "head_dim up to 256");
+    constexpr int lpr = HEAD_DIM <= 8 ? 1 : HEAD_DIM <= 16 ? 2 : HEAD_DIM <= 32 ? 4 : HEAD_DIM <= 64 ? 8
+                      : HEAD_DIM <= 128 ? 16 : 32;
+    constexpr int rpw = 32 / lpr;
+    const int li = lane % lpr, ri = lane / lpr;
+    const int H = K_shape[1];
+    const int n = K_shape[2];
+    const int N = n + 1;
+    const int QH = q_shape[1];
+    const int G = QH / H;
+    const int CH = cfg[0];
+    const int S = (N + CH - 1) / CH;
+    const size_t bh = blockIdx.x / S;
+    const int s = blockIdx.x % S;
+    const size_t bi = bh / H, hk = bh % H;
+    const int c0 = s * CH, c1 = c0 + CH < N ? c0 + CH : N;
+    const float scale = params[0];
+    const float inf = __int_as_float(0x7f800000);
+    __shared__ float qs[GROUPS * HEAD_DIM];
+    __shared__ float pc[GROUPS * CHUNK_MAX];
+    __shared__ float red[nw * HEAD_DIM];
+    float* l = lg + bh * G * N;
+    for (int j0 = 0; j0 < G; j0 += GROUPS) {
+        const int gp = G - j0 < GROUPS ? G - j0 : GROUPS;
+        for (int i = tid; i < gp * HEAD_DIM; i += THREADS)
+            qs[i] = static_cast<float>(q[(bi * QH + hk * G + j0) * HEAD_DIM + i]) * scale;
+        __syncthreads();
+        for (int t0 = c0 + warp * rpw; t0 < c1; t0 += nw * rpw) {
+            const int t = t0 + ri;
+            const bool live = ri < rpw && t < c1;
+            float kr[8];
+            if (live) velox_row8<HEAD_DIM>(t < n ? K + (bh * n + t) * HEAD_DIM : knew + bh * HEAD_DIM, li * 8, kr);
+            else for (int i = 0; i < 8; ++i) kr[i] = 0.0f;
+            float acc[GROUPS];
+            #pragma unroll
+            for (int j = 0; j < GROUPS; ++j) {
+                float a = 0.0f;
+                #pragma unroll
+                for (int i = 0; i < 8; ++i)
+                    if (li * 8 + i < HEAD_DIM && j < gp) a += qs[j * HEAD_DIM + li * 8 + i] * kr[i];
+                acc[j] = a;
+            }
+            for (int off = lpr / 2; off > 0; off >>= 1) {
+                #pragma unroll
+                for (int j = 0; j < GROUPS; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], off);
+            }
+            if (live && li == 0) {
+                for (int j = 0; j < gp; ++j) {
+                    l[(size_t)(j0 + j) * N + t] = acc[j];
+                    pc[j * CHUNK_MAX + t - c0] = acc[j];
+                }
+            }
+        }
+        __syncthreads();
+        for (int j = warp; j < gp; j += nw) {
+            float* pj = pc + j * CHUNK_MAX;
+            float m = -inf;
+            for (int t = lane; t < c1 - c0; t += 32) m = pj[t] > m ? pj[t] : m;
+            for (int off = 16; off > 0; off >>= 1) {
+                const float o2 = __shfl_xor_sync(0xffffffffu, m, off);
+                m = o2 > m ? o2 : m;
+            }
+            float se = 0.0f;
+            for (int t = lane; t < c1 - c0; t += 32) {
+                const float e = expf(pj[t] - m);
+                pj[t] = e;
+                se += e;
+            }
+            for (int off = 16; off > 0; off >>= 1) se += __shfl_xor_sync(0xffffffffu, se, off);
+            if (lane == 0) {
+                pm[(bh * S + s) * G + j0 + j] = m;
+                ps[(bh * S + s) * G + j0 + j] = se;
+            }
+        }
+        __syncthreads();
+        {
+            float acc[GROUPS][8];
+            #pragma unroll
+            for (int j = 0; j < GROUPS; ++j)
+                for (int i = 0; i < 8; ++i) acc[j][i] = 0.0f;
+            for (int t0 = c0 + warp * rpw; t0 < c1; t0 += nw * rpw) {
+                const int t = t0 + ri;
+                if (t < c1) {
+                    float vr[8];
+                    velox_row8<HEAD_DIM>(t < n ? V + (bh * n + t) * HEAD_DIM : vnew + bh * HEAD_DIM, li * 8, vr);
+                    #pragma unroll
+                    for (int j = 0; j < GROUPS; ++j) {
+                        if (j < gp) {
+                            const float p = pc[j * CHUNK_MAX + t - c0];
+                            #pragma unroll
+                            for (int i = 0; i < 8; ++i) acc[j][i] += p * vr[i];
+                        }
+                    }
+                }
+            }
+            for (int off = lpr; off < 32; off <<= 1) {
+                #pragma unroll
+                for (int j = 0; j < GROUPS; ++j)
+                    #pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[j][i] += __shfl_xor_sync(0xffffffffu, acc[j][i], off);
+            }
+            #pragma unroll
+            for (int j = 0; j < GROUPS; ++j) {
+                if (j < gp) {
+                    if (ri == 0)
+                        for (int i = 0; i < 8; ++i)
+                            if (li * 8 + i < HEAD_DIM) red[warp * HEAD_DIM + li * 8 + i] = acc[j][i];
+                    __syncthreads();
+                    for (int c = tid; c < HEAD_DIM; c += THREADS) {
+                        float sum = 0.0f;
+                        for (int u = 0; u < nw; ++u) sum += red[u * HEAD_DIM + c];
+                        po[((bh * S + s) * G + j0 + j) * HEAD_DIM + c] = sum;
+                    }
+                    __syncthreads();
+                }
+            }
+        }
+        __syncthreads();
+    }
+"""
+
+# attend_weights' second kernel, a block per chunk again: every block combines its unit's
+# chunk maxima and sums into each query head's softmax (M, 1 / sum), then writes the weights
+# w (and the carried scores, ACCUMULATE) of its chunk's candidates from lg, and its share of
+# the output's G * HEAD_DIM elements, sum over chunks of po * exp(pm - M) / sum.
+_ATTEND_COMBINE = """
+    const unsigned int tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    constexpr int nw = THREADS / 32;
+    const int H = lg_shape[1];
+    const int G = lg_shape[2];
+    const int N = lg_shape[3];
+    const int n = N - 1;
+    const int S = pm_shape[2];
+    const int CH = cfg[0];
+    const size_t bh = blockIdx.x / S;
+    const int s = blockIdx.x % S;
+    const size_t bi = bh / H, hk = bh % H;
+    const int QH = H * G;
+    const float inf = __int_as_float(0x7f800000);
+    __shared__ float mj[128];
+    __shared__ float ij[128];
+    for (int j = warp; j < G; j += nw) {
+        float m = -inf;
+        for (int u = lane; u < S; u += 32) {
+            const float x = pm[(bh * S + u) * G + j];
+            m = x > m ? x : m;
+        }
+        for (int off = 16; off > 0; off >>= 1) {
+            const float o2 = __shfl_xor_sync(0xffffffffu, m, off);
+            m = o2 > m ? o2 : m;
+        }
+        float se = 0.0f;
+        for (int u = lane; u < S; u += 32) se += ps[(bh * S + u) * G + j] * expf(pm[(bh * S + u) * G + j] - m);
+        for (int off = 16; off > 0; off >>= 1) se += __shfl_xor_sync(0xffffffffu, se, off);
+        if (lane == 0) {
+            mj[j] = m;
+            ij[j] = 1.0f / se;
+        }
+    }
+    __syncthreads();
+    const int c0 = s * CH, c1 = c0 + CH < N ? c0 + CH : N;
+    float* ws = w + bh * N;
+    for (int t = c0 + tid; t < c1; t += THREADS) {
+        float wa = 0.0f;
+        for (int j = 0; j < G; ++j) {
+            const float p = expf(lg[(bh * G + j) * N + t] - mj[j]) * ij[j];
+            wa = j == 0 ? p : GROUP_COMBINE;
+        }
+        const float wt = GROUP_FINAL;
+        ws[t] = wt;
+        ACCUMULATE
+    }
+    const int E = (G * HEAD_DIM + S - 1) / S;
+    for (int u = tid; u < E; u += THREADS) {
+        const int i = s * E + u;
+        if (i < G * HEAD_DIM) {
+            const int j = i / HEAD_DIM, c = i % HEAD_DIM;
+            float acc = 0.0f;
+            for (int v = 0; v < S; ++v)
+                acc += po[((bh * S + v) * G + j) * HEAD_DIM + c] * expf(pm[(bh * S + v) * G + j] - mj[j]);
+            velox_put(&o[(bi * QH + hk * G + j) * HEAD_DIM + c], acc * ij[j]);
+        }
+    }
+"""
 
 # CHUNKS blocks per (batch row, kv head), each finding the unit's loser (given, or the argmin
 # of the unit's selection scores with the first N_SINK and last RECENT candidates protected,
@@ -411,31 +606,49 @@ def select(scores, positions, next_pos, keys, values, new_keys, new_values, *, n
     return outs[0], outs[1], outs[2], outs[3], (outs[4] if carried is not None else None)
 
 
-def _weights_spec(group: str = "mean", accumulate: str | None = None, noise: bool = False,
-                  attend: bool = False) -> dict:
+def _weights_spec(group: str = "mean", accumulate: str | None = None, noise: bool = False) -> dict:
     """The ``mx.fast.cuda_kernel`` arguments of a ``weights`` variant: ``group`` (``mean`` or
     ``max`` over a kv head's query heads), ``accumulate`` (None, ``decay``, ``max``,
-    ``vote_sum``, ``vote_max``), whether Keyformer's Gumbel ``noise`` is added to the
-    logits, and whether the step's attention output is computed too (``attend``: values in,
-    ``o`` out; not with noise, whose softmax is not the attention's)."""
-    if attend and noise:
-        raise ValueError("the attend variant takes no noise")
+    ``vote_sum``, ``vote_max``) and whether Keyformer's Gumbel ``noise`` is added to the
+    logits."""
     combine, final = _GROUP[group]
-    name = ("velox_weights_" + group + (f"_{accumulate}" if accumulate else "") + ("_noise" if noise else "")
-            + ("_attend" if attend else ""))
+    name = "velox_weights_" + group + (f"_{accumulate}" if accumulate else "") + ("_noise" if noise else "")
     return dict(
         name=name,
         input_names=["q", "K", "knew", "params"] + (["old"] if accumulate else [])
-        + (["P", "next_pos", "seedmix"] if noise else []) + (["V", "vnew"] if attend else []),
-        output_names=["w", "lg"] + (["scores"] if accumulate else []) + (["o"] if attend else []),
-        source=_WEIGHTS_BODY.replace("ATTEND", _ATTEND if attend else "")
-                            .replace("KEEP_P", "l[(size_t)j * N + t] = p;" if attend else "")
-                            .replace("ACCUMULATE", _ACCUMULATE[accumulate] if accumulate else "")
+        + (["P", "next_pos", "seedmix"] if noise else []),
+        output_names=["w", "lg"] + (["scores"] if accumulate else []),
+        source=_WEIGHTS_BODY.replace("ACCUMULATE", _ACCUMULATE[accumulate] if accumulate else "")
                             .replace("GROUP_COMBINE", combine).replace("GROUP_FINAL", final)
                             .replace("NOISE", _NOISE if noise else "")
                             .replace("BIAS", "+ nz" if noise else "")
                             .replace("THREADS", str(THREADS)),
         header=_HEADER)
+
+
+def _attend_part_spec() -> dict:
+    """The ``mx.fast.cuda_kernel`` arguments of ``attend_weights``' first launch (one block
+    per chunk of a (batch row, kv head)'s candidates; template ``HEAD_DIM`` and ``GROUPS``,
+    the query heads a pass takes)."""
+    return dict(name="velox_attend_part", input_names=["q", "K", "knew", "V", "vnew", "params", "cfg"],
+                output_names=["lg", "pm", "ps", "po"],
+                source=_ATTEND_PART.replace("THREADS", str(ATTEND_THREADS))
+                                   .replace("CHUNK_MAX", str(CHUNK_MAX)),
+                header=_HEADER)
+
+
+def _attend_combine_spec(group: str = "mean", accumulate: str | None = None) -> dict:
+    """The ``mx.fast.cuda_kernel`` arguments of ``attend_weights``' second launch, for
+    ``group`` and ``accumulate`` as :func:`_weights_spec` takes them."""
+    combine, final = (x.replace("ws[t]", "wa") for x in _GROUP[group])
+    return dict(name="velox_attend_combine_" + group + (f"_{accumulate}" if accumulate else ""),
+                input_names=["lg", "pm", "ps", "po", "cfg"] + (["old"] if accumulate else [])
+                + (["params"] if accumulate == "decay" else []),
+                output_names=["w"] + (["scores"] if accumulate else []) + ["o"],
+                source=_ATTEND_COMBINE.replace("ACCUMULATE", _ACCUMULATE[accumulate] if accumulate else "")
+                                      .replace("GROUP_COMBINE", combine).replace("GROUP_FINAL", final)
+                                      .replace("THREADS", str(ATTEND_THREADS)),
+                header=_HEADER)
 
 
 def _compact_spec(select: str, carry: str = "none") -> dict:
@@ -459,8 +672,18 @@ def _compact_spec(select: str, carry: str = "none") -> dict:
 
 
 @lru_cache(maxsize=None)
-def _weights_kernel(group: str, accumulate: str | None, noise: bool, attend: bool = False):
-    return mx.fast.cuda_kernel(**_weights_spec(group, accumulate, noise, attend))
+def _weights_kernel(group: str, accumulate: str | None, noise: bool):
+    return mx.fast.cuda_kernel(**_weights_spec(group, accumulate, noise))
+
+
+@lru_cache(maxsize=None)
+def _attend_part_kernel():
+    return mx.fast.cuda_kernel(**_attend_part_spec())
+
+
+@lru_cache(maxsize=None)
+def _attend_combine_kernel(group: str, accumulate: str | None):
+    return mx.fast.cuda_kernel(**_attend_combine_spec(group, accumulate))
 
 
 @lru_cache(maxsize=None)
@@ -468,8 +691,10 @@ def _compact_kernel(select: str, carry: str):
     return mx.fast.cuda_kernel(**_compact_spec(select, carry))
 
 
-_SPECS = {"weights": _weights_spec, "select": _select_spec, "compact": _compact_spec}
-_KERNELS = {"weights": _weights_kernel, "select": _select_kernel, "compact": _compact_kernel}
+_SPECS = {"weights": _weights_spec, "select": _select_spec, "compact": _compact_spec,
+          "attend_part": _attend_part_spec, "attend_combine": _attend_combine_spec}
+_KERNELS = {"weights": _weights_kernel, "select": _select_kernel, "compact": _compact_kernel,
+            "attend_part": _attend_part_kernel, "attend_combine": _attend_combine_kernel}
 
 
 def _spec(variant: tuple) -> dict:
@@ -543,7 +768,7 @@ def weights(queries, keys, new_keys, *, old=None, accumulate: str | None = None,
                          gumbel["anneal_steps"])
         noise = [gumbel["positions"], gumbel["next_pos"], _seed_mix(gumbel["seed"])]
     out = _run_kernel(
-        ("weights", group, accumulate, gumbel is not None, False),
+        ("weights", group, accumulate, gumbel is not None),
         [queries, keys, new_keys, params] + ([old] if accumulate else []) + noise,
         (b * h * THREADS, 1, 1), (THREADS, 1, 1), shapes, [mx.float32] * len(shapes),
         [("HEAD_DIM", d)])
@@ -552,7 +777,7 @@ def weights(queries, keys, new_keys, *, old=None, accumulate: str | None = None,
 
 def attend_weights(queries, keys, values, new_keys, new_values, *, old=None,
                    accumulate: str | None = None, decay: float = 1.0, group: str = "mean"):
-    """A decode step's attention output and its weights in one launch: ``(out, w, scores)``.
+    """A decode step's attention output and its weights: ``(out, w, scores)``.
 
     ``queries [b, qh, 1, d]`` (the step's real queries), stored ``keys``/``values [b, h, n, d]``
     (in any slot order) and the new token's ``new_keys``/``new_values [b, h, 1, d]``. ``w`` and
@@ -560,6 +785,13 @@ def attend_weights(queries, keys, values, new_keys, new_values, *, old=None,
     candidates); ``out [b, qh, 1, d]`` (the values' dtype) is that softmax times the values,
     the attention over stored + new without a concatenated cache. Every stored row is a
     candidate: a state with empty slots does not come here.
+
+    Two launches, split over the candidates as flash-decoding splits a cache: a block per
+    chunk of a (batch row, kv head)'s candidates computes their logits, its chunk's softmax
+    maximum and sum and its share of the output; a second launch combines the chunks into
+    the weights, the carried scores and the output. The chunks are of ``MIN_CHUNK`` to
+    ``CHUNK_MAX`` rows, as many as make about ``SPLIT_BLOCKS`` blocks, so a batch of one
+    fills the GPU as a large batch does.
     """
     if accumulate not in (None, *_ACCUMULATE) or group not in _GROUP:
         raise ValueError(f"unknown weights variant: accumulate={accumulate!r}, group={group!r}")
@@ -571,17 +803,39 @@ def attend_weights(queries, keys, values, new_keys, new_values, *, old=None,
             or new_values.shape != (b, h, 1, d) or hq % h):
         raise ValueError(f"attend_weights: queries {queries.shape}, keys {keys.shape}, values "
                          f"{values.shape}, new {new_keys.shape}/{new_values.shape}")
-    if THREADS % d:
-        raise ValueError(f"attend_weights needs head_dim dividing {THREADS}, got {d}")
-    g = hq // h
-    shapes = [(b, h, n + 1), (b, h, g, n + 1)] + ([(b, h, n + 1)] if accumulate else []) + [(b, hq, 1, d)]
-    dtypes = [mx.float32] * (len(shapes) - 1) + [values.dtype]
+    if ATTEND_THREADS % d or hq // h > 128:
+        raise ValueError(f"attend_weights needs head_dim dividing {ATTEND_THREADS} and at most 128 "
+                         f"query heads per kv head, got head_dim {d}, {hq // h} heads")
+    g, N = hq // h, n + 1
+    ch = split_chunk(N, b * h)
+    s = -(-N // ch)
+    cfg, params = _cfg(ch), _params(d ** -0.5, decay)
+    lg, pm, ps, po = _run_kernel(
+        ("attend_part",), [queries[:, :, -1], keys, new_keys, values, new_values, params, cfg],
+        (b * h * s * ATTEND_THREADS, 1, 1), (ATTEND_THREADS, 1, 1),
+        [(b, h, g, N), (b, h, s, g), (b, h, s, g), (b, h, s, g, d)], [mx.float32] * 4,
+        [("HEAD_DIM", d), ("GROUPS", min(g, ATTEND_GROUPS))])
+    shapes = [(b, h, N)] + ([(b, h, N)] if accumulate else []) + [(b, hq, 1, d)]
     out = _run_kernel(
-        ("weights", group, accumulate, False, True),
-        [queries[:, :, -1], keys, new_keys, _params(d ** -0.5, decay)]
-        + ([old] if accumulate else []) + [values, new_values],
-        (b * h * THREADS, 1, 1), (THREADS, 1, 1), shapes, dtypes, [("HEAD_DIM", d)])
-    return out[-1], out[0], (out[2] if accumulate else None)
+        ("attend_combine", group, accumulate),
+        [lg, pm, ps, po, cfg] + ([old] if accumulate else []) + ([params] if accumulate == "decay" else []),
+        (b * h * s * ATTEND_THREADS, 1, 1), (ATTEND_THREADS, 1, 1), shapes,
+        [mx.float32] * (len(shapes) - 1) + [values.dtype], [("HEAD_DIM", d)])
+    return out[-1], out[0], (out[1] if accumulate else None)
+
+
+def split_chunk(rows: int, units: int) -> int:
+    """The candidates per block of :func:`attend_weights`' first kernel, for ``rows``
+    candidates of each of ``units`` (batch row, kv head) pairs: about ``SPLIT_BLOCKS`` blocks
+    in all, ``MIN_CHUNK`` to ``CHUNK_MAX`` rows each (fewer only where a unit has fewer)."""
+    want = max(1, -(-SPLIT_BLOCKS // max(units, 1)))  # chunks per unit
+    return max(1, min(rows, CHUNK_MAX, max(MIN_CHUNK, -(-rows // want))))
+
+
+@lru_cache(maxsize=None)
+def _cfg(chunk: int) -> mx.array:
+    """The split's chunk size as the kernels read it (one cached int32 device array)."""
+    return mx.array([chunk], mx.int32)
 
 
 def _pair(x):

@@ -250,6 +250,8 @@ ATTEND_CASES = [  # b, h, g, d, n, group, accumulate
     (2, 2, 2, 32, 19, "mean", "decay"),
     (1, 2, 3, 64, 20, "max", None),
     (2, 1, 2, 32, 23, "max", "decay"),
+    (1, 2, 4, 64, 100, "mean", "decay"),  # 101 candidates: chunks of 32, 32, 32 and 5
+    (1, 1, 10, 32, 70, "max", "max"),  # 10 query heads: passes of 8 and 2, chunks of 32, 32, 7
 ]
 
 
@@ -262,7 +264,7 @@ def test_attend_weights_match_attention_and_the_scores(case, emulated):
     old = mx.array(rng.random((b, h, n)).astype(np.float32)) if accumulate else None
     out, w, scores = ev.attend_weights(q, k, v, kn, vn, old=old, accumulate=accumulate, decay=0.9,
                                        group=group)
-    assert emulated == [("weights", group, accumulate, False, True)]
+    assert emulated == [("attend_part",), ("attend_combine", group, accumulate)]
     want = mx.fast.scaled_dot_product_attention(q, mx.concatenate([k, kn], axis=2),
                                                 mx.concatenate([v, vn], axis=2), scale=d ** -0.5)
     assert out.shape == want.shape and out.dtype == mx.float32
@@ -272,8 +274,11 @@ def test_attend_weights_match_attention_and_the_scores(case, emulated):
     np.testing.assert_allclose(np.array(w), np.array(ref_w), rtol=1e-5, atol=1e-7)
     if accumulate is None:
         assert scores is None
-    else:
+    elif accumulate == "decay":
         ref_s = mx.concatenate([old * 0.9, mx.zeros((b, h, 1))], axis=2) + ref_w
+        np.testing.assert_allclose(np.array(scores), np.array(ref_s), rtol=1e-5, atol=1e-7)
+    else:
+        ref_s = mx.concatenate([mx.maximum(old, ref_w[..., :n]), ref_w[..., n:]], axis=2)
         np.testing.assert_allclose(np.array(scores), np.array(ref_s), rtol=1e-5, atol=1e-7)
 
 
@@ -497,7 +502,7 @@ def test_fused_decode_step_matches_attention_then_update(case, emulated):
                    _arr(rng, b, h, 1, d, dtype=dtype))
         emulated.clear()
         out, new, row = fused(st._replace(backend="cuda"), q, k, v, d ** -0.5)
-        assert [x[0] for x in emulated] == ["weights", "select"], emulated
+        assert [x[0] for x in emulated] == ["attend_part", "attend_combine", "select"], emulated
         assert new.backend == "cuda" and row is not None
         new = mlxlm._write_row(new, row)._replace(backend="mlx")
         want = mx.fast.scaled_dot_product_attention(

@@ -199,6 +199,39 @@ def test_kernel_attended_decode_step_matches_attention_then_update(key, shape, d
         st = plain
 
 
+@needs_cuda
+@pytest.mark.parametrize("case", [(1, 8, 4, 64, 2047, "float32", "mean", None),
+                                  (1, 8, 4, 64, 2047, "bfloat16", "mean", "decay"),
+                                  (2, 2, 10, 128, 700, "float32", "max", "max"),
+                                  (32, 8, 4, 64, 300, "float16", "mean", None)], ids=str)
+def test_attend_weights_split_matches_attention_and_the_weights_kernel(case):
+    """``attend_weights`` over many chunks (a batch of one split into dozens, ten query heads
+    in two passes): the output equals MLX's attention over stored + new, ``w`` and the carried
+    scores equal the one-block ``weights`` kernel's."""
+    from velox.kernels import evict as ev
+    b, h, g, d, n, dtype, group, accumulate = case
+    dt = getattr(mx, dtype)
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+
+    def arr(*s):
+        return mx.array(rng.standard_normal(s).astype(np.float32)).astype(dt)
+
+    q, k, v, kn, vn = arr(b, h * g, 1, d), arr(b, h, n, d), arr(b, h, n, d), arr(b, h, 1, d), arr(b, h, 1, d)
+    old = mx.array(rng.random((b, h, n)).astype(np.float32)) if accumulate else None
+    assert -(-(n + 1) // ev.split_chunk(n + 1, b * h)) > 1
+    out, w, scores = ev.attend_weights(q, k, v, kn, vn, old=old, accumulate=accumulate, decay=0.9, group=group)
+    want = mx.fast.scaled_dot_product_attention(q, mx.concatenate([k, kn], axis=2),
+                                                mx.concatenate([v, vn], axis=2), scale=d ** -0.5)
+    ref_w, ref_s = ev.weights(q, k, kn, old=old, accumulate=accumulate, decay=0.9, group=group)
+    tol = 2e-5 if dt == mx.float32 else 2e-2
+    assert out.dtype == dt
+    np.testing.assert_allclose(np.array(out.astype(mx.float32)), np.array(want.astype(mx.float32)),
+                               rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.array(w), np.array(ref_w), rtol=1e-5, atol=1e-8)
+    if accumulate:
+        np.testing.assert_allclose(np.array(scores), np.array(ref_s), rtol=1e-5, atol=1e-8)
+
+
 def test_kernel_update_routes_only_full_cache_decode_steps_to_the_kernels():
     """``evict.cuda_update``: a single token at a full cache goes to the kernels; prefill,
     chunks and a filling cache go to the mlx ops (checked with stand-ins, on any machine)."""
@@ -245,14 +278,15 @@ def test_squeeze_kernel_follows_a_reallocated_budget():
 
 WEIGHTS_VARIANTS = [("weights", group, acc, noise) for group in ("mean", "max")
                     for acc in (None, "decay", "max", "vote_sum", "vote_max") for noise in (False, True)]
-WEIGHTS_VARIANTS += [("weights", group, acc, False, True) for group in ("mean", "max")
-                     for acc in (None, "decay", "max")]
+ATTEND_VARIANTS = [("attend_part",)] + [("attend_combine", group, acc) for group in ("mean", "max")
+                                         for acc in (None, "decay", "max", "vote_sum", "vote_max")]
 COMPACT_VARIANTS = [("compact", select, carry) for select in ("fixed", "full", "split")
                     for carry in ("none", "full", "split", "profiles")]
 MERGE_VARIANTS = [("merge_plan",), ("merge_compact",)]
 SELECT_VARIANTS = [("select", False), ("select", True)]
-KERNEL_VARIANTS = WEIGHTS_VARIANTS + COMPACT_VARIANTS + MERGE_VARIANTS + SELECT_VARIANTS
-TEMPLATE = {"weights": {"HEAD_DIM": 128},
+KERNEL_VARIANTS = WEIGHTS_VARIANTS + ATTEND_VARIANTS + COMPACT_VARIANTS + MERGE_VARIANTS + SELECT_VARIANTS
+TEMPLATE = {"weights": {"HEAD_DIM": 128}, "attend_part": {"HEAD_DIM": 128, "GROUPS": 8},
+            "attend_combine": {"HEAD_DIM": 128},
             "compact": dict(CHUNKS=2, FIXED_DROP=0, UNIT_HEADS=1, N_SINK=3, RECENT=2, CHUNK_SIZE=4),
             "merge_plan": dict(HEAD_DIM=128, N_SINK=3, RECENT=5, WINDOW=6, MERGE_GATE=1, MODE=0,
                                MERGE_KEYS=1, FW=9),
@@ -268,7 +302,7 @@ def _spec(variant):
         return kind, merge._plan_spec() if kind == "merge_plan" else merge._compact_spec()
     if kind == "select":
         return kind, kernels._select_spec(*args)
-    return kind, kernels._weights_spec(*args) if kind == "weights" else kernels._compact_spec(*args)
+    return kind, kernels._spec(variant)
 
 
 @pytest.mark.parametrize("variant", KERNEL_VARIANTS, ids=str)
@@ -279,7 +313,7 @@ def test_kernel_sources_are_complete(variant):
     kind, spec = _spec(variant)
     src = spec["source"]
     for token in ("ACCUMULATE", "BIAS", "NOISE", "GROUP_COMBINE", "GROUP_FINAL", "THREADS", "SELECT",
-                  "ATTEND", "KEEP_P", "CARRY_SLOT",
+                  "CHUNK_MAX", "CARRY_SLOT",
                   "RAW_SCORE", "CARRY", "CARRY_ROWS", "NT"):
         assert not re.search(rf"\b{token}\b", src), (variant, token)
     for name in spec["input_names"] + spec["output_names"]:
@@ -292,7 +326,7 @@ def test_kernel_sources_are_complete(variant):
 def _dtypes(kind, spec, dtype):
     """Input and output dtypes of a launch whose keys and values are ``dtype``."""
     rows = {"q", "K", "knew", "V", "vnew", "ok", "ov", "o", "rowk", "rowv"}
-    ints = {"P", "next_pos", "op", "onext", "iplan", "oslot", "opos"}
+    ints = {"P", "next_pos", "op", "onext", "iplan", "oslot", "opos", "cfg"}
     def of(name):
         return (dtype if name in rows else "int32" if name in ints
                 else "uint32" if name == "seedmix" else "float32")
