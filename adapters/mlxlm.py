@@ -541,9 +541,8 @@ class VeloxCache(_BaseCache):
         if step.fused and sinks is None and mask is None:
             fused = _compiled(m, "fused", self._state.backend)
             out, self._state, self._row = fused(self._state, queries, step.keys, step.values, scale)
-            mx.async_eval(_arrays(self.__dict__["_held"]) + _arrays(self._row))
             self.last_step = "fused"
-            return out
+            return _with_state(out, self._new_arrays())
         if m.attend is not None:
             if sinks is not None:
                 raise ValueError(f"{m.key} does not support attention sinks")
@@ -555,9 +554,9 @@ class VeloxCache(_BaseCache):
             mask = _with_empty_slots(mask, self._empty_mask(), queries, keys.shape[2])
             out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                        mask=mask, sinks=sinks)
-        self._absorb(step, queries)
+        self._absorb(step, queries, evaluate=False)
         self.last_step = "deferred"
-        return out
+        return _with_state(out, self._new_arrays())
 
     def _verify(self, step: _Split, queries: mx.array, *, scale: float, sinks) -> mx.array:
         """A verify call as the one-token steps it stands for: token ``i``'s update and
@@ -672,9 +671,10 @@ class VeloxCache(_BaseCache):
         out = self.method.attend(self._state, padded, keys, values, scale=scale, mask="causal")
         return out[:, :, t - s:]
 
-    def _absorb(self, step: _Step, queries: mx.array | None) -> None:
+    def _absorb(self, step: _Step, queries: mx.array | None, *, evaluate: bool = True) -> None:
         """The method's update of ``step``'s tokens (a tail taken along: its queries first,
-        or none at all)."""
+        or none at all); its evaluation started here unless the caller ties the new state to
+        the step's attention output (``evaluate=False``, :func:`_with_state`)."""
         keys, values = step.keys, step.values
         if step.prefix:
             queries = (None if queries is None or step.prefix_q is None
@@ -694,7 +694,12 @@ class VeloxCache(_BaseCache):
         else:
             update = _compiled(m, "update+queries", self._state.backend)
             self._state, self._row = update(self._state, keys, values, queries)
-        mx.async_eval(_arrays(self.__dict__["_held"]) + _arrays(self._row))
+        if evaluate:
+            mx.async_eval(self._new_arrays())
+
+    def _new_arrays(self) -> list[mx.array]:
+        """The arrays of the state and pending row an update just made."""
+        return _arrays(self.__dict__["_held"]) + _arrays(self._row)
 
     def _pending_len(self) -> int:
         return 0 if self._pending is None else self._pending.length
@@ -756,6 +761,15 @@ def _arrays(record: Any) -> list[mx.array]:
 
 
 # --- compiled steps: one bounded cache ------------------------------------------------
+
+def _with_state(out: mx.array, arrays: list[mx.array]) -> mx.array:
+    """A decode step's attention output, made to depend on the new state of its layer: the
+    model's one evaluation of the step (its logits) computes the states too. An evaluation
+    of each layer's state of its own costs a submission per layer (measured on the H200:
+    docs/results/speed/README.md, "Split attention"), and a state left out of the logits'
+    graph would wait, growing, for the next step."""
+    return mx.depends(out, arrays) if arrays else out
+
 
 def _with_empty_slots(mask, filled: mx.array | None, queries: mx.array, total: int):
     """``mask`` (``None``, ``"causal"`` or an array) for ``queries [b, q, s, d]`` over the

@@ -51,9 +51,11 @@ ATTEND_THREADS = 256  # threads per block of attend_weights' two kernels (a mult
 CHUNK_MAX = 512  # the most candidates one block of attend_weights' first kernel takes
 ATTEND_GROUPS = 8  # the most query heads one pass of that block takes (more: several passes)
 # How attend_weights splits a unit's candidates (host-side: changing these needs no new build):
-# into chunks of at least MIN_CHUNK rows, enough for about SPLIT_BLOCKS blocks in all.
+# into chunks of at least MIN_CHUNK rows, enough for about SPLIT_BLOCKS blocks in all. On the
+# H200 (Llama-3.2-1B's attention, 2049 candidates) chunks of 512 were fastest at batch 1 and as
+# fast as any at batch 32 (benchmarks/decode_layer_parts.py --split; docs/results/speed).
 SPLIT_BLOCKS = 1024
-MIN_CHUNK = 32
+MIN_CHUNK = 512
 
 # Block-wide reductions (max, sum, argmin) through shared memory; every lane gets the result.
 _HEADER = """
@@ -790,8 +792,7 @@ def attend_weights(queries, keys, values, new_keys, new_values, *, old=None,
     chunk of a (batch row, kv head)'s candidates computes their logits, its chunk's softmax
     maximum and sum and its share of the output; a second launch combines the chunks into
     the weights, the carried scores and the output. The chunks are of ``MIN_CHUNK`` to
-    ``CHUNK_MAX`` rows, as many as make about ``SPLIT_BLOCKS`` blocks, so a batch of one
-    fills the GPU as a large batch does.
+    ``CHUNK_MAX`` rows, as many as make about ``SPLIT_BLOCKS`` blocks (:func:`split_chunk`).
     """
     if accumulate not in (None, *_ACCUMULATE) or group not in _GROUP:
         raise ValueError(f"unknown weights variant: accumulate={accumulate!r}, group={group!r}")

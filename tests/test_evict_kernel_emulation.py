@@ -231,6 +231,7 @@ def _emulated_kernel(variant, inputs, grid, threadgroup, output_shapes, output_d
 @pytest.fixture
 def emulated(monkeypatch):
     monkeypatch.setattr(ev, "_run_kernel", _emulated_kernel)
+    monkeypatch.setattr(ev, "MIN_CHUNK", 32)  # small chunks: these small caches still split
     LAUNCHES.clear()
     return LAUNCHES
 
