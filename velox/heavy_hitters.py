@@ -11,6 +11,8 @@ the three are the ``mlx`` score, the one-head ``reference`` and the ``cuda`` ker
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 import numpy as np
 
@@ -25,9 +27,24 @@ def heavy_hitter_scores(state, keys, values, queries, evicting=True, mass=candid
     """H2O's score on any state with ``keys``, ``scores`` and ``decay`` fields: the stored
     scores decayed plus the chunk's attention mass (``mass`` as in
     :func:`velox.attention.accumulated_scores`), carried as the new ``scores``."""
+    if evict.empty_slots(state):  # amortized eviction: an empty slot receives no attention
+        if mass is not candidate_mass:
+            raise ValueError("empty slots take the plain heavy-hitter mass only")
+        mass = partial(candidate_mass, noise=_empty_slots_bias(state.positions))
     old, new = accumulated_scores(state.scores, scoring_queries(keys, queries), state.keys, keys,
                                   state.decay, mass=mass)
     return evict.Scored(mx.concatenate([old, new], axis=2), {"scores": (old, new)})
+
+
+def _empty_slots_bias(positions):
+    """``candidate_mass``'s ``noise``: ``-inf`` on the logits of the empty slots (position
+    ``-1``), 0 on the filled ones and the new tokens."""
+    bias = mx.where(positions < 0, -mx.inf, 0.0)[:, :, None, None, :]
+
+    def noise(start, stop, visible):
+        b, h = positions.shape[:2]
+        return mx.concatenate([bias, mx.zeros((b, h, 1, 1, visible), bias.dtype)], axis=-1)
+    return noise
 
 
 def heavy_hitter_reference(state, head: ref.Head) -> tuple:

@@ -47,10 +47,11 @@ def scoring_queries(keys: np.ndarray, queries: np.ndarray | None) -> np.ndarray:
 
 def attention_weights(q: np.ndarray, k: np.ndarray, key_pos: np.ndarray,
                       query_pos: np.ndarray) -> np.ndarray:
-    """One head: weights ``[g, m, n]`` of queries ``[g, m, d]`` over keys ``[n, d]``, causal."""
+    """One head: weights ``[g, m, n]`` of queries ``[g, m, d]`` over keys ``[n, d]``, causal;
+    an empty slot (position -1) is not attended."""
     d = q.shape[-1]
     logits = q @ k.T / np.sqrt(d)
-    visible = key_pos[None, None, :] <= query_pos[None, :, None]
+    visible = (key_pos[None, None, :] <= query_pos[None, :, None]) & (key_pos[None, None, :] >= 0)
     return softmax(np.where(visible, logits, -np.inf))
 
 

@@ -22,7 +22,7 @@ __all__ = ["H2OState", "State", "init", "update", "get_kv", "nbytes"]
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
          budget: int = 512, n_sink: int = 4, grace: int = 16, decay: float = 0.98,
-         backend: str = "auto") -> H2OState:
+         slack: int = 0, backend: str = "auto") -> H2OState:
     """Empty H2O state keeping at most ``budget`` tokens per head.
 
     Args:
@@ -30,6 +30,9 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
         n_sink: leading tokens never evicted.
         grace: newest tokens never evicted (they have had no time to accumulate attention).
         decay: multiplier applied to accumulated scores at every token (1 = no decay).
+        slack: rows held beyond budget: a full state (budget + slack rows) keeps budget in
+            one selection, and the next slack tokens fill the freed slots, their scores
+            accumulating from their first step (0 = per token).
     """
     return evict.empty_state(H2OState, locals())
 
