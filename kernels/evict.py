@@ -42,7 +42,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-__all__ = ["weights", "attend_weights", "select", "compact"]
+__all__ = ["weights", "attend_weights", "attend_supports", "select", "compact"]
 
 THREADS = 1024  # threads per block of the weights kernel (a power of two)
 COMPACT_THREADS = 256  # threads per block of the compact kernel (a power of two)
@@ -804,7 +804,7 @@ def attend_weights(queries, keys, values, new_keys, new_values, *, old=None,
             or new_values.shape != (b, h, 1, d) or hq % h):
         raise ValueError(f"attend_weights: queries {queries.shape}, keys {keys.shape}, values "
                          f"{values.shape}, new {new_keys.shape}/{new_values.shape}")
-    if ATTEND_THREADS % d or hq // h > 128:
+    if not attend_supports(d, hq // h):
         raise ValueError(f"attend_weights needs head_dim dividing {ATTEND_THREADS} and at most 128 "
                          f"query heads per kv head, got head_dim {d}, {hq // h} heads")
     g, N = hq // h, n + 1
@@ -823,6 +823,13 @@ def attend_weights(queries, keys, values, new_keys, new_values, *, old=None,
         (b * h * s * ATTEND_THREADS, 1, 1), (ATTEND_THREADS, 1, 1), shapes,
         [mx.float32] * (len(shapes) - 1) + [values.dtype], [("HEAD_DIM", d)])
     return out[-1], out[0], (out[1] if accumulate else None)
+
+
+def attend_supports(head_dim: int, groups: int) -> bool:
+    """Whether :func:`attend_weights` takes rows of ``head_dim`` with ``groups`` query heads
+    per kv head (its blocks hold a row's elements in lane groups, 8 per lane, and the
+    combine launch each query head's softmax in shared memory)."""
+    return ATTEND_THREADS % head_dim == 0 and 1 <= groups <= 128
 
 
 def split_chunk(rows: int, units: int) -> int:

@@ -394,6 +394,29 @@ def test_kernel_wrappers_refuse_bad_arguments():
         kernels.compact(k, k, mx.zeros((1, 2, 4), mx.int32), k[:, :, :1], k[:, :, :1],
                         mx.zeros((1, 2), mx.int32), drop=0, carry=mx.zeros((1, 2, 5)),
                         profiles=(mx.zeros((1, 2, 4, 3)), mx.zeros((1, 2, 5))))
+    q = mx.zeros((1, 2, 1, 8))
+    with pytest.raises(ValueError, match="go together"):
+        kernels.attend_weights(q, k, k, k[:, :, :1], k[:, :, :1], accumulate="decay")
+    with pytest.raises(ValueError, match="attend_weights: queries"):
+        kernels.attend_weights(q, k, k[:, :, :3], k[:, :, :1], k[:, :, :1])
+    big = mx.zeros((1, 1, 4, 512))
+    with pytest.raises(ValueError, match="head_dim dividing"):
+        kernels.attend_weights(mx.zeros((1, 1, 1, 512)), big, big, big[:, :, :1], big[:, :, :1])
+    assert kernels.attend_supports(64, 4) and kernels.attend_supports(256, 128)
+    assert not kernels.attend_supports(512, 1) and not kernels.attend_supports(96, 4)
+    assert not kernels.attend_supports(64, 129)
+
+
+def test_the_attended_step_leaves_shapes_the_split_kernel_refuses_to_the_caller():
+    """A decode step the split attention kernel cannot take (head_dim 512 divides the
+    weights kernel's block but not the attention's) is not attended by the ``cuda``
+    backend: ``with_attention`` says so (None) before any launch, on any machine."""
+    m = get_method("tova")
+    st = m.init(1, 1, 512, budget=4, n_sink=1)
+    st = m.update(st, mx.zeros((1, 1, 6, 512)), mx.zeros((1, 1, 6, 512)))
+    st = st._replace(backend="cuda")
+    z = mx.zeros((1, 1, 1, 512))
+    assert m.backends["cuda"].with_attention(st, z, z, z) is None
 
 
 @needs_cuda

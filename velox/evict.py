@@ -780,9 +780,10 @@ def _cuda_update(mlx_update, plan: _Plan, decode_step) -> Callable:
         its scores: ``(out, state, move)``, ``out [b, qh, 1, d]`` the attention of
         ``queries`` over the stored rows and the new token at scale ``d ** -0.5``; ``None``
         where the step is not one (the caller attends itself)."""
-        from .kernels.evict import THREADS
+        from .kernels.evict import THREADS, attend_supports
         if (queries is None or queries.shape[2] != 1 or not full_decode(state, keys)
-                or THREADS % keys.shape[-1] or queries.shape[1] % keys.shape[1]):
+                or THREADS % keys.shape[-1] or queries.shape[1] % keys.shape[1]
+                or not attend_supports(keys.shape[-1], queries.shape[1] // keys.shape[1])):
             return None
         return decode_step.with_attention(state, keys, values, queries)
 
