@@ -757,7 +757,19 @@ def _slack(m: Method, params: dict[str, Any]) -> int:
 
 
 def _arrays(record: Any) -> list[mx.array]:
-    return [x for _, x in tree_flatten(record) if isinstance(x, mx.array)]
+    """The arrays of ``record`` (nested tuples, lists and dicts), depth first, in
+    ``mlx.utils.tree_flatten``'s order, without building its key strings: a decode step
+    calls it twice per layer."""
+    out, todo = [], [record]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, mx.array):
+            out.append(x)
+        elif isinstance(x, (tuple, list)):
+            todo.extend(reversed(x))
+        elif isinstance(x, dict):
+            todo.extend(reversed(list(x.values())))
+    return out
 
 
 # --- compiled steps: one bounded cache ------------------------------------------------
