@@ -9,9 +9,11 @@ in three interleaved rounds: ``step`` is the median wall time of a step (evaluat
 ``host-build`` the median time of building its graph (the model call before ``mx.eval``).
 Caches: ``full`` (mlx-lm's KVCache), ``rotating`` (RotatingKVCache(2048, keep 4)) and velox
 methods through ``make_cache`` at budget 2048 (streaming_llm: window 2044), with
-``method:key=value,...`` parameters; the flags ``noasync=1`` (the adapter's per-layer
-``mx.async_eval`` off), ``nocompile=1`` (``compile=False``) and ``mlxb=1`` (the ``mlx``
-backend instead of ``auto``) change how the adapter runs, not the method.
+``method:key=value,...`` parameters; the flags ``noasync=1`` (``mx.async_eval`` a no-op
+while that cache runs: the adapter's evaluations of prefill and append-mode states and
+mlx-lm's own; a decode step's state is evaluated with the step's logits in any case),
+``nocompile=1`` (``compile=False``) and ``mlxb=1`` (the ``mlx`` backend instead of ``auto``)
+change how the adapter runs, not the method.
 """
 import sys, time, statistics
 import velox, velox.adapters.mlxlm as A
