@@ -50,6 +50,7 @@ COMPACT_SPAN = 8 * COMPACT_THREADS  # elements of a row's keys a compact block m
 ATTEND_THREADS = 256  # threads per block of attend_weights' two kernels (a multiple of 32)
 CHUNK_MAX = 512  # the most candidates one block of attend_weights' first kernel takes
 ATTEND_GROUPS = 8  # the most query heads one pass of that block takes (more: several passes)
+ATTEND_MAX_GROUPS = 128  # the most query heads per kv head (the combine's softmax per head, in shared memory)
 # How attend_weights splits a unit's candidates (host-side: changing these needs no new build):
 # into chunks of at least MIN_CHUNK rows, enough for about SPLIT_BLOCKS blocks in all. On the
 # H200 (Llama-3.2-1B's attention, 2049 candidates) chunks of 512 were fastest at batch 1 and as
@@ -86,6 +87,18 @@ __device__ float velox_ranked(float s) { return isfinite(s) ? s : __int_as_float
 // max propagating NaN, as MLX's maximum does (fmaxf drops a NaN)
 __device__ float velox_max_nan(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
 template <typename T> __device__ void velox_put(T* p, float x) { *p = static_cast<T>(x); }
+// warp-wide max (dropping NaN, as the block reductions do) and sum; every lane gets the result
+__device__ float velox_warp_max(float m) {
+    for (int off = 16; off > 0; off >>= 1) {
+        const float o = __shfl_xor_sync(0xffffffffu, m, off);
+        m = o > m ? o : m;
+    }
+    return m;
+}
+__device__ float velox_warp_sum(float v) {
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
 // elements [c, c + 8) of a D-long row as float32 (zeros past its end): 16-byte loads when the
 // row's length is a multiple of 8 (the row then starts 16-byte aligned), else one at a time
 struct alignas(16) velox_v16 { unsigned int x[4]; };
@@ -255,7 +268,7 @@ _ATTEND_PART = """
         __syncthreads();
         for (int t0 = c0 + warp * rpw; t0 < c1; t0 += nw * rpw) {
             const int t = t0 + ri;
-            const bool live = ri < rpw && t < c1;
+            const bool live = t < c1;
             float kr[8];
             if (live) velox_row8<HEAD_DIM>(t < n ? K + (bh * n + t) * HEAD_DIM : knew + bh * HEAD_DIM, li * 8, kr);
             else for (int i = 0; i < 8; ++i) kr[i] = 0.0f;
@@ -284,17 +297,14 @@ _ATTEND_PART = """
             float* pj = pc + j * CHUNK_MAX;
             float m = -inf;
             for (int t = lane; t < c1 - c0; t += 32) m = pj[t] > m ? pj[t] : m;
-            for (int off = 16; off > 0; off >>= 1) {
-                const float o2 = __shfl_xor_sync(0xffffffffu, m, off);
-                m = o2 > m ? o2 : m;
-            }
+            m = velox_warp_max(m);
             float se = 0.0f;
             for (int t = lane; t < c1 - c0; t += 32) {
                 const float e = expf(pj[t] - m);
                 pj[t] = e;
                 se += e;
             }
-            for (int off = 16; off > 0; off >>= 1) se += __shfl_xor_sync(0xffffffffu, se, off);
+            se = velox_warp_sum(se);
             if (lane == 0) {
                 pm[(bh * S + s) * G + j0 + j] = m;
                 ps[(bh * S + s) * G + j0 + j] = se;
@@ -365,21 +375,18 @@ _ATTEND_COMBINE = """
     const size_t bi = bh / H, hk = bh % H;
     const int QH = H * G;
     const float inf = __int_as_float(0x7f800000);
-    __shared__ float mj[128];
-    __shared__ float ij[128];
+    __shared__ float mj[MAX_GROUPS];
+    __shared__ float ij[MAX_GROUPS];
     for (int j = warp; j < G; j += nw) {
         float m = -inf;
         for (int u = lane; u < S; u += 32) {
             const float x = pm[(bh * S + u) * G + j];
             m = x > m ? x : m;
         }
-        for (int off = 16; off > 0; off >>= 1) {
-            const float o2 = __shfl_xor_sync(0xffffffffu, m, off);
-            m = o2 > m ? o2 : m;
-        }
+        m = velox_warp_max(m);
         float se = 0.0f;
         for (int u = lane; u < S; u += 32) se += ps[(bh * S + u) * G + j] * expf(pm[(bh * S + u) * G + j] - m);
-        for (int off = 16; off > 0; off >>= 1) se += __shfl_xor_sync(0xffffffffu, se, off);
+        se = velox_warp_sum(se);
         if (lane == 0) {
             mj[j] = m;
             ij[j] = 1.0f / se;
@@ -649,7 +656,8 @@ def _attend_combine_spec(group: str = "mean", accumulate: str | None = None) -> 
                 output_names=["w"] + (["scores"] if accumulate else []) + ["o"],
                 source=_ATTEND_COMBINE.replace("ACCUMULATE", _ACCUMULATE[accumulate] if accumulate else "")
                                       .replace("GROUP_COMBINE", combine).replace("GROUP_FINAL", final)
-                                      .replace("THREADS", str(ATTEND_THREADS)),
+                                      .replace("THREADS", str(ATTEND_THREADS))
+                                      .replace("MAX_GROUPS", str(ATTEND_MAX_GROUPS)),
                 header=_HEADER)
 
 
@@ -805,7 +813,7 @@ def attend_weights(queries, keys, values, new_keys, new_values, *, old=None,
         raise ValueError(f"attend_weights: queries {queries.shape}, keys {keys.shape}, values "
                          f"{values.shape}, new {new_keys.shape}/{new_values.shape}")
     if not attend_supports(d, hq // h):
-        raise ValueError(f"attend_weights needs head_dim dividing {ATTEND_THREADS} and at most 128 "
+        raise ValueError(f"attend_weights needs head_dim dividing {ATTEND_THREADS} and at most {ATTEND_MAX_GROUPS} "
                          f"query heads per kv head, got head_dim {d}, {hq // h} heads")
     g, N = hq // h, n + 1
     ch = split_chunk(N, b * h)
@@ -829,7 +837,7 @@ def attend_supports(head_dim: int, groups: int) -> bool:
     """Whether :func:`attend_weights` takes rows of ``head_dim`` with ``groups`` query heads
     per kv head (its blocks hold a row's elements in lane groups, 8 per lane, and the
     combine launch each query head's softmax in shared memory)."""
-    return ATTEND_THREADS % head_dim == 0 and 1 <= groups <= 128
+    return ATTEND_THREADS % head_dim == 0 and 1 <= groups <= ATTEND_MAX_GROUPS
 
 
 def split_chunk(rows: int, units: int) -> int:

@@ -313,7 +313,7 @@ def test_kernel_sources_are_complete(variant):
     kind, spec = _spec(variant)
     src = spec["source"]
     for token in ("ACCUMULATE", "BIAS", "NOISE", "GROUP_COMBINE", "GROUP_FINAL", "THREADS", "SELECT",
-                  "CHUNK_MAX", "CARRY_SLOT",
+                  "CHUNK_MAX", "MAX_GROUPS", "CARRY_SLOT",
                   "RAW_SCORE", "CARRY", "CARRY_ROWS", "NT"):
         assert not re.search(rf"\b{token}\b", src), (variant, token)
     for name in spec["input_names"] + spec["output_names"]:

@@ -123,8 +123,7 @@ def head_weights(q: np.ndarray, keys: np.ndarray | CodedKeys, key_pos: np.ndarra
     scaled = (q / np.sqrt(d)).astype(np.float32).reshape(1, 1, g * m, d)
     coded = keys.codec.scores_np(keys.tables, scaled, keys.codes).reshape(g, m, n).astype(np.float64)
     logits = np.concatenate([coded, q @ keys.rows[n:].T / np.sqrt(d)], axis=-1)
-    visible = (key_pos[None, None, :] <= query_pos[None, :, None]) & (key_pos[None, None, :] >= 0)
-    return ref.softmax(np.where(visible, logits, -np.inf))
+    return ref.softmax(np.where(ref.visible(key_pos, query_pos), logits, -np.inf))
 
 
 def group_queries(queries: Float[Array, "b q s d"], kv_heads: int) -> Float[Array, "b h g s d"]:

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["to_np", "to_mx", "softmax", "attention_weights", "protected", "ranked", "top_budget",
+__all__ = ["to_np", "to_mx", "softmax", "visible", "attention_weights", "protected", "ranked", "top_budget",
            "scoring_queries", "Candidates", "candidates", "keep", "Head", "head", "compacted",
            "slot_losers", "slot_step", "place", "gather_move"]
 
@@ -45,14 +45,20 @@ def scoring_queries(keys: np.ndarray, queries: np.ndarray | None) -> np.ndarray:
     return queries.reshape(b, h, hq // h, s, d)
 
 
+def visible(key_pos: np.ndarray, query_pos: np.ndarray) -> np.ndarray:
+    """``[1, m, n]``: which of the keys at ``key_pos [n]`` the queries at ``query_pos [m]``
+    attend: causal, and an empty slot (position -1) never."""
+    k = key_pos[None, None, :]
+    return (k <= query_pos[None, :, None]) & (k >= 0)
+
+
 def attention_weights(q: np.ndarray, k: np.ndarray, key_pos: np.ndarray,
                       query_pos: np.ndarray) -> np.ndarray:
-    """One head: weights ``[g, m, n]`` of queries ``[g, m, d]`` over keys ``[n, d]``, causal;
-    an empty slot (position -1) is not attended."""
+    """One head: weights ``[g, m, n]`` of queries ``[g, m, d]`` over keys ``[n, d]``, over the
+    keys :func:`visible` to each query."""
     d = q.shape[-1]
     logits = q @ k.T / np.sqrt(d)
-    visible = (key_pos[None, None, :] <= query_pos[None, :, None]) & (key_pos[None, None, :] >= 0)
-    return softmax(np.where(visible, logits, -np.inf))
+    return softmax(np.where(visible(key_pos, query_pos), logits, -np.inf))
 
 
 def protected(positions: np.ndarray, total: int | np.integer, n_sink: int, recent: int = 0) -> np.ndarray:

@@ -371,8 +371,9 @@ def method_keys() -> tuple[str, ...]:
 
 def method_of(state: State) -> Method:
     """The method a state record belongs to."""
+    from .ragged import RowStates
     try:
-        if type(state).__name__ == "RowStates" and type(state).__module__ == "velox.ragged":
+        if isinstance(state, RowStates):
             return method_of(state.rows[0])
         return _BY_STATE[type(state)]
     except (KeyError, IndexError):
