@@ -70,3 +70,28 @@ def test_empty_slots_receive_no_attention(backend):
     np.testing.assert_array_equal(np.array(zero.positions), np.array(loud.positions))
     filled = np.array(zero.positions) >= 0
     np.testing.assert_allclose(np.array(loud.scores)[filled], np.array(zero.scores)[filled], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", ["mlx", "reference"])
+def test_a_case_by_hand_zero_keys_attend_uniformly_over_the_filled_slots(backend):
+    """Zero keys make every logit 0, so each query attends uniformly to what it sees. Budget
+    2, slack 1, no sinks or grace, decay 1, three prefill tokens (key-as-query): token i gets
+    sum_{j >= i} 1/(j+1): 11/6, 5/6, 1/3. Token 3 adds 1/4 to each of four candidates; its
+    selection keeps tokens 0 and 1 and frees the third slot. Token 4 then sees two stored
+    tokens and itself, 1/3 each (1/4 if the empty slot were attended)."""
+    m = get_method("h2o")
+    st = m.init(1, 1, 4, backend=backend, budget=2, n_sink=0, grace=0, decay=1.0, slack=1)
+    z = lambda s: mx.zeros((1, 1, s, 4))  # noqa: E731
+    st = m.update(st, z(3), z(3))
+    np.testing.assert_allclose(np.array(st.scores)[0, 0], [11 / 6, 5 / 6, 1 / 3], rtol=1e-6)
+    st = m.update(st, z(1), z(1))
+    assert st.empty == 1
+    pos = np.array(st.positions)[0, 0]
+    assert sorted(pos.tolist()) == [-1, 0, 1]
+    st = m.update(st, z(1), z(1))
+    assert st.empty == 0
+    pos, scores = np.array(st.positions)[0, 0], np.array(st.scores)[0, 0]
+    want = {0: 11 / 6 + 1 / 4 + 1 / 3, 1: 5 / 6 + 1 / 4 + 1 / 3, 4: 1 / 3}
+    assert sorted(pos.tolist()) == [0, 1, 4]
+    np.testing.assert_allclose([scores[pos.tolist().index(p)] for p in (0, 1, 4)],
+                               [want[p] for p in (0, 1, 4)], rtol=1e-6)
