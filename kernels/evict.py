@@ -42,21 +42,28 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-__all__ = ["weights", "attend_weights", "attend_supports", "select", "compact"]
+__all__ = ["weights", "attend_weights", "attend_supports", "attend_select",
+           "attend_select_supports", "select", "compact"]
 
 THREADS = 1024  # threads per block of the weights kernel (a power of two)
 COMPACT_THREADS = 256  # threads per block of the compact kernel (a power of two)
 COMPACT_SPAN = 8 * COMPACT_THREADS  # elements of a row's keys a compact block moves
 ATTEND_THREADS = 256  # threads per block of attend_weights' two kernels (a multiple of 32)
-CHUNK_MAX = 512  # the most candidates one block of attend_weights' first kernel takes
+CHUNK_MAX = 1024  # the most candidates one block of attend_weights' first kernel takes
 ATTEND_GROUPS = 8  # the most query heads one pass of that block takes (more: several passes)
 ATTEND_MAX_GROUPS = 128  # the most query heads per kv head (the combine's softmax per head, in shared memory)
+# Rows each lane group of attend_weights' first kernel loads before it uses any (loads in
+# flight per warp; more take more registers). Host-side: changing it builds a new variant.
+ATTEND_UNROLL = 1
+SELECT_THREADS = 1024  # threads per block of attend_select's second kernel (a power of two)
 # How attend_weights splits a unit's candidates (host-side: changing these needs no new build):
-# into chunks of at least MIN_CHUNK rows, enough for about SPLIT_BLOCKS blocks in all. On the
-# H200 (Llama-3.2-1B's attention, 2049 candidates) chunks of 512 were fastest at batch 1 and as
-# fast as any at batch 32 (benchmarks/decode_layer_parts.py --split; docs/results/speed).
-SPLIT_BLOCKS = 1024
-MIN_CHUNK = 512
+# into chunks of at least MIN_CHUNK rows, enough for about SPLIT_BLOCKS blocks in all, then
+# evened out (as many chunks, of equal rows). On the H200 (Llama-3.2-1B's attention, 2049
+# candidates: 3 chunks of 683) this was 0.91x the time of the earlier 512-row chunks (whose
+# fifth chunk held one row) over batch 1 and 32, as fast as 410- and 513-row chunks within the
+# runs' noise (docs/results/speed/select/h200-split-balanced.txt).
+SPLIT_BLOCKS = 256
+MIN_CHUNK = 1024
 
 # Block-wide reductions (max, sum, argmin) through shared memory; every lane gets the result.
 _HEADER = """
@@ -266,29 +273,36 @@ _ATTEND_PART = """
         for (int i = tid; i < gp * HEAD_DIM; i += THREADS)
             qs[i] = static_cast<float>(q[(bi * QH + hk * G + j0) * HEAD_DIM + i]) * scale;
         __syncthreads();
-        for (int t0 = c0 + warp * rpw; t0 < c1; t0 += nw * rpw) {
-            const int t = t0 + ri;
-            const bool live = t < c1;
-            float kr[8];
-            if (live) velox_row8<HEAD_DIM>(t < n ? K + (bh * n + t) * HEAD_DIM : knew + bh * HEAD_DIM, li * 8, kr);
-            else for (int i = 0; i < 8; ++i) kr[i] = 0.0f;
-            float acc[GROUPS];
+        // UNROLL rows per lane group at a time, all loaded before any is used (loads in flight)
+        for (int t0 = c0 + warp * rpw; t0 < c1; t0 += UNROLL * nw * rpw) {
+            float kr[UNROLL][8];
             #pragma unroll
-            for (int j = 0; j < GROUPS; ++j) {
-                float a = 0.0f;
-                #pragma unroll
-                for (int i = 0; i < 8; ++i)
-                    if (li * 8 + i < HEAD_DIM && j < gp) a += qs[j * HEAD_DIM + li * 8 + i] * kr[i];
-                acc[j] = a;
+            for (int u = 0; u < UNROLL; ++u) {
+                const int t = t0 + u * nw * rpw + ri;
+                if (t < c1) velox_row8<HEAD_DIM>(t < n ? K + (bh * n + t) * HEAD_DIM : knew + bh * HEAD_DIM, li * 8, kr[u]);
+                else for (int i = 0; i < 8; ++i) kr[u][i] = 0.0f;
             }
-            for (int off = lpr / 2; off > 0; off >>= 1) {
+            #pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const int t = t0 + u * nw * rpw + ri;
+                float acc[GROUPS];
                 #pragma unroll
-                for (int j = 0; j < GROUPS; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], off);
-            }
-            if (live && li == 0) {
-                for (int j = 0; j < gp; ++j) {
-                    l[(size_t)(j0 + j) * N + t] = acc[j];
-                    pc[j * CHUNK_MAX + t - c0] = acc[j];
+                for (int j = 0; j < GROUPS; ++j) {
+                    float a = 0.0f;
+                    #pragma unroll
+                    for (int i = 0; i < 8; ++i)
+                        if (li * 8 + i < HEAD_DIM && j < gp) a += qs[j * HEAD_DIM + li * 8 + i] * kr[u][i];
+                    acc[j] = a;
+                }
+                for (int off = lpr / 2; off > 0; off >>= 1) {
+                    #pragma unroll
+                    for (int j = 0; j < GROUPS; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], off);
+                }
+                if (t < c1 && li == 0) {
+                    for (int j = 0; j < gp; ++j) {
+                        l[(size_t)(j0 + j) * N + t] = acc[j];
+                        pc[j * CHUNK_MAX + t - c0] = acc[j];
+                    }
                 }
             }
         }
@@ -316,17 +330,24 @@ _ATTEND_PART = """
             #pragma unroll
             for (int j = 0; j < GROUPS; ++j)
                 for (int i = 0; i < 8; ++i) acc[j][i] = 0.0f;
-            for (int t0 = c0 + warp * rpw; t0 < c1; t0 += nw * rpw) {
-                const int t = t0 + ri;
-                if (t < c1) {
-                    float vr[8];
-                    velox_row8<HEAD_DIM>(t < n ? V + (bh * n + t) * HEAD_DIM : vnew + bh * HEAD_DIM, li * 8, vr);
-                    #pragma unroll
-                    for (int j = 0; j < GROUPS; ++j) {
-                        if (j < gp) {
-                            const float p = pc[j * CHUNK_MAX + t - c0];
-                            #pragma unroll
-                            for (int i = 0; i < 8; ++i) acc[j][i] += p * vr[i];
+            for (int t0 = c0 + warp * rpw; t0 < c1; t0 += UNROLL * nw * rpw) {
+                float vr[UNROLL][8];
+                #pragma unroll
+                for (int u = 0; u < UNROLL; ++u) {
+                    const int t = t0 + u * nw * rpw + ri;
+                    if (t < c1) velox_row8<HEAD_DIM>(t < n ? V + (bh * n + t) * HEAD_DIM : vnew + bh * HEAD_DIM, li * 8, vr[u]);
+                }
+                #pragma unroll
+                for (int u = 0; u < UNROLL; ++u) {
+                    const int t = t0 + u * nw * rpw + ri;
+                    if (t < c1) {
+                        #pragma unroll
+                        for (int j = 0; j < GROUPS; ++j) {
+                            if (j < gp) {
+                                const float p = pc[j * CHUNK_MAX + t - c0];
+                                #pragma unroll
+                                for (int i = 0; i < 8; ++i) acc[j][i] += p * vr[u][i];
+                            }
                         }
                     }
                 }
@@ -417,6 +438,119 @@ _ATTEND_COMBINE = """
         }
     }
 """
+
+# attend_select's second kernel: attend_weights' combine and select's decision in one launch,
+# a block per selection unit (a (batch row, kv head), or a batch row whose UH = H heads share
+# one selection: SHARED). Every (head, query head) pair's softmax from its chunks' maxima and
+# sums (a warp each); the weights w and carried scores of the unit's candidates (written to
+# global memory, read back by the block after the barrier); the attention output; then the
+# loser as select decides it (by BY: the weights, the carried scores, a given score or none),
+# the slot's row, the positions, next_pos + 1 and the carried scores with the slot taken.
+_ATTEND_SELECT = """
+    const unsigned int tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    constexpr int nw = THREADS / 32;
+    const int H = lg_shape[1];
+    const int G = lg_shape[2];
+    const int N = lg_shape[3];
+    const int n = N - 1;
+    const int S = pm_shape[2];
+    const int QH = H * G;
+    const int UH = SHARED ? H : 1;
+    const size_t bi = blockIdx.x / (H / UH);
+    const int h0 = SHARED ? 0 : (int)(blockIdx.x % H);
+    const size_t u0 = bi * H + h0;
+    const float inf = __int_as_float(0x7f800000);
+    __shared__ float mj[THREADS];
+    __shared__ float ij[THREADS];
+    __shared__ float red[THREADS];
+    __shared__ int red_i[THREADS];
+    __shared__ int loser_t;
+    for (int e = warp; e < UH * G; e += nw) {
+        const size_t bh = u0 + e / G;
+        const int j = e % G;
+        float m = -inf;
+        for (int u = lane; u < S; u += 32) {
+            const float x = pm[(bh * S + u) * G + j];
+            m = x > m ? x : m;
+        }
+        m = velox_warp_max(m);
+        float se = 0.0f;
+        for (int u = lane; u < S; u += 32) se += ps[(bh * S + u) * G + j] * expf(pm[(bh * S + u) * G + j] - m);
+        se = velox_warp_sum(se);
+        if (lane == 0) {
+            mj[e] = m;
+            ij[e] = 1.0f / se;
+        }
+    }
+    __syncthreads();
+    for (int e = tid; e < UH * N; e += THREADS) {
+        const int hl = e / N, t = e % N;
+        const size_t bh = u0 + hl;
+        float wa = 0.0f;
+        for (int j = 0; j < G; ++j) {
+            const float p = expf(lg[(bh * G + j) * N + t] - mj[hl * G + j]) * ij[hl * G + j];
+            wa = j == 0 ? p : GROUP_COMBINE;
+        }
+        const float wt = GROUP_FINAL;
+        w[bh * N + t] = wt;
+        ACCUMULATE
+    }
+    for (int e = tid; e < UH * G * HEAD_DIM; e += THREADS) {
+        const int hj = e / HEAD_DIM, c = e % HEAD_DIM;
+        const int hl = hj / G, j = hj % G;
+        const size_t bh = u0 + hl;
+        float acc = 0.0f;
+        for (int v = 0; v < S; ++v)
+            acc += po[((bh * S + v) * G + j) * HEAD_DIM + c] * expf(pm[(bh * S + v) * G + j] - mj[hj]);
+        velox_put(&o[(bi * QH + (h0 + hl) * G + j) * HEAD_DIM + c], acc * ij[hj]);
+    }
+    __syncthreads();
+    const int np0 = next_pos[u0];
+    float best = inf;
+    int best_p = -1;
+    for (int t = tid; t < N; t += THREADS) {
+        const int p = t < n ? P[u0 * n + t] : np0;
+        float sc = 0.0f;
+        for (int hl = 0; hl < UH; ++hl) {
+            const size_t bh = u0 + hl;
+            sc += BY;
+        }
+        if (SHARED) sc = sc / (float)H;
+        const bool prot = p < N_SINK || (RECENT > 0 && p >= np0 + 1 - RECENT);
+        const float r = prot ? inf : velox_ranked(sc);
+        if (best_p < 0 || r < best || (r == best && p < best_p)) { best = r; best_p = p; }
+    }
+    const int lp = velox_block_argmin<THREADS>(best, best_p, -1, red, red_i);
+    if (tid == 0) loser_t = n;
+    __syncthreads();
+    for (int t = tid; t < n; t += THREADS) if (P[u0 * n + t] == lp) loser_t = t;
+    __syncthreads();
+    const int lt = loser_t;
+    const bool wr = lt < n;
+    const int slot = wr ? lt : 0;
+    for (int hl = 0; hl < UH; ++hl) {
+        const size_t u = u0 + hl;
+        const int npu = next_pos[u];
+        if (tid == 0) {
+            oslot[u] = slot;
+            onext[u] = npu + 1;
+        }
+        for (int c = tid; c < HEAD_DIM; c += THREADS) {
+            rowk[u * HEAD_DIM + c] = wr ? knew[u * HEAD_DIM + c] : K[(u * n + slot) * HEAD_DIM + c];
+            rowv[u * HEAD_DIM + c] = wr ? vnew[u * HEAD_DIM + c] : V[(u * n + slot) * HEAD_DIM + c];
+        }
+        for (int i = tid; i < n; i += THREADS) {
+            const bool taken = wr && i == slot;
+            opos[u * n + i] = taken ? npu : P[u * n + i];
+            CARRY_SLOT
+        }
+    }
+"""
+
+# attend_select's selection score of candidate t of head bh, by the kind of its rule
+_BY = {"weights": "w[bh * N + t]", "carried": "scores[bh * N + t]", "given": "given[bh * N + t]",
+       "none": "0.0f"}
+
 
 # CHUNKS blocks per (batch row, kv head), each finding the unit's loser (given, or the argmin
 # of the unit's selection scores with the first N_SINK and last RECENT candidates protected,
@@ -661,6 +795,35 @@ def _attend_combine_spec(group: str = "mean", accumulate: str | None = None) -> 
                 header=_HEADER)
 
 
+def _attend_select_spec(group: str = "mean", accumulate: str | None = None, by: str = "weights",
+                        carry: bool = False) -> dict:
+    """The ``mx.fast.cuda_kernel`` arguments of ``attend_select``'s second launch: ``group``
+    and ``accumulate`` as :func:`_weights_spec` takes them (``decay`` or ``max``), ``by``
+    (``weights``, ``carried``: the accumulated scores, ``given``: an input ``[b, h, n + 1]``,
+    ``none``: every candidate scores 0) and ``carry`` (the accumulated scores come back with
+    the slot taken, ``oc [b, h, n]``)."""
+    if accumulate not in (None, "decay", "max") or by not in _BY or group not in _GROUP:
+        raise ValueError(f"unknown attend_select variant: group={group!r}, accumulate={accumulate!r}, by={by!r}")
+    if (by == "carried" or carry) and accumulate is None:
+        raise ValueError("attend_select: carried scores need `accumulate`")
+    combine, final = (x.replace("ws[t]", "wa") for x in _GROUP[group])
+    name = "velox_attend_select_" + group + (f"_{accumulate}" if accumulate else "") + f"_{by}" + ("_carry" if carry else "")
+    return dict(
+        name=name,
+        input_names=["lg", "pm", "ps", "po", "P", "next_pos", "K", "V", "knew", "vnew"]
+        + (["old"] if accumulate else []) + (["params"] if accumulate == "decay" else [])
+        + (["given"] if by == "given" else []),
+        output_names=["o", "oslot", "rowk", "rowv", "opos", "onext", "w"]
+        + (["scores"] if accumulate else []) + (["oc"] if carry else []),
+        source=_ATTEND_SELECT.replace("ACCUMULATE", _ACCUMULATE[accumulate] if accumulate else "")
+                             .replace("GROUP_COMBINE", combine).replace("GROUP_FINAL", final)
+                             .replace("BY", _BY[by])
+                             .replace("CARRY_SLOT", "oc[u * n + i] = taken ? scores[u * N + n] : scores[u * N + i];"
+                                      if carry else "")
+                             .replace("THREADS", str(SELECT_THREADS)),
+        header=_HEADER)
+
+
 def _compact_spec(select: str, carry: str = "none") -> dict:
     """The ``mx.fast.cuda_kernel`` arguments of a ``compact`` variant. ``select``: ``fixed``
     (the loser is a template value), ``full`` (argmin of ``S [b, h, n + 1]``) or ``split``
@@ -701,10 +864,17 @@ def _compact_kernel(select: str, carry: str):
     return mx.fast.cuda_kernel(**_compact_spec(select, carry))
 
 
+@lru_cache(maxsize=None)
+def _attend_select_kernel(group: str, accumulate: str | None, by: str, carry: bool):
+    return mx.fast.cuda_kernel(**_attend_select_spec(group, accumulate, by, carry))
+
+
 _SPECS = {"weights": _weights_spec, "select": _select_spec, "compact": _compact_spec,
-          "attend_part": _attend_part_spec, "attend_combine": _attend_combine_spec}
+          "attend_part": _attend_part_spec, "attend_combine": _attend_combine_spec,
+          "attend_select": _attend_select_spec}
 _KERNELS = {"weights": _weights_kernel, "select": _select_kernel, "compact": _compact_kernel,
-            "attend_part": _attend_part_kernel, "attend_combine": _attend_combine_kernel}
+            "attend_part": _attend_part_kernel, "attend_combine": _attend_combine_kernel,
+            "attend_select": _attend_select_kernel}
 
 
 def _spec(variant: tuple) -> dict:
@@ -816,14 +986,8 @@ def attend_weights(queries, keys, values, new_keys, new_values, *, old=None,
         raise ValueError(f"attend_weights needs head_dim dividing {ATTEND_THREADS} and at most {ATTEND_MAX_GROUPS} "
                          f"query heads per kv head, got head_dim {d}, {hq // h} heads")
     g, N = hq // h, n + 1
-    ch = split_chunk(N, b * h)
-    s = -(-N // ch)
-    cfg, params = _cfg(ch), _params(d ** -0.5, decay)
-    lg, pm, ps, po = _run_kernel(
-        ("attend_part",), [queries[:, :, -1], keys, new_keys, values, new_values, params, cfg],
-        (b * h * s * ATTEND_THREADS, 1, 1), (ATTEND_THREADS, 1, 1),
-        [(b, h, g, N), (b, h, s, g), (b, h, s, g), (b, h, s, g, d)], [mx.float32] * 4,
-        [("HEAD_DIM", d), ("GROUPS", min(g, ATTEND_GROUPS))])
+    lg, pm, ps, po, cfg, params = _attend_part(queries, keys, values, new_keys, new_values, decay)
+    s = pm.shape[2]
     shapes = [(b, h, N)] + ([(b, h, N)] if accumulate else []) + [(b, hq, 1, d)]
     out = _run_kernel(
         ("attend_combine", group, accumulate),
@@ -831,6 +995,89 @@ def attend_weights(queries, keys, values, new_keys, new_values, *, old=None,
         (b * h * s * ATTEND_THREADS, 1, 1), (ATTEND_THREADS, 1, 1), shapes,
         [mx.float32] * (len(shapes) - 1) + [values.dtype], [("HEAD_DIM", d)])
     return out[-1], out[0], (out[1] if accumulate else None)
+
+
+def _attend_part(queries, keys, values, new_keys, new_values, decay: float):
+    """attend_weights' first launch: ``(lg, pm, ps, po, cfg, params)``, the logits, each
+    chunk's softmax maximum, sum and unnormalised output, and the constants the second
+    launch reads."""
+    b, h, n, d = keys.shape
+    g, N = queries.shape[1] // h, n + 1
+    ch = split_chunk(N, b * h)
+    s = -(-N // ch)
+    cfg, params = _cfg(ch), _params(d ** -0.5, decay)
+    lg, pm, ps, po = _run_kernel(
+        ("attend_part",), [queries[:, :, -1], keys, new_keys, values, new_values, params, cfg],
+        (b * h * s * ATTEND_THREADS, 1, 1), (ATTEND_THREADS, 1, 1),
+        [(b, h, g, N), (b, h, s, g), (b, h, s, g), (b, h, s, g, d)], [mx.float32] * 4,
+        [("HEAD_DIM", d), ("GROUPS", min(g, ATTEND_GROUPS)), ("UNROLL", ATTEND_UNROLL)])
+    return lg, pm, ps, po, cfg, params
+
+
+def attend_select(queries, keys, values, new_keys, new_values, positions, next_pos, *,
+                  n_sink: int, recent: int, shared: bool, by: str = "weights", given=None,
+                  old=None, accumulate: str | None = None, decay: float = 1.0,
+                  group: str = "mean", carry: bool = False):
+    """A whole decode step at a full state of slots in two launches: the step's attention
+    output and the per-token rule's selection (``slack = 0``), as :func:`attend_weights`
+    followed by :func:`select` decide them, without their weights between two launches.
+
+    ``queries [b, qh, 1, d]``, stored ``keys``/``values [b, h, n, d]`` (every slot filled,
+    any order), the new token's ``[b, h, 1, d]``, ``positions [b, h, n]``, ``next_pos [b, h]``
+    (int32). The selection ranks every candidate by ``by``: ``"weights"`` (the step's
+    attention, :func:`weights`' ``w``), ``"carried"`` (the scores ``accumulate`` carries over
+    ``old``: H2O's decayed sum, KVzip's running maximum), ``"given"`` (``given [b, h, n + 1]``
+    float32, e.g. key norms from MLX ops) or ``"none"`` (every candidate 0: the protected
+    tokens stay, the oldest other goes); with ``shared`` a batch row's heads share one
+    selection on their mean score. Returns ``(out, slot, rows_k, rows_v, positions, next_pos,
+    carried)``: ``out [b, qh, 1, d]`` (the values' dtype), ``slot [b, h, 1]`` where the step's
+    row goes and ``rows_*`` what is written there (the slot's own row when the new token lost),
+    the positions with the slot taken, ``next_pos + 1``, and with ``carry`` the carried scores
+    with the slot taken (``[b, h, n]``; else None)."""
+    if (old is None) != (accumulate is None):
+        raise ValueError("`old` and `accumulate` go together")
+    if (given is not None) != (by == "given"):
+        raise ValueError("`given` goes with by='given'")
+    b, h, n, d = keys.shape
+    hq = queries.shape[1]
+    if (queries.shape[2] != 1 or values.shape != keys.shape or new_keys.shape != (b, h, 1, d)
+            or new_values.shape != (b, h, 1, d) or hq % h or positions.shape != (b, h, n)
+            or next_pos.shape != (b, h)):
+        raise ValueError(f"attend_select: queries {queries.shape}, keys {keys.shape}, values "
+                         f"{values.shape}, new {new_keys.shape}/{new_values.shape}, positions "
+                         f"{positions.shape}, next_pos {next_pos.shape}")
+    if not attend_select_supports(h, d, hq // h, shared):
+        raise ValueError(f"attend_select takes head_dim dividing {ATTEND_THREADS}, at most "
+                         f"{ATTEND_MAX_GROUPS} query heads per kv head and {SELECT_THREADS} query heads "
+                         f"per selection; got head_dim {d}, {hq // h} heads, {h} kv heads (shared={shared})")
+    g, N = hq // h, n + 1
+    spec = (group, accumulate, by, carry)
+    _attend_select_spec(*spec)  # refuses an unknown variant before any launch
+    lg, pm, ps, po, _, params = _attend_part(queries, keys, values, new_keys, new_values, decay)
+    units = b if shared else b * h
+    shapes = [(b, hq, 1, d), (b, h, 1), (b, h, 1, d), (b, h, 1, d), (b, h, n), (b, h), (b, h, N)]
+    dtypes = [values.dtype, mx.int32, keys.dtype, values.dtype, mx.int32, mx.int32, mx.float32]
+    if accumulate:
+        shapes.append((b, h, N))
+        dtypes.append(mx.float32)
+    if carry:
+        shapes.append((b, h, n))
+        dtypes.append(mx.float32)
+    out = _run_kernel(
+        ("attend_select", *spec),
+        [lg, pm, ps, po, positions, next_pos, keys, values, new_keys, new_values]
+        + ([old] if accumulate else []) + ([params] if accumulate == "decay" else [])
+        + ([given] if by == "given" else []),
+        (units * SELECT_THREADS, 1, 1), (SELECT_THREADS, 1, 1), shapes, dtypes,
+        [("HEAD_DIM", d), ("N_SINK", n_sink), ("RECENT", recent), ("SHARED", int(shared))])
+    return out[0], out[1], out[2], out[3], out[4], out[5], (out[-1] if carry else None)
+
+
+def attend_select_supports(kv_heads: int, head_dim: int, groups: int, shared: bool) -> bool:
+    """Whether :func:`attend_select` takes these shapes: :func:`attend_supports`', and the
+    query heads of one selection (a kv head's, or a batch row's when ``shared``) within its
+    block's shared arrays."""
+    return attend_supports(head_dim, groups) and (kv_heads if shared else 1) * groups <= SELECT_THREADS
 
 
 def attend_supports(head_dim: int, groups: int) -> bool:
@@ -843,9 +1090,11 @@ def attend_supports(head_dim: int, groups: int) -> bool:
 def split_chunk(rows: int, units: int) -> int:
     """The candidates per block of :func:`attend_weights`' first kernel, for ``rows``
     candidates of each of ``units`` (batch row, kv head) pairs: about ``SPLIT_BLOCKS`` blocks
-    in all, ``MIN_CHUNK`` to ``CHUNK_MAX`` rows each (fewer only where a unit has fewer)."""
+    in all, ``MIN_CHUNK`` to ``CHUNK_MAX`` rows each (fewer only where a unit has fewer), then
+    evened out: as many chunks, of equal rows (within one)."""
     want = max(1, -(-SPLIT_BLOCKS // max(units, 1)))  # chunks per unit
-    return max(1, min(rows, CHUNK_MAX, max(MIN_CHUNK, -(-rows // want))))
+    chunk = max(1, min(rows, CHUNK_MAX, max(MIN_CHUNK, -(-rows // want))))
+    return -(-rows // -(-rows // chunk))  # as many chunks, of equal rows (no near-empty last one)
 
 
 @lru_cache(maxsize=None)

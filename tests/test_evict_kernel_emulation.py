@@ -18,7 +18,10 @@ one after another, shared memory as static storage. Three checks:
   selections, sinks and recent tokens protected;
 * end to end: the adapter's fused decode step (``velox.adapters.mlxlm._fused_step``) on states
   of the ``cuda`` backend gives the attention over stored + new and, its deferred row
-  written, the ``mlx`` backend's state, step after step.
+  written, the ``mlx`` backend's state, step after step;
+* ``attend_select`` (the combine and the selection in one launch) decides exactly as
+  ``attend_weights`` then ``select`` do, bit for bit, through ties, non-finite scores and a
+  losing new token.
 
 Skipped without a C++20 compiler or ``ucontext`` (POSIX fibers), and on a CUDA machine, where
 ``tests/test_kernels.py`` runs the kernels themselves. Compiled variants are cached on disk
@@ -251,8 +254,8 @@ ATTEND_CASES = [  # b, h, g, d, n, group, accumulate
     (2, 2, 2, 32, 19, "mean", "decay"),
     (1, 2, 3, 64, 20, "max", None),
     (2, 1, 2, 32, 23, "max", "decay"),
-    (1, 2, 4, 64, 100, "mean", "decay"),  # 101 candidates: chunks of 32, 32, 32 and 5
-    (1, 1, 10, 32, 70, "max", "max"),  # 10 query heads: passes of 8 and 2, chunks of 32, 32, 7
+    (1, 2, 4, 64, 100, "mean", "decay"),  # 101 candidates: chunks of 26, 26, 26 and 23
+    (1, 1, 10, 32, 70, "max", "max"),  # 10 query heads: passes of 8 and 2, chunks of 24, 24, 23
 ]
 
 
@@ -503,7 +506,7 @@ def test_fused_decode_step_matches_attention_then_update(case, emulated):
                    _arr(rng, b, h, 1, d, dtype=dtype))
         emulated.clear()
         out, new, row = fused(st._replace(backend="cuda"), q, k, v, d ** -0.5)
-        assert [x[0] for x in emulated] == ["attend_part", "attend_combine", "select"], emulated
+        assert [x[0] for x in emulated] == ["attend_part", "attend_select"], emulated
         assert new.backend == "cuda" and row is not None
         new = mlxlm._write_row(new, row)._replace(backend="mlx")
         want = mx.fast.scaled_dot_product_attention(
@@ -515,3 +518,80 @@ def test_fused_decode_step_matches_attention_then_update(case, emulated):
                                    rtol=tol, atol=tol, err_msg=what)
         _compare(key, new, plain, what)
         st = plain
+
+
+# --- attend_select: the combine and the selection in one launch ------------------------------
+
+# key, params, b, h, g, d (budget 20 unless given)
+ATTEND_SELECT_CASES = [
+    ("tova", dict(n_sink=3, per_head=False), 2, 2, 2, 32),
+    ("tova", dict(n_sink=2, per_head=True), 1, 4, 1, 64),
+    ("h2o", dict(n_sink=3, grace=2, decay=0.95), 2, 2, 2, 32),
+    ("streaming_llm", dict(n_sink=3, window_size=17), 1, 2, 2, 32),
+    ("knorm", dict(n_sink=3, recent=2, keep="low"), 2, 3, 1, 64),
+]
+
+
+@pytest.mark.parametrize("case", ATTEND_SELECT_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2:]}")
+def test_attend_select_decides_as_attend_weights_then_select(case, emulated, monkeypatch):
+    """The decode step with ``attend_select`` (two launches) and without it (``attend_weights``
+    then ``select``, three): the same output, slot, row, positions and carried scores, bit for
+    bit, step after step through ties, a NaN key and a new token that loses."""
+    key, params, b, h, g, d = case
+    rng = _rng("attend-select", case)
+    m, st = _init(key, params, b, h, d)
+    plan = evict._plan(m.spec)
+    n = plan.capacity(st)
+    k, v, q = _prefill(rng, b, h, g, d, n + 6, integer=key == "knorm")
+    st = m.update(st, k, v, queries=q)._replace(backend="cuda")
+    step_fn = m.backends["cuda"].with_attention
+    supports = ev.attend_select_supports
+    lost_new = 0
+    for step in range(len(STEP_KINDS)):
+        k, v, q = _step_inputs(rng, key, st, step, b, h, g, d, integer=key == "knorm")
+        emulated.clear()
+        out, new, move = step_fn(st, k, v, q)
+        assert [x[0] for x in emulated] == ["attend_part", "attend_select"], emulated
+        monkeypatch.setattr(ev, "attend_select_supports", lambda *a: False)
+        emulated.clear()
+        out3, new3, move3 = step_fn(st, k, v, q)
+        monkeypatch.setattr(ev, "attend_select_supports", supports)
+        assert [x[0] for x in emulated] == ["attend_part", "attend_combine", "select"], emulated
+        what = f"{case} step {step}"
+        np.testing.assert_array_equal(np.array(out), np.array(out3), err_msg=what)
+        np.testing.assert_array_equal(np.array(move.slot), np.array(move3.slot), err_msg=what)
+        for a, c in zip(move.rows, move3.rows):
+            np.testing.assert_array_equal(np.array(a), np.array(c), err_msg=what)
+        for f in new._fields:
+            x, y = getattr(new, f), getattr(new3, f)
+            if isinstance(x, mx.array):
+                assert x.dtype == y.dtype and x.shape == y.shape, (what, f)
+                np.testing.assert_array_equal(np.array(x), np.array(y), err_msg=f"{what} {f}")
+            else:
+                assert x == y, (what, f)
+        lost_new += int((np.array(move.rows[0]) != np.array(k)).any(axis=-1).sum())
+        st = mlxlm._write_row(new, (move.slot, *move.rows))
+    if key in ("tova", "knorm") and plan.recent(st) == 0:
+        assert lost_new > 0, "no step where the new token lost"
+
+
+def test_fused_step_writes_the_pending_row_first(emulated):
+    """The compiled decode step that takes the last step's pending row writes it before its
+    attention: the same output and state as the row written by itself, then the step."""
+    b, h, g, d = 1, 2, 2, 32
+    rng = _rng("fused-row")
+    m, st = _init("h2o", dict(n_sink=3, grace=2, decay=0.95), b, h, d)
+    n = evict._plan(m.spec).capacity(st) + 6
+    st = m.update(st, _arr(rng, b, h, n, d), _arr(rng, b, h, n, d), queries=_arr(rng, b, h * g, n, d))
+    st = st._replace(backend="cuda")
+    fused, with_row = mlxlm._fused_step(m), mlxlm._fused_step_with_row(m)
+    q, k, v = _arr(rng, b, h * g, 1, d), _arr(rng, b, h, 1, d), _arr(rng, b, h, 1, d)
+    _, st, row = fused(st, q, k, v, d ** -0.5)
+    for _ in range(3):
+        q, k, v = _arr(rng, b, h * g, 1, d), _arr(rng, b, h, 1, d), _arr(rng, b, h, 1, d)
+        out_a, st_a, row_a = with_row(st, row, q, k, v, d ** -0.5)
+        out_b, st_b, row_b = fused(mlxlm._write_row(st, row), q, k, v, d ** -0.5)
+        np.testing.assert_array_equal(np.array(out_a), np.array(out_b))
+        for x, y in zip(mlxlm._arrays((st_a, row_a)), mlxlm._arrays((st_b, row_b))):
+            np.testing.assert_array_equal(np.array(x), np.array(y))
+        st, row = st_a, row_a

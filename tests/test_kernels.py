@@ -204,11 +204,13 @@ def test_kernel_attended_decode_step_matches_attention_then_update(key, shape, d
                                   (1, 8, 4, 64, 2047, "bfloat16", "mean", "decay"),
                                   (2, 2, 10, 128, 700, "float32", "max", "max"),
                                   (32, 8, 4, 64, 1000, "float16", "mean", None)], ids=str)
-def test_attend_weights_split_matches_attention_and_the_weights_kernel(case):
-    """``attend_weights`` over many chunks (a batch of one split into dozens, ten query heads
-    in two passes): the output equals MLX's attention over stored + new, ``w`` and the carried
-    scores equal the one-block ``weights`` kernel's."""
+def test_attend_weights_split_matches_attention_and_the_weights_kernel(case, monkeypatch):
+    """``attend_weights`` over several chunks (chunks of at least 128 rows here, so every case
+    splits; ten query heads in two passes): the output equals MLX's attention over stored +
+    new, ``w`` and the carried scores equal the one-block ``weights`` kernel's."""
     from velox.kernels import evict as ev
+    monkeypatch.setattr(ev, "MIN_CHUNK", 128)
+    monkeypatch.setattr(ev, "SPLIT_BLOCKS", 1024)
     b, h, g, d, n, dtype, group, accumulate = case
     dt = getattr(mx, dtype)
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
@@ -230,6 +232,48 @@ def test_attend_weights_split_matches_attention_and_the_weights_kernel(case):
     np.testing.assert_allclose(np.array(w), np.array(ref_w), rtol=1e-5, atol=1e-8)
     if accumulate:
         np.testing.assert_allclose(np.array(scores), np.array(ref_s), rtol=1e-5, atol=1e-8)
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", [(1, 8, 4, 64, 2047, "bfloat16", "tova", True),
+                                  (32, 8, 4, 64, 2047, "bfloat16", "h2o", False),
+                                  (2, 2, 10, 128, 700, "float32", "streaming_llm", False),
+                                  (3, 4, 2, 64, 1500, "float16", "tova", False)], ids=str)
+def test_attend_select_equals_attend_weights_then_select(case):
+    """``attend_select`` (the combine and the selection in one launch) over many chunks gives
+    the output, slot, row, positions, next position and carried scores of ``attend_weights``
+    followed by ``select``, bit for bit, on shuffled slots with tied scores."""
+    from velox.kernels import evict as ev
+    b, h, g, d, n, dtype, key, shared = case
+    dt = getattr(mx, dtype)
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+
+    def arr(*s):
+        return mx.array(rng.standard_normal(s).astype(np.float32)).astype(dt)
+
+    q, k, v, kn, vn = arr(b, h * g, 1, d), arr(b, h, n, d), arr(b, h, n, d), arr(b, h, 1, d), arr(b, h, 1, d)
+    k = mx.concatenate([k[:, :, :n // 2], k[:, :, :n - n // 2]], axis=2)  # equal keys: tied scores
+    order = np.stack([rng.permutation(n) for _ in range(1 if shared else h)])
+    pos = mx.array(np.broadcast_to(order, (b, h, n)).astype(np.int32))
+    nxt = mx.full((b, h), n + 7, mx.int32)
+    old = mx.array(rng.random((b, h, n)).astype(np.float32)) if key == "h2o" else None
+    acc = "decay" if key == "h2o" else None
+    by = {"tova": "weights", "h2o": "carried", "streaming_llm": "none"}[key]
+    sel = dict(n_sink=4, recent=3, shared=shared)
+    got = ev.attend_select(q, k, v, kn, vn, pos, nxt, by=by, old=old, accumulate=acc, decay=0.9,
+                           carry=key == "h2o", **sel)
+    out, w, scores = ev.attend_weights(q, k, v, kn, vn, old=old, accumulate=acc, decay=0.9)
+    score = {"weights": w, "carried": scores, "none": mx.zeros((b, h, n + 1), mx.float32)}[by]
+    slot, rk, rv, p, kept = ev.select(score, pos, nxt, k, v, kn, vn, carried=scores, **sel)
+    want = (out, slot, rk, rv, p, nxt + 1, kept)
+    mx.eval(got, want)
+    for i, (x, y) in enumerate(zip(got, want)):
+        if y is None:
+            assert x is None, i
+            continue
+        assert x.dtype == y.dtype and x.shape == y.shape, i
+        np.testing.assert_array_equal(np.array(x.astype(mx.float32) if x.dtype != mx.int32 else x),
+                                      np.array(y.astype(mx.float32) if y.dtype != mx.int32 else y), err_msg=str(i))
 
 
 def test_kernel_update_routes_only_full_cache_decode_steps_to_the_kernels():
@@ -284,9 +328,15 @@ COMPACT_VARIANTS = [("compact", select, carry) for select in ("fixed", "full", "
                     for carry in ("none", "full", "split", "profiles")]
 MERGE_VARIANTS = [("merge_plan",), ("merge_compact",)]
 SELECT_VARIANTS = [("select", False), ("select", True)]
-KERNEL_VARIANTS = WEIGHTS_VARIANTS + ATTEND_VARIANTS + COMPACT_VARIANTS + MERGE_VARIANTS + SELECT_VARIANTS
-TEMPLATE = {"weights": {"HEAD_DIM": 128}, "attend_part": {"HEAD_DIM": 128, "GROUPS": 8},
+ATTEND_SELECT_VARIANTS = [("attend_select", group, acc, by, carry) for group in ("mean", "max")
+                          for acc, by, carry in ((None, "weights", False), (None, "given", False),
+                                                 (None, "none", False), ("decay", "carried", True),
+                                                 ("max", "weights", True), ("max", "carried", True))]
+KERNEL_VARIANTS = (WEIGHTS_VARIANTS + ATTEND_VARIANTS + COMPACT_VARIANTS + MERGE_VARIANTS + SELECT_VARIANTS
+                   + ATTEND_SELECT_VARIANTS)
+TEMPLATE = {"weights": {"HEAD_DIM": 128}, "attend_part": {"HEAD_DIM": 128, "GROUPS": 8, "UNROLL": 2},
             "attend_combine": {"HEAD_DIM": 128},
+            "attend_select": dict(HEAD_DIM=128, N_SINK=3, RECENT=2, SHARED=1),
             "compact": dict(CHUNKS=2, FIXED_DROP=0, UNIT_HEADS=1, N_SINK=3, RECENT=2, CHUNK_SIZE=4),
             "merge_plan": dict(HEAD_DIM=128, N_SINK=3, RECENT=5, WINDOW=6, MERGE_GATE=1, MODE=0,
                                MERGE_KEYS=1, FW=9),
@@ -313,7 +363,7 @@ def test_kernel_sources_are_complete(variant):
     kind, spec = _spec(variant)
     src = spec["source"]
     for token in ("ACCUMULATE", "BIAS", "NOISE", "GROUP_COMBINE", "GROUP_FINAL", "THREADS", "SELECT",
-                  "CHUNK_MAX", "MAX_GROUPS", "CARRY_SLOT",
+                  "CHUNK_MAX", "MAX_GROUPS", "CARRY_SLOT", "BY",
                   "RAW_SCORE", "CARRY", "CARRY_ROWS", "NT"):
         assert not re.search(rf"\b{token}\b", src), (variant, token)
     for name in spec["input_names"] + spec["output_names"]:

@@ -865,8 +865,48 @@ def _kernel_step(score, kernel, carry, fields, plan: _Plan) -> Callable:
             fields["empty"] = 0
         return state._replace(**fields), Move(slot=slot, rows=(rk, rv))
 
+    def attended_select(state, keys, values, queries):
+        """The whole step in two launches (``velox.kernels.evict.attend_select``: the
+        attention output, the weights or carried scores and the per-token rule's selection,
+        ``slack = 0``) where the method's kernel says which score it ranks by
+        (``kernel.select_args(state)``) or its score comes from MLX ops with nothing carried:
+        ``(out, state, Move)``; ``None`` elsewhere."""
+        from .kernels.evict import attend_select, attend_select_supports
+        b, h, n, d = state.keys.shape
+        if (plan.slack(state) or state.positions.dtype != mx.int32 or state.next_pos.dtype != mx.int32
+                or not attend_select_supports(h, d, queries.shape[1] // h, plan.shared(state))):
+            return None
+        if kernel is None:
+            if carry or fields:
+                return None
+            by = _scored(score(state, keys, values, queries, True)).scores
+            if by.shape != (b, h, n + 1) or by.dtype != mx.float32:
+                return None
+            args = dict(by="given", given=by)
+        else:
+            spec = getattr(kernel, "select_args", None)
+            args = None if spec is None else spec(state)
+            if args is None or bool(args.get("carry")) != bool(carry):
+                return None
+            if carry and (len(carry) > 1 or getattr(state, carry[0]).dtype != mx.float32):
+                return None
+        out, slot, rk, rv, positions, next_pos, kept = attend_select(
+            queries, state.keys, state.values, keys, values, state.positions, state.next_pos,
+            n_sink=plan.sinks(state), recent=plan.recent(state), shared=plan.shared(state), **args)
+        new = dict(positions=positions, next_pos=next_pos)
+        if carry:
+            new[carry[0]] = kept
+        if hasattr(state, "empty"):
+            new["empty"] = 0
+        if out.dtype != queries.dtype:
+            out = out.astype(queries.dtype)
+        return out, state._replace(**new), Move(slot=slot, rows=(rk, rv))
+
     def with_attention(state, keys, values, queries):
         from .kernels.evict import attend_weights
+        done = attended_select(state, keys, values, queries)
+        if done is not None:
+            return done
         state, by, updates, out = inputs(state, keys, values, queries, True)
         if out is None:  # the kernel input did not attend: one launch for the output alone
             out = attend_weights(queries, state.keys, state.values, keys, values)[0]

@@ -74,3 +74,6 @@ def heavy_hitter_kernel(state, keys, values, queries, gumbel=None, attend: bool 
 
 
 heavy_hitter_kernel.attends = True
+# a whole decode step in kernels.evict.attend_select: ranked by the decayed sum it carries
+heavy_hitter_kernel.select_args = lambda state: dict(by="carried", accumulate="decay", old=state.scores,
+                                                     decay=state.decay, carry=True)

@@ -37,6 +37,11 @@ def _kernel(state: StreamingLLMState, keys, values, queries):
     return dict(drop=state.n_sink if state.window_size else state.keys.shape[2])
 
 
+# a whole decode step in kernels.evict.attend_select: no score, the protected tokens stay and
+# the oldest other goes, as the per-token select decides it
+_kernel.select_args = lambda state: dict(by="none")
+
+
 method = register("streaming_llm", StreamingLLMState, init,
                   evict.score_and_keep(None, None, kernel=_kernel))
 init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes

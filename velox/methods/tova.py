@@ -59,6 +59,7 @@ def _kernel(state: TovaState, keys, values, queries, attend: bool = False):
 
 
 _kernel.attends = True
+_kernel.select_args = lambda state: dict(by="weights")  # a whole decode step: kernels.evict.attend_select
 
 
 method = register("tova", TovaState, init,
