@@ -255,6 +255,7 @@ class VeloxCache(_BaseCache):
         # Loaded without its model: the first forward confirms the deferred mode.
         self._route_unknown = False
         self._state: tuple | None = None
+        self._fast: tuple | None = None  # the state a fused step left, while the fast path holds
         self._pending: _Step | None = None
         self._offset = 0
         # Append mode: decoded tokens not yet handed to the method, and their queries (None
@@ -280,6 +281,18 @@ class VeloxCache(_BaseCache):
     @_state.setter
     def _state(self, value: tuple | None) -> None:
         self.__dict__["_held"], self.__dict__["_row"] = value, None
+
+    def _note_fast(self) -> None:
+        """After a fused decode step: whether the next single-token step may skip
+        :meth:`update_and_fetch`'s checks (``_fast`` names the state it was decided for, so
+        any other change of the state ends it). It may where nothing but the fused step
+        can run next: no rollback journal, no append tail, the wrapper routing attention,
+        a method without a model-level record, and the state still at its steady size."""
+        m = self.method
+        ok = (not self.rollback and self.decode == "evict" and self._tail is None
+              and not self._route_unknown and m.layer_update is None
+              and m.kv_slots(self.__dict__["_held"])[0].shape[2] == self.__dict__.get("_steady_rows"))
+        self.__dict__["_fast"] = self.__dict__["_held"] if ok else None
 
     # -- protocol (getters: none of them updates) ----------------------------------
     @property
@@ -471,6 +484,15 @@ class VeloxCache(_BaseCache):
         if self.layer == 0:
             _refuse_ignored_generate_args(sys._getframe(1))
             _refuse_short_rollback(sys._getframe(1), self)
+        d = self.__dict__
+        fast = d.get("_fast")
+        if (fast is not None and fast is d.get("_held") and keys.shape[2] == 1
+                and self._pending is None and _capture_installed()):
+            # the steady decode step after a fused one (:meth:`_note_fast`): nothing else to
+            # check, and the pending row is written inside the next fused step
+            self._offset += 1
+            self._pending = _Step(keys, values, fused=True, new_only=True)
+            return keys, values
         if self._route_unknown and self._pending is None:
             install_query_capture()  # loaded without its model: its modules are imported now
         self._settle()
@@ -539,10 +561,18 @@ class VeloxCache(_BaseCache):
             self.last_step = "tail"
             return out
         if step.fused and sinks is None and mask is None:
-            fused = _compiled(m, "fused", self._state.backend)
-            out, self._state, self._row = fused(self._state, queries, step.keys, step.values, scale)
+            d = self.__dict__
+            held, row = d["_held"], d["_row"]
+            if row is None:
+                fused = _compiled(m, "fused", held.backend)
+                out, new, row = fused(held, queries, step.keys, step.values, scale)
+            else:  # the last step's row is written first, in place, inside the compiled step
+                fused = _compiled(m, "fused+row", held.backend)
+                out, new, row = fused(held, row, queries, step.keys, step.values, scale)
+            self._state, self._row = new, row
             self.last_step = "fused"
-            return _with_state(out, self._new_arrays())
+            self._note_fast()
+            return _with_state(out, _arrays(new) + _arrays(row))
         if m.attend is not None:
             if sinks is not None:
                 raise ValueError(f"{m.key} does not support attention sinks")
@@ -633,7 +663,7 @@ class VeloxCache(_BaseCache):
         mx.async_eval(list(self._tail))
 
     def _init_state(self, keys: mx.array) -> None:
-        if self._state is None:
+        if self.__dict__.get("_held") is None:
             b, h, _, d = keys.shape
             self._state = self.method.init(b, h, d, dtype=keys.dtype, backend=self.backend,
                                            **self.params)
@@ -872,6 +902,16 @@ def _fused_step(m: Method) -> Callable:
     return step
 
 
+def _fused_step_with_row(m: Method) -> Callable:
+    """:func:`_fused_step` after writing the last step's pending row ``(slot, keys, values)``
+    into its slot: the write comes first in the compiled graph, before anything reads the
+    rows, so MLX still writes it in place (the old buffer is held by nothing else once the
+    caller replaces the state)."""
+    fused = _fused_step(m)
+    return lambda state, row, queries, keys, values, scale: fused(_write_row(state, row), queries,
+                                                                    keys, values, scale)
+
+
 def _weights_attention(m: Method, queries, k, v, filled, keys, values, scale):
     """On the CPU, for a method whose score is the step's attention weights over the stored
     keys as logits (``velox.evict.scores_by_logits``: TOVA, the heavy-hitter family): the
@@ -911,7 +951,8 @@ def _attended_step(m: Method, state, queries, keys, values, scale):
 
 
 _STEP_KINDS: dict[str, Callable[[Method], Callable]] = {
-    "update": _update_step, "update+queries": _update_step_with_queries, "fused": _fused_step}
+    "update": _update_step, "update+queries": _update_step_with_queries, "fused": _fused_step,
+    "fused+row": _fused_step_with_row}
 COMPILED_STEPS_MAX = 64  # compiled functions kept (least recently used dropped first)
 _COMPILED: OrderedDict[tuple[str, str, str], tuple[Method, Callable]] = OrderedDict()
 

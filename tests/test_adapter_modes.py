@@ -295,7 +295,8 @@ def test_compiled_steps_live_in_one_bounded_cache(model, monkeypatch):
     caches = make_cache(model, "h2o", budget=24, grace=4)
     greedy(model, caches, n=6)
     backend = caches[0].velox_state.backend
-    assert list(mlxlm._COMPILED) == [("h2o", "fused", backend)]
+    # the first decode step, then the later ones (each writes the last one's row first)
+    assert list(mlxlm._COMPILED) == [("h2o", "fused", backend), ("h2o", "fused+row", backend)]
     m = get_method("h2o")
     fused = mlxlm._compiled(m, "fused", backend)
     assert mlxlm._compiled(m, "fused", backend) is fused  # built once
@@ -305,3 +306,45 @@ def test_compiled_steps_live_in_one_bounded_cache(model, monkeypatch):
     for kind in ("update", "update+queries", "fused"):
         mlxlm._compiled(m, kind, backend)
     assert list(mlxlm._COMPILED) == [("h2o", "update+queries", backend), ("h2o", "fused", backend)]
+
+
+@pytest.mark.parametrize("method,params", [("tova", dict(budget=24)), ("h2o", dict(budget=24, grace=4)),
+                                           ("streaming_llm", dict(window_size=20))])
+def test_the_steady_fast_path_changes_nothing(model, monkeypatch, method, params):
+    """Decode steps after a fused one skip update_and_fetch's checks (``_fast``): the same
+    tokens and states as with the fast path off, every later step of a run takes it, and a
+    state replaced from outside (here a trim) ends it until the next fused step."""
+    fast = make_cache(model, method, **params)
+    toks = greedy(model, fast, n=12)
+    assert all(c.last_step == "fused" for c in fast)
+    assert all(c.__dict__["_fast"] is c.__dict__["_held"] is not None for c in fast)
+    monkeypatch.setattr(VeloxCache, "_note_fast", lambda self: self.__dict__.__setitem__("_fast", None))
+    slow = make_cache(model, method, **params)
+    assert greedy(model, slow, n=12) == toks
+    for a, b in zip(fast, slow):
+        assert a.offset == b.offset and same(a.velox_state, b.velox_state)
+    monkeypatch.undo()
+    taken = []
+    real = VeloxCache.update_and_fetch
+
+    def spy(self, keys, values):
+        before = self.__dict__.get("_fast")
+        out = real(self, keys, values)
+        taken.append(before is not None and self._pending is not None and self._pending.fused
+                     and before is self.__dict__["_held"])
+        return out
+
+    monkeypatch.setattr(VeloxCache, "update_and_fetch", spy)
+    run = make_cache(model, method, **params)
+    greedy(model, run, n=12)
+    assert any(taken)
+    taken.clear()
+    again = make_cache(model, method, **params, rollback=1)  # a journal: never the fast path
+    greedy(model, again, n=12)
+    assert again[0].last_step == "fused" and not any(taken)
+    c = run[0]
+    c._state = c.__dict__["_held"]._replace()  # another state object: the fast path ends here
+    assert c.__dict__["_fast"] is not None and c.__dict__["_fast"] is not c.__dict__["_held"]
+    c.update_and_fetch(mx.zeros((1, c.velox_state.keys.shape[1], 1, c.velox_state.keys.shape[3])),
+                       mx.zeros((1, c.velox_state.keys.shape[1], 1, c.velox_state.keys.shape[3])))
+    assert taken[-1] is False
