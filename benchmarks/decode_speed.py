@@ -72,6 +72,7 @@ from velox.adapters.mlxlm import VeloxCache, make_cache
 from velox.registry import get_method
 
 FULL, ROTATING = "full", "rotating"
+LOOP = ["sync"]  # the decode loop of every block (--loop)
 KEEP = 4  # RotatingKVCache's kept leading tokens (velox methods' default sinks)
 GPU_BANDWIDTH = 3.2e12
 
@@ -255,15 +256,31 @@ def prefill(model, tokens: mx.array, caches: list, chunk: int) -> None:
         mx.eval([c.state for c in caches])
 
 
-def decode_block(model, caches: list, y: mx.array, steps: int) -> tuple[float, mx.array]:
-    """One untimed warm-up step, then ``steps`` greedy steps; (seconds, last tokens)."""
+def decode_block(model, caches: list, y: mx.array, steps: int,
+                 loop: str = "sync") -> tuple[float, mx.array]:
+    """One untimed warm-up step, then ``steps`` greedy steps; (seconds, last tokens).
+
+    ``loop="sync"`` evaluates each step before building the next; ``"pipelined"`` runs them
+    as mlx-lm's ``generate_step`` does: the next step's graph is built and queued
+    (``mx.async_eval``) before the current token is waited for, so the host's graph building
+    overlaps the device's work."""
     y = mx.argmax(model(y, cache=caches)[:, -1:], axis=-1)
     mx.eval(y)
     mx.synchronize()
     t0 = time.perf_counter()
-    for _ in range(steps):
-        y = mx.argmax(model(y, cache=caches)[:, -1:], axis=-1)
+    if loop == "pipelined":
+        nxt = mx.argmax(model(y, cache=caches)[:, -1:], axis=-1)
+        mx.async_eval(nxt)
+        for _ in range(steps - 1):
+            y, nxt = nxt, mx.argmax(model(nxt, cache=caches)[:, -1:], axis=-1)
+            mx.async_eval(nxt)
+            mx.eval(y)  # the token a caller would read now
+        y = nxt
         mx.eval(y)
+    else:
+        for _ in range(steps):
+            y = mx.argmax(model(y, cache=caches)[:, -1:], axis=-1)
+            mx.eval(y)
     mx.synchronize()
     return time.perf_counter() - t0, y
 
@@ -307,7 +324,7 @@ class Run:
         if self.live_before_decode is None:
             self.live_before_decode = self.live
         mx.reset_peak_memory()
-        dt, self.y = decode_block(model, self.caches, self.y, steps)
+        dt, self.y = decode_block(model, self.caches, self.y, steps, LOOP[0])
         self.decode_peak = max(self.decode_peak, self.live + int(mx.get_peak_memory() - before))
         self.live += int(mx.get_active_memory() - before)
         if timed:
@@ -507,6 +524,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                     help="a velox parameter (method.key=value for one method)")
     ap.add_argument("--steps", type=int, default=32, help="timed steps per block")
+    ap.add_argument("--loop", choices=["sync", "pipelined"], default="sync",
+                    help="sync: each step evaluated before the next is built; pipelined: as "
+                         "mlx-lm's generate_step, the next step queued before the current token "
+                         "is read (host work overlaps the device's)")
     ap.add_argument("--reps", type=int, default=5, help="blocks per cache")
     ap.add_argument("--warmup-rounds", type=int, default=1,
                     help="untimed blocks per cache before the timed rounds")
@@ -519,6 +540,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="start no new (batch, context) after this many seconds")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    LOOP[0] = args.loop
     if args.steps < 1 or args.reps < 1 or args.chunk < 1 or args.warmup_rounds < 0:
         ap.error("--steps, --reps and --chunk must be at least 1, --warmup-rounds at least 0")
 
@@ -539,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
         mlx_lm=__import__("mlx_lm").__version__, python=platform.python_version(),
         machine=platform.machine(), model=args.model, model_label=label, shape=shape,
         budget=args.budget, steps=args.steps, reps=args.reps, chunk=args.chunk,
-        warmup_rounds=args.warmup_rounds,
+        warmup_rounds=args.warmup_rounds, loop=args.loop,
         resident=args.resident, seed=args.seed, bandwidth=bandwidth,
         bandwidth_source="--bandwidth" if args.bandwidth else (
             "H200 default" if on_gpu() else "measured: max of copy and gemv read"),
@@ -550,7 +572,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{shape['hidden']}, {shape['heads']} query / {shape['kv_heads']} kv heads, head_dim "
               f"{shape['head_dim']}, {shape['params'] / 1e6:.1f} M parameters "
               f"({shape['weight_read_bytes'] / 2**20:.0f} MiB read per step)\n"
-              f"budget {args.budget}, {args.steps} steps x {args.reps} blocks per cache, prefill "
+              f"budget {args.budget}, {args.steps} steps x {args.reps} blocks per cache ({args.loop} "
+              f"decode loop), prefill "
               f"chunk {args.chunk}; bandwidth {bandwidth / 1e9:.0f} GB/s ({meta['bandwidth_source']}; "
               f"measured: copy {measured_bw / 1e9:.1f} GB/s, gemv read {read_bw / 1e9:.1f} GB/s)")
     say(header)

@@ -121,3 +121,22 @@ def test_decode_speed_short_run(tmp_path, capsys):
             if r["kind"] == "mlx-lm":
                 assert r["kv_bytes"] == formula * 48
             assert r["decode_live_after_bytes"] <= r["decode_live_before_bytes"] + 4096
+
+
+def test_decode_speed_pipelined_loop_decodes_the_same_tokens():
+    """``--loop pipelined`` (mlx-lm's generate_step order: the next step queued before the
+    current token is read) runs as many steps as the synchronous loop and reaches the same
+    greedy tokens, for mlx-lm's cache and a velox cache."""
+    bench = _load("decode_speed")
+    import mlx.core as mx
+    model, _ = bench.build_model("tiny-random", None, 0)
+    prompt = mx.random.randint(0, 100, (2, 40), key=mx.random.key(3))
+    for method, params in (("full", {}), ("tova", {"budget": 24})):
+        ends = {}
+        for loop in ("sync", "pipelined"):
+            caches = bench.new_caches(model, method, params)
+            bench.prefill(model, prompt[:, :-1], caches, 16)
+            _, y = bench.decode_block(model, caches, prompt[:, -1:], 5, loop)
+            ends[loop] = (y.tolist(), caches[0].offset)
+        assert ends["sync"] == ends["pipelined"], method
+        assert ends["sync"][1] == 39 + 1 + 5, method
