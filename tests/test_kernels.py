@@ -157,7 +157,7 @@ def test_kernel_decode_steps_match_mlx(key, variant, shape, dtype):
         prev = states["cuda"]
 
 
-ATTENDED = ["tova", "h2o", "streaming_llm", "knorm", "keyformer"]  # own kernel output, or the extra launch
+ATTENDED = ["tova", "h2o", "streaming_llm", "knorm", "keyformer", "kvzip"]  # own kernel output, or the extra launch
 
 
 @needs_cuda

@@ -112,6 +112,17 @@ def _kernel(state: KVzipState, keys, values, queries) -> dict:
     return dict(by=current if latest else importance, carry=importance)
 
 
+def _select_args(state: KVzipState) -> dict:
+    """The same rule in ``velox.kernels.evict.attend_select`` (a whole decode step): ranked by
+    the probe's weights or the running maximum it carries."""
+    latest = state.probe == "latest"
+    return dict(by="weights" if latest else "carried", accumulate="max", old=state.importance,
+                group="mean" if latest else "max", carry=True)
+
+
+_kernel.select_args = _select_args
+
+
 method = register("kvzip", KVzipState, init,
                   evict.score_and_keep(_score, _score_reference, kernel=_kernel,
                                        carry=("importance",)))
