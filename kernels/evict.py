@@ -127,6 +127,20 @@ __device__ inline void velox_row8(const T* row, int c, float* out) {
     }
     for (int i = 0; i < 8; ++i) out[i] = c + i < D ? static_cast<float>(row[c + i]) : 0.0f;
 }
+// a query head's softmax over a unit's S chunks (one warp): the largest chunk maximum m of pm
+// and 1 / the sum of the chunks' exponential sums ps rescaled to it; every lane gets both
+__device__ void velox_chunk_softmax(const float* pm, const float* ps, size_t bh, int S, int G, int j,
+                                    unsigned int lane, float& m, float& inv) {
+    m = -__int_as_float(0x7f800000);
+    for (int u = lane; u < S; u += 32) {
+        const float x = pm[(bh * S + u) * G + j];
+        m = x > m ? x : m;
+    }
+    m = velox_warp_max(m);
+    float se = 0.0f;
+    for (int u = lane; u < S; u += 32) se += ps[(bh * S + u) * G + j] * expf(pm[(bh * S + u) * G + j] - m);
+    inv = 1.0f / velox_warp_sum(se);
+}
 // (value, index) minimum; an index of `none` is empty; ties go to the lower index
 template <int NT>
 __device__ int velox_block_argmin(float v, int i, int none, float* red, int* red_i) {
@@ -148,6 +162,30 @@ __device__ int velox_block_argmin(float v, int i, int none, float* red, int* red
     const int r = red_i[0];
     __syncthreads();
     return r;
+}
+// The per-token rule's loser among a unit's n stored slots (positions P, any order) and the
+// new token at position np, by score(t) of candidate t (the new token is t = n): the lowest
+// ranked (non-finite lowest), the first n_sink positions and the `recent` newest protected,
+// the older position among equal scores. Its slot, or n when the new token lost (every thread).
+template <int NT, typename Score>
+__device__ int velox_slot_loser(const int* P, int n, int np, int n_sink, int recent, Score score,
+                                float* red, int* red_i, int* loser_t) {
+    const unsigned int tid = threadIdx.x;
+    const float inf = __int_as_float(0x7f800000);
+    float best = inf;
+    int best_p = -1;
+    for (int t = tid; t <= n; t += NT) {
+        const int p = t < n ? P[t] : np;
+        const bool prot = p < n_sink || (recent > 0 && p >= np + 1 - recent);
+        const float r = prot ? inf : velox_ranked(score(t));
+        if (best_p < 0 || r < best || (r == best && p < best_p)) { best = r; best_p = p; }
+    }
+    const int lp = velox_block_argmin<NT>(best, best_p, -1, red, red_i);
+    if (tid == 0) *loser_t = n;
+    __syncthreads();
+    for (int t = tid; t < n; t += NT) if (P[t] == lp) *loser_t = t;
+    __syncthreads();
+    return *loser_t;
 }
 """
 
@@ -395,22 +433,14 @@ _ATTEND_COMBINE = """
     const int s = blockIdx.x % S;
     const size_t bi = bh / H, hk = bh % H;
     const int QH = H * G;
-    const float inf = __int_as_float(0x7f800000);
     __shared__ float mj[MAX_GROUPS];
     __shared__ float ij[MAX_GROUPS];
     for (int j = warp; j < G; j += nw) {
-        float m = -inf;
-        for (int u = lane; u < S; u += 32) {
-            const float x = pm[(bh * S + u) * G + j];
-            m = x > m ? x : m;
-        }
-        m = velox_warp_max(m);
-        float se = 0.0f;
-        for (int u = lane; u < S; u += 32) se += ps[(bh * S + u) * G + j] * expf(pm[(bh * S + u) * G + j] - m);
-        se = velox_warp_sum(se);
+        float m, inv;
+        velox_chunk_softmax(pm, ps, bh, S, G, j, lane, m, inv);
         if (lane == 0) {
             mj[j] = m;
-            ij[j] = 1.0f / se;
+            ij[j] = inv;
         }
     }
     __syncthreads();
@@ -459,27 +489,17 @@ _ATTEND_SELECT = """
     const size_t bi = blockIdx.x / (H / UH);
     const int h0 = SHARED ? 0 : (int)(blockIdx.x % H);
     const size_t u0 = bi * H + h0;
-    const float inf = __int_as_float(0x7f800000);
     __shared__ float mj[THREADS];
     __shared__ float ij[THREADS];
     __shared__ float red[THREADS];
     __shared__ int red_i[THREADS];
     __shared__ int loser_t;
     for (int e = warp; e < UH * G; e += nw) {
-        const size_t bh = u0 + e / G;
-        const int j = e % G;
-        float m = -inf;
-        for (int u = lane; u < S; u += 32) {
-            const float x = pm[(bh * S + u) * G + j];
-            m = x > m ? x : m;
-        }
-        m = velox_warp_max(m);
-        float se = 0.0f;
-        for (int u = lane; u < S; u += 32) se += ps[(bh * S + u) * G + j] * expf(pm[(bh * S + u) * G + j] - m);
-        se = velox_warp_sum(se);
+        float m, inv;
+        velox_chunk_softmax(pm, ps, u0 + e / G, S, G, e % G, lane, m, inv);
         if (lane == 0) {
             mj[e] = m;
-            ij[e] = 1.0f / se;
+            ij[e] = inv;
         }
     }
     __syncthreads();
@@ -505,27 +525,14 @@ _ATTEND_SELECT = """
         velox_put(&o[(bi * QH + (h0 + hl) * G + j) * HEAD_DIM + c], acc * ij[hj]);
     }
     __syncthreads();
-    const int np0 = next_pos[u0];
-    float best = inf;
-    int best_p = -1;
-    for (int t = tid; t < N; t += THREADS) {
-        const int p = t < n ? P[u0 * n + t] : np0;
+    const int lt = velox_slot_loser<THREADS>(P + u0 * n, n, next_pos[u0], N_SINK, RECENT, [&](int t) {
         float sc = 0.0f;
         for (int hl = 0; hl < UH; ++hl) {
             const size_t bh = u0 + hl;
             sc += BY;
         }
-        if (SHARED) sc = sc / (float)H;
-        const bool prot = p < N_SINK || (RECENT > 0 && p >= np0 + 1 - RECENT);
-        const float r = prot ? inf : velox_ranked(sc);
-        if (best_p < 0 || r < best || (r == best && p < best_p)) { best = r; best_p = p; }
-    }
-    const int lp = velox_block_argmin<THREADS>(best, best_p, -1, red, red_i);
-    if (tid == 0) loser_t = n;
-    __syncthreads();
-    for (int t = tid; t < n; t += THREADS) if (P[u0 * n + t] == lp) loser_t = t;
-    __syncthreads();
-    const int lt = loser_t;
+        return SHARED ? sc / (float)H : sc;
+    }, red, red_i, &loser_t);
     const bool wr = lt < n;
     const int slot = wr ? lt : 0;
     for (int hl = 0; hl < UH; ++hl) {
@@ -664,30 +671,12 @@ _SELECT_BODY = """
     __shared__ int red_i[THREADS];
     __shared__ int loser_t;
     const size_t u0 = bi * H + h0;
-    const int np0 = next_pos[u0];
-    const float inf = __int_as_float(0x7f800000);
-    float best = inf;
-    int best_p = -1;
-    for (int t = tid; t < N; t += THREADS) {
-        const int p = t < n ? P[u0 * n + t] : np0;
-        float sc;
-        if (SHARED) {
-            sc = 0.0f;
-            for (int hh = 0; hh < H; ++hh) sc += S[(bi * H + hh) * N + t];
-            sc = sc / (float)H;
-        } else {
-            sc = S[u0 * N + t];
-        }
-        const bool prot = p < N_SINK || (RECENT > 0 && p >= np0 + 1 - RECENT);
-        const float r = prot ? inf : velox_ranked(sc);
-        if (best_p < 0 || r < best || (r == best && p < best_p)) { best = r; best_p = p; }
-    }
-    const int lp = velox_block_argmin<THREADS>(best, best_p, -1, red, red_i);
-    if (tid == 0) loser_t = n;
-    __syncthreads();
-    for (int t = tid; t < n; t += THREADS) if (P[u0 * n + t] == lp) loser_t = t;
-    __syncthreads();
-    const int lt = loser_t;
+    const int lt = velox_slot_loser<THREADS>(P + u0 * n, n, next_pos[u0], N_SINK, RECENT, [&](int t) {
+        if (!SHARED) return S[u0 * N + t];
+        float sc = 0.0f;
+        for (int hh = 0; hh < H; ++hh) sc += S[(bi * H + hh) * N + t];
+        return sc / (float)H;
+    }, red, red_i, &loser_t);
     const bool wr = lt < n;
     const int slot = wr ? lt : 0;
     const int d = K_shape[3];
