@@ -572,7 +572,7 @@ class VeloxCache(_BaseCache):
             self._state, self._row = new, row
             self.last_step = "fused"
             self._note_fast()
-            return _with_state(out, _arrays(new) + _arrays(row))
+            return _with_state(out, self._new_arrays())
         if m.attend is not None:
             if sinks is not None:
                 raise ValueError(f"{m.key} does not support attention sinks")

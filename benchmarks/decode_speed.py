@@ -72,7 +72,6 @@ from velox.adapters.mlxlm import VeloxCache, make_cache
 from velox.registry import get_method
 
 FULL, ROTATING = "full", "rotating"
-LOOP = ["sync"]  # the decode loop of every block (--loop)
 KEEP = 4  # RotatingKVCache's kept leading tokens (velox methods' default sinks)
 GPU_BANDWIDTH = 3.2e12
 
@@ -319,12 +318,12 @@ class Run:
         self.row["backend"] = backend_of(self.caches)
         self.y = tokens[:, -1:]
 
-    def block(self, model, steps: int, timed: bool = True) -> float:
+    def block(self, model, steps: int, loop: str, timed: bool = True) -> float:
         before = mx.get_active_memory()
         if self.live_before_decode is None:
             self.live_before_decode = self.live
         mx.reset_peak_memory()
-        dt, self.y = decode_block(model, self.caches, self.y, steps, LOOP[0])
+        dt, self.y = decode_block(model, self.caches, self.y, steps, loop)
         self.decode_peak = max(self.decode_peak, self.live + int(mx.get_peak_memory() - before))
         self.live += int(mx.get_active_memory() - before)
         if timed:
@@ -478,11 +477,11 @@ def measure(model, shape, configs, batch, context, args, bandwidth, emit) -> lis
         emit(rows_now())
         for _ in range(args.warmup_rounds):
             for run in live:
-                run.block(model, args.steps, timed=False)
+                run.block(model, args.steps, args.loop, timed=False)
         for rep in range(args.reps):
             k = rep % len(live)
             for run in live[k:] + live[:k]:
-                run.block(model, args.steps)
+                run.block(model, args.steps, args.loop)
             for run in live[1:]:
                 run.full_times.append(full.times[-1])
             say(f"  round {rep + 1}/{args.reps}: " + ", ".join(
@@ -495,10 +494,10 @@ def measure(model, shape, configs, batch, context, args, bandwidth, emit) -> lis
             run.paired = True
             for _ in range(args.warmup_rounds):
                 for r in (full, run):
-                    r.block(model, args.steps, timed=False)
+                    r.block(model, args.steps, args.loop, timed=False)
             for rep in range(args.reps):
                 for r in ((full, run) if rep % 2 == 0 else (run, full)):
-                    r.block(model, args.steps)
+                    r.block(model, args.steps, args.loop)
                 run.full_times.append(full.times[-1])
             row = finish_row(run, batch, context, args.steps, None, shape, bandwidth)
             say(f"  {run.label}: {row['tok_s']:.1f} tok/s, paired full "
@@ -540,7 +539,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="start no new (batch, context) after this many seconds")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    LOOP[0] = args.loop
     if args.steps < 1 or args.reps < 1 or args.chunk < 1 or args.warmup_rounds < 0:
         ap.error("--steps, --reps and --chunk must be at least 1, --warmup-rounds at least 0")
 

@@ -965,12 +965,9 @@ def attend_weights(queries, keys, values, new_keys, new_values, *, old=None,
         raise ValueError(f"unknown weights variant: accumulate={accumulate!r}, group={group!r}")
     if (old is None) != (accumulate is None):
         raise ValueError("`old` and `accumulate` go together")
+    _check_step("attend_weights", queries, keys, values, new_keys, new_values)
     b, h, n, d = keys.shape
     hq = queries.shape[1]
-    if (queries.shape[2] != 1 or values.shape != keys.shape or new_keys.shape != (b, h, 1, d)
-            or new_values.shape != (b, h, 1, d) or hq % h):
-        raise ValueError(f"attend_weights: queries {queries.shape}, keys {keys.shape}, values "
-                         f"{values.shape}, new {new_keys.shape}/{new_values.shape}")
     if not attend_supports(d, hq // h):
         raise ValueError(f"attend_weights needs head_dim dividing {ATTEND_THREADS} and at most {ATTEND_MAX_GROUPS} "
                          f"query heads per kv head, got head_dim {d}, {hq // h} heads")
@@ -984,6 +981,19 @@ def attend_weights(queries, keys, values, new_keys, new_values, *, old=None,
         (b * h * s * ATTEND_THREADS, 1, 1), (ATTEND_THREADS, 1, 1), shapes,
         [mx.float32] * (len(shapes) - 1) + [values.dtype], [("HEAD_DIM", d)])
     return out[-1], out[0], (out[1] if accumulate else None)
+
+
+def _check_step(name: str, queries, keys, values, new_keys, new_values, **more) -> None:
+    """Refuse a decode step's arrays of the wrong shapes: one query token, the values shaped as
+    the keys, one new key and value row per (batch row, kv head), query heads a multiple of the
+    kv heads, and each of ``more`` (``name=(array, shape)``) of its shape."""
+    b, h, n, d = keys.shape
+    if (queries.shape[2] != 1 or values.shape != keys.shape or new_keys.shape != (b, h, 1, d)
+            or new_values.shape != (b, h, 1, d) or queries.shape[1] % h
+            or any(a.shape != shape for a, shape in more.values())):
+        raise ValueError(f"{name}: queries {queries.shape}, keys {keys.shape}, values "
+                         f"{values.shape}, new {new_keys.shape}/{new_values.shape}"
+                         + "".join(f", {k} {a.shape}" for k, (a, _) in more.items()))
 
 
 def _attend_part(queries, keys, values, new_keys, new_values, decay: float):
@@ -1029,12 +1039,8 @@ def attend_select(queries, keys, values, new_keys, new_values, positions, next_p
         raise ValueError("`given` goes with by='given'")
     b, h, n, d = keys.shape
     hq = queries.shape[1]
-    if (queries.shape[2] != 1 or values.shape != keys.shape or new_keys.shape != (b, h, 1, d)
-            or new_values.shape != (b, h, 1, d) or hq % h or positions.shape != (b, h, n)
-            or next_pos.shape != (b, h)):
-        raise ValueError(f"attend_select: queries {queries.shape}, keys {keys.shape}, values "
-                         f"{values.shape}, new {new_keys.shape}/{new_values.shape}, positions "
-                         f"{positions.shape}, next_pos {next_pos.shape}")
+    _check_step("attend_select", queries, keys, values, new_keys, new_values,
+                positions=(positions, (b, h, n)), next_pos=(next_pos, (b, h)))
     if not attend_select_supports(h, d, hq // h, shared):
         raise ValueError(f"attend_select takes head_dim dividing {ATTEND_THREADS}, at most "
                          f"{ATTEND_MAX_GROUPS} query heads per kv head and {SELECT_THREADS} query heads "

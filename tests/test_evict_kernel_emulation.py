@@ -524,13 +524,8 @@ def test_fused_decode_step_matches_attention_then_update(case, emulated):
 
 # --- attend_select: the combine and the selection in one launch ------------------------------
 
-# key, params, b, h, g, d (budget 20 unless given)
-ATTEND_SELECT_CASES = [
-    ("tova", dict(n_sink=3, per_head=False), 2, 2, 2, 32),
-    ("tova", dict(n_sink=2, per_head=True), 1, 4, 1, 64),
-    ("h2o", dict(n_sink=3, grace=2, decay=0.95), 2, 2, 2, 32),
-    ("streaming_llm", dict(n_sink=3, window_size=17), 1, 2, 2, 32),
-    ("knorm", dict(n_sink=3, recent=2, keep="low"), 2, 3, 1, 64),
+# key, params, b, h, g, d (budget 20): select's first five cases, then KVzip's two probes
+ATTEND_SELECT_CASES = SELECT_CASES[:5] + [
     ("kvzip", dict(n_sink=3, probe="latest", per_head=False), 1, 2, 2, 32),
     ("kvzip", dict(n_sink=3, probe="context"), 2, 2, 3, 32),
 ]

@@ -42,6 +42,13 @@ def test_spec_declares_the_registered_backends(key):
 
 
 needs_cuda = pytest.mark.skipif(not device_supports("cuda"), reason="needs an NVIDIA GPU (MLX CUDA)")
+
+
+def _normal(rng, dtype):
+    """``draw(*shape)``: standard normal arrays from ``rng`` (float32 draws), as ``dtype``."""
+    return lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+
 needs_nvrtc = pytest.mark.skipif(
     not __import__("velox.kernels.nvrtc", fromlist=["available"]).available(),
     reason="needs NVIDIA's NVRTC wheel: pip install \".[kernels-check]\" (Linux x86-64)")
@@ -134,8 +141,7 @@ def test_kernel_decode_steps_match_mlx(key, variant, shape, dtype):
     dt = getattr(mx, dtype)
     rng = np.random.default_rng(zlib.crc32(repr((key, variant, shape, dtype)).encode()))
 
-    def arr(*s):
-        return mx.array(rng.standard_normal(s).astype(np.float32)).astype(dt)
+    arr = _normal(rng, dt)
 
     m = get_method(key)
     params = _params(key, budget, variant)
@@ -175,8 +181,7 @@ def test_kernel_attended_decode_step_matches_attention_then_update(key, shape, d
     dt = getattr(mx, dtype)
     rng = np.random.default_rng(zlib.crc32(repr((key, shape, dtype)).encode()))
 
-    def arr(*s):
-        return mx.array(rng.standard_normal(s).astype(np.float32)).astype(dt)
+    arr = _normal(rng, dt)
 
     m = get_method(key)
     st = m.init(b, h, d, dtype=dt, backend="cuda", **_params(key, budget, ""))
@@ -215,8 +220,7 @@ def test_attend_weights_split_matches_attention_and_the_weights_kernel(case, mon
     dt = getattr(mx, dtype)
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
 
-    def arr(*s):
-        return mx.array(rng.standard_normal(s).astype(np.float32)).astype(dt)
+    arr = _normal(rng, dt)
 
     q, k, v, kn, vn = arr(b, h * g, 1, d), arr(b, h, n, d), arr(b, h, n, d), arr(b, h, 1, d), arr(b, h, 1, d)
     old = mx.array(rng.random((b, h, n)).astype(np.float32)) if accumulate else None
@@ -248,8 +252,7 @@ def test_attend_select_equals_attend_weights_then_select(case):
     dt = getattr(mx, dtype)
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
 
-    def arr(*s):
-        return mx.array(rng.standard_normal(s).astype(np.float32)).astype(dt)
+    arr = _normal(rng, dt)
 
     q, k, v, kn, vn = arr(b, h * g, 1, d), arr(b, h, n, d), arr(b, h, n, d), arr(b, h, 1, d), arr(b, h, 1, d)
     k = mx.concatenate([k[:, :, :n // 2], k[:, :, :n - n // 2]], axis=2)  # equal keys: tied scores
@@ -302,8 +305,7 @@ def test_squeeze_kernel_follows_a_reallocated_budget():
     b, h, d = 1, 4, 64
     rng = np.random.default_rng(7)
 
-    def arr(*s):
-        return mx.array(rng.standard_normal(s).astype(np.float32)).astype(mx.float16)
+    arr = _normal(rng, mx.float16)
 
     m = get_method("squeeze")
     params = dict(budget=40, n_sink=3, grace=5, decay=0.95)
@@ -452,6 +454,14 @@ def test_kernel_wrappers_refuse_bad_arguments():
     big = mx.zeros((1, 1, 4, 512))
     with pytest.raises(ValueError, match="head_dim dividing"):
         kernels.attend_weights(mx.zeros((1, 1, 1, 512)), big, big, big[:, :, :1], big[:, :, :1])
+    pos, nxt = mx.zeros((1, 2, 4), mx.int32), mx.zeros((1, 2), mx.int32)
+    sel = dict(n_sink=0, recent=0, shared=False)
+    with pytest.raises(ValueError, match="attend_select: queries .* positions \\(1, 2, 3\\)"):
+        kernels.attend_select(q, k, k, k[:, :, :1], k[:, :, :1], pos[:, :, :3], nxt, **sel)
+    with pytest.raises(ValueError, match="given"):
+        kernels.attend_select(q, k, k, k[:, :, :1], k[:, :, :1], pos, nxt, by="given", **sel)
+    with pytest.raises(ValueError, match="need `accumulate`"):
+        kernels.attend_select(q, k, k, k[:, :, :1], k[:, :, :1], pos, nxt, by="carried", **sel)
     assert kernels.attend_supports(64, 4) and kernels.attend_supports(256, 128)
     assert not kernels.attend_supports(512, 1) and not kernels.attend_supports(96, 4)
     assert not kernels.attend_supports(64, 129)

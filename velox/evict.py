@@ -858,12 +858,17 @@ def _kernel_step(score, kernel, carry, fields, plan: _Plan) -> Callable:
             by, state.positions, state.next_pos, state.keys, state.values, keys, values,
             n_sink=plan.sinks(state), recent=plan.recent(state), shared=plan.shared(state),
             carried=carried)
-        fields = dict(positions=positions, next_pos=state.next_pos + 1)
+        return taken(state, positions, state.next_pos + 1, kept), Move(slot=slot, rows=(rk, rv))
+
+    def taken(state, positions, next_pos, kept):
+        """``state`` after a one-launch selection took a slot: its positions, next position
+        and carried scores (``kept``), no slot empty."""
+        new = dict(positions=positions, next_pos=next_pos)
         if carry:
-            fields[carry[0]] = kept
+            new[carry[0]] = kept
         if hasattr(state, "empty"):
-            fields["empty"] = 0
-        return state._replace(**fields), Move(slot=slot, rows=(rk, rv))
+            new["empty"] = 0
+        return state._replace(**new)
 
     def attended_select(state, keys, values, queries):
         """The whole step in two launches (``velox.kernels.evict.attend_select``: the
@@ -893,14 +898,9 @@ def _kernel_step(score, kernel, carry, fields, plan: _Plan) -> Callable:
         out, slot, rk, rv, positions, next_pos, kept = attend_select(
             queries, state.keys, state.values, keys, values, state.positions, state.next_pos,
             n_sink=plan.sinks(state), recent=plan.recent(state), shared=plan.shared(state), **args)
-        new = dict(positions=positions, next_pos=next_pos)
-        if carry:
-            new[carry[0]] = kept
-        if hasattr(state, "empty"):
-            new["empty"] = 0
         if out.dtype != queries.dtype:
             out = out.astype(queries.dtype)
-        return out, state._replace(**new), Move(slot=slot, rows=(rk, rv))
+        return out, taken(state, positions, next_pos, kept), Move(slot=slot, rows=(rk, rv))
 
     def with_attention(state, keys, values, queries):
         from .kernels.evict import attend_weights
