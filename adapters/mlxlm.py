@@ -576,6 +576,13 @@ class VeloxCache(_BaseCache):
         if m.attend is not None:
             if sinks is not None:
                 raise ValueError(f"{m.key} does not support attention sinks")
+            if (not step.prefix and step.keys.shape[2] == queries.shape[2]
+                    and m.layer_update is None and not self._steady(step.keys)):
+                # attention and update in one call (a method's decode kernels do both)
+                out, self._state = m.attend_update(self._state, queries, step.keys, step.values,
+                                                   scale=scale, mask=mask)
+                self.last_step = "deferred"
+                return _with_state(out, self._new_arrays())
             out = self._attend(queries, step.keys, step.values, mask, scale=scale)
         else:
             if step.new_only:  # handed the new tokens only; rebuild what attention reads

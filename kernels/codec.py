@@ -18,8 +18,10 @@ stored token's codes are read once. A step is two kernel launches and no other G
   (two per coordinate at head_dim 64): the weights times the values (``Int8Rows``: the 8-bit
   codes of a ``uint32`` word times the row's scale plus its zero; ``ExactRows``: the rows).
   It writes each split's ``(max, sum, weighted values)``, float32.
-* ``merge``: a block per (batch row, query head): the new token's exact logit (its own key),
-  then every split and the new token combined into the output, in the queries' dtype.
+* ``merge``: a block per (batch row, query head) of ``MERGE_THREADS`` threads: the new token's
+  exact logit (its own key), then every split and the new token combined into the output, in
+  the queries' dtype (the splits shared among ``MERGE_THREADS / head_dim`` parts of a thread
+  per coordinate, for loads in flight; the parts added in order).
 
 Everything is float32; the sums run in another order than ``velox.codec_cache.attend``'s
 matmuls, so the two agree within float32 rounding (the tests' tolerance: ``TOLERANCE``).
@@ -32,6 +34,7 @@ every variant's source without a GPU (``tests/test_codec_kernel.py``).
 from __future__ import annotations
 
 import math
+import re
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -40,6 +43,7 @@ import mlx.core as mx
 __all__ = ["supports", "decode_attend", "TOLERANCE", "CODECS", "HEAD_DIMS", "MAX_GROUPS"]
 
 THREADS = 128            # threads per block of the split kernel (a power of two, >= head_dim)
+MERGE_THREADS = 512      # threads per block of the merge kernel (a power of two, a multiple of head_dim)
 TARGET_BLOCKS = 528      # split blocks aimed at per step: 4 per SM of an H100 / H200 (132 SMs)
 MIN_SPAN = 64            # fewest stored tokens a split block takes (unless fewer are stored)
 SHARED_LIMIT = 48 * 1024  # static shared memory of one block
@@ -264,43 +268,59 @@ _INT8_SIDE = """vsc[t] = static_cast<float>(vs[row]);
 _INT8_VALUE = """const float v = __fadd_rn(__fmul_rn((float)((vq[row * (HEAD_DIM / 4) + (c >> 2)] >> ((c & 3) * 8)) & 255u), vsc[t]), vze[t]);"""
 _EXACT_VALUE = "const float v = static_cast<float>(vr[row * HEAD_DIM + c]);"
 
-# One block per (batch row, kv head, query head) of HEAD_DIM threads: the new token's logit (a
-# block sum), the largest logit over it and the splits, then the splits and the new token merged.
+# One block per (batch row, kv head, query head) of MT threads, MT / HEAD_DIM parts of HEAD_DIM
+# (a thread per output coordinate in each): the new token's logit (a block sum), the largest
+# logit over it and the splits, then each part merging every (MT / HEAD_DIM)-th split (loads of
+# several splits in flight), the parts' sums added in order, and the new token.
 _MERGE_BODY = """
-    const unsigned int c = threadIdx.x;
+    const unsigned int tid = threadIdx.x;
+    constexpr int PARTS = MT / HEAD_DIM;
+    const int c = (int)tid % HEAD_DIM, part = (int)tid / HEAD_DIM;
     const size_t bh = blockIdx.x / G;
     const int j = blockIdx.x % G;
     const int ns = pm_shape[2];
     const float inf = __int_as_float(0x7f800000);
-    __shared__ float red[HEAD_DIM];
-    red[c] = __fmul_rn(static_cast<float>(qry[(bh * G + j) * HEAD_DIM + c]), params[2])
-             * static_cast<float>(kn[bh * HEAD_DIM + c]);
+    __shared__ float red[MT];
+    __shared__ float tots[PARTS];
+    red[tid] = part == 0 ? __fmul_rn(static_cast<float>(qry[(bh * G + j) * HEAD_DIM + c]), params[2])
+                           * static_cast<float>(kn[bh * HEAD_DIM + c]) : 0.0f;
     __syncthreads();
     for (int w = HEAD_DIM / 2; w > 0; w >>= 1) {
-        if ((int)c < w) red[c] += red[c + w];
+        if ((int)tid < w) red[tid] += red[tid + w];
         __syncthreads();
     }
     const float ln = red[0];
     __syncthreads();
-    float m = c == 0 ? ln : -inf;
-    for (int s = (int)c; s < ns; s += HEAD_DIM) m = fmaxf(m, pm[(bh * ns + s) * G + j]);
-    red[c] = m;
+    float m = tid == 0 ? ln : -inf;
+    for (int s = (int)tid; s < ns; s += MT) m = fmaxf(m, pm[(bh * ns + s) * G + j]);
+    red[tid] = m;
     __syncthreads();
-    for (int w = HEAD_DIM / 2; w > 0; w >>= 1) {
-        if ((int)c < w) red[c] = fmaxf(red[c], red[c + w]);
+    for (int w = MT / 2; w > 0; w >>= 1) {
+        if ((int)tid < w) red[tid] = fmaxf(red[tid], red[tid + w]);
         __syncthreads();
     }
     m = red[0];
-    const float e = expf(ln - m);
-    float tot = e, acc = e * static_cast<float>(vn[bh * HEAD_DIM + c]);
+    __syncthreads();
+    float tot = 0.0f, acc = 0.0f;
     #pragma unroll 4
-    for (int s = 0; s < ns; ++s) {
+    for (int s = part; s < ns; s += PARTS) {
         const size_t o = (bh * ns + s) * G + j;
         const float f = expf(pm[o] - m);
         tot += f * pl[o];
         acc += f * pa[o * HEAD_DIM + c];
     }
-    velox_put(out + (bh * G + j) * HEAD_DIM + c, acc / tot);
+    red[tid] = acc;
+    if (c == 0) tots[part] = tot;
+    __syncthreads();
+    if (part == 0) {
+        const float e = expf(ln - m);
+        float t = e, a = e * static_cast<float>(vn[bh * HEAD_DIM + c]);
+        for (int p = 0; p < PARTS; ++p) {
+            t += tots[p];
+            a += red[p * HEAD_DIM + c];
+        }
+        velox_put(out + (bh * G + j) * HEAD_DIM + c, a / t);
+    }
 """
 
 _CODEC_INPUTS = {
@@ -341,7 +361,8 @@ def split_spec(codec: str, values: str) -> dict:
 def merge_spec() -> dict:
     """The ``mx.fast.cuda_kernel`` arguments of the merge kernel (template ``HEAD_DIM``, ``G``)."""
     return dict(name="velox_codec_merge", input_names=["qry", "kn", "vn", "pm", "pl", "pa", "params"],
-                output_names=["out"], source=_MERGE_BODY, header=_HEADER)
+                output_names=["out"], source=re.sub(r"\bMT\b", str(MERGE_THREADS), _MERGE_BODY),
+                header=_HEADER)
 
 
 @lru_cache(maxsize=None)
@@ -548,6 +569,7 @@ def split_then_merge(run, variant: tuple, inputs: list, nsplit: int, template: l
     pm, pl, pa = run(*variant, inputs, (b * h * nsplit * THREADS, 1, 1), (THREADS, 1, 1),
                      [(b, h, nsplit, g), (b, h, nsplit, g), (b, h, nsplit, g, d)], [mx.float32] * 3,
                      template)
-    (out,) = run(None, None, [queries, keys, values, pm, pl, pa, params], (b * h * g * d, 1, 1),
-                 (d, 1, 1), [(b, h, g, d)], [queries.dtype], [("HEAD_DIM", d), ("G", g)])
+    (out,) = run(None, None, [queries, keys, values, pm, pl, pa, params],
+                 (b * h * g * MERGE_THREADS, 1, 1), (MERGE_THREADS, 1, 1), [(b, h, g, d)],
+                 [queries.dtype], [("HEAD_DIM", d), ("G", g)])
     return out.reshape(b, hq, 1, d)

@@ -51,13 +51,13 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from . import codec as ck
+from . import evict as ev
 
-__all__ = ["supports", "decode_attend", "split_spec", "TOLERANCE", "HALF_TOLERANCE", "BITS", "DEVICE_BITS",
+__all__ = ["supports", "step_plan", "decode_attend", "decode_step", "split_spec", "TOLERANCE", "HALF_TOLERANCE", "BITS",
            "GROUP_SIZES", "HEAD_DIMS", "MAX_GROUPS"]
 
-BITS = (2, 3, 4, 8)
-#: The bits :func:`supports` takes on a GPU (see there for 3).
-DEVICE_BITS = (2, 4, 8)
+#: Bits the kernels take (whole codes per 32-bit word; 3-bit states take the MLX path).
+BITS = (2, 4, 8)
 GROUP_SIZES = (32, 64, 128)
 HEAD_DIMS = ck.HEAD_DIMS
 MAX_GROUPS = ck.MAX_GROUPS
@@ -75,103 +75,294 @@ HALF_TOLERANCE = {mx.float32: TOLERANCE[mx.float32], mx.float16: (2.0 ** -8, 2.0
 _ROW_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 _SIDE_DTYPES = (mx.float16, mx.bfloat16)
 
-# Everything up to phase 1: which segment the block's split covers (quantized tokens in spans of
-# whole groups, then the residual rows), and the G queries times the scale in q_s. QUANT and
-# RESID say whether the step has quantized tokens and residual rows (an absent segment's inputs
-# are placeholders of one element, never read).
-_PREAMBLE = """
-    const unsigned int tid = threadIdx.x;
+# One block of NT (128) threads per (batch row, kv head, split): the quantized tokens in splits
+# of qspan tokens (cfg[0], a multiple of TILE), then the residual rows in splits of rspan rows
+# (cfg[1]). The G queries times the scale go to q_s; lg holds the split's G logits (then their
+# exponentials); part the warps' partial logits or partial outputs, summed in warp order.
+_STEP = """
+    const unsigned int tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    constexpr int NW = NT / 32;
+    constexpr int TPW = 32 / BITS;                       // codes per 32-bit word
+    constexpr int TILE = 32 * TPW;                       // tokens in 32 words of a key channel
+    constexpr int GP = 32 / TPW < G ? 32 / TPW : G;      // query heads per pass over codes
+    constexpr int VW = HEAD_DIM * BITS / 32;             // words of a value row
+    constexpr int VG = HEAD_DIM / GS;                    // channel groups of a value row
+    constexpr int LR = HEAD_DIM / 8;                     // lanes per residual row, 8 elements each
+    constexpr int GR = G < 4 ? G : 4;                    // query heads per pass over residual values
+    constexpr unsigned int CODE = (1u << BITS) - 1u;
+    constexpr int CU = 8;                                // key channels in flight per lane
+    constexpr int RU = 8;                                // value rows in flight per lane
+    static_assert(32 % BITS == 0 && VW <= 32 && LR <= 32 && TILE % GS == 0, "layout");
     const int nb = qry_shape[0], nh = qry_shape[1] / G;
-    const int nq = QUANT ? vs_shape[2] : 0, nr = RESID ? rk_shape[2] : 0;
-    const int nrs = (nr + SPLIT - 1) / SPLIT;
+    const int nq = QUANT ? vc_shape[2] : 0, nr = RESID ? rk_shape[2] : 0;
+    const int qspan = cfg[0], rspan = cfg[1];
+    const int nqs = QUANT ? (nq + qspan - 1) / qspan : 0;
     const int nsplit = (int)(gridDim.x / (unsigned int)(nb * nh));
-    const int nqs = nsplit - nrs;
     const size_t bh = blockIdx.x / nsplit;
     const int split = blockIdx.x % nsplit;
     const bool quant = split < nqs;
-    const int n = quant ? nq : nr;
-    const int span = quant ? (nq / GS + nqs - 1) / nqs * GS : (nr + nrs - 1) / (nrs > 0 ? nrs : 1);
+    const int span = quant ? qspan : rspan;
     const int start = (quant ? split : split - nqs) * span;
+    const int n = quant ? nq : nr;
     const int len = n - start >= span ? span : (n - start > 0 ? n - start : 0);
-    const int kw = nq / 32 * BITS, ng = nq / GS;
+    const size_t o = bh * nsplit + split;
     const float inf = __int_as_float(0x7f800000);
-    __shared__ float lg[G * SPLIT];
-    __shared__ float red[G * NT];
     __shared__ float q_s[G * HEAD_DIM];
+    __shared__ float lg[G * SPLIT];
+    __shared__ float part[NW * 1024];
     for (int i = (int)tid; i < G * HEAD_DIM; i += NT)
         q_s[i] = __fmul_rn(static_cast<float>(qry[bh * (G * HEAD_DIM) + i]), params[2]);
     __syncthreads();
+    // phase 1, the logits. Quantized keys (channel-major words): a tile of TILE tokens at a
+    // time, lane l decoding word l of each channel (TPW tokens), the warps taking every NW-th
+    // channel; their partial logits summed in warp order.
+    if (quant) {
+        const int kw = nq / TPW, ng = nq / GS;
+        for (int j0 = 0; j0 < G; j0 += GP) {
+            for (int t0 = 0; t0 < len; t0 += TILE) {
+                const int tl = t0 + (int)lane * TPW;
+                float acc[GP][TPW];
+                #pragma unroll
+                for (int j = 0; j < GP; ++j)
+                    #pragma unroll
+                    for (int u = 0; u < TPW; ++u) acc[j][u] = 0.0f;
+                if (tl < len) {
+                    const int tok = start + tl;
+                    const unsigned int* kr = kc + bh * HEAD_DIM * (size_t)kw + tok / TPW;
+                    const size_t side = bh * HEAD_DIM * (size_t)ng + tok / GS;
+                    // CU channels' words, scales and zeros loaded before any is used
+                    for (int c0 = (int)warp; c0 < HEAD_DIM; c0 += NW * CU) {
+                        unsigned int wk[CU];
+                        float sk[CU], zk[CU];
+                        #pragma unroll
+                        for (int i = 0; i < CU; ++i) {
+                            const int ch = c0 + i * NW;
+                            wk[i] = ch < HEAD_DIM ? kr[(size_t)ch * kw] : 0u;
+                            sk[i] = ch < HEAD_DIM ? static_cast<float>(ks[side + (size_t)ch * ng]) : 0.0f;
+                            zk[i] = ch < HEAD_DIM ? static_cast<float>(kz[side + (size_t)ch * ng]) : 0.0f;
+                        }
+                        #pragma unroll
+                        for (int i = 0; i < CU; ++i) {
+                            const int ch = c0 + i * NW;
+                            if (ch < HEAD_DIM) {
+                                #pragma unroll
+                                for (int u = 0; u < TPW; ++u) {
+                                    const float k = __fadd_rn(__fmul_rn((float)((wk[i] >> (u * BITS)) & CODE), sk[i]), zk[i]);
+                                    #pragma unroll
+                                    for (int j = 0; j < GP; ++j)
+                                        if (j0 + j < G) acc[j][u] += q_s[(j0 + j) * HEAD_DIM + ch] * k;
+                                }
+                            }
+                        }
+                    }
+                }
+                #pragma unroll
+                for (int j = 0; j < GP; ++j)
+                    #pragma unroll
+                    for (int u = 0; u < TPW; ++u) part[(warp * GP + j) * TILE + lane * TPW + u] = acc[j][u];
+                __syncthreads();
+                for (int i = (int)tid; i < GP * TILE; i += NT) {
+                    const int j = i / TILE, t = t0 + i % TILE;
+                    if (j0 + j < G && t < len) {
+                        float s = 0.0f;
+                        for (int w = 0; w < NW; ++w) s += part[(w * GP + j) * TILE + i % TILE];
+                        lg[(j0 + j) * SPLIT + t] = s;
+                    }
+                }
+                __syncthreads();
+            }
+        }
+    } else {
+        // residual rows: LR lanes a row, 8 elements each (16-byte loads)
+        const int li = (int)lane % LR, ri = (int)lane / LR;
+        for (int t0 = (int)warp * (32 / LR); t0 < len; t0 += NW * (32 / LR)) {
+            const int t = t0 + ri;
+            float kr[8];
+            if (t < len) {
+                velox_row8<HEAD_DIM>(rk + (bh * nr + start + t) * HEAD_DIM, li * 8, kr);
+                /*COPY_K*/
+            } else {
+                for (int i = 0; i < 8; ++i) kr[i] = 0.0f;
+            }
+            for (int j = 0; j < G; ++j) {
+                float a = 0.0f;
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) a += q_s[j * HEAD_DIM + li * 8 + i] * kr[i];
+                for (int off = LR / 2; off > 0; off >>= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
+                if (t < len && li == 0) lg[j * SPLIT + t] = a;
+            }
+        }
+    }
+    __syncthreads();
+    // phase 2: per head (a warp each), the split's maximum, exponentials and their sum
+    for (int j = (int)warp; j < G; j += NW) {
+        float m = -inf;
+        for (int t = (int)lane; t < len; t += 32) m = fmaxf(m, lg[j * SPLIT + t]);
+        m = velox_warp_max(m);
+        float s = 0.0f;
+        for (int t = (int)lane; t < len; t += 32) {
+            const float p = expf(lg[j * SPLIT + t] - m);
+            lg[j * SPLIT + t] = p;
+            s += p;
+        }
+        s = velox_warp_sum(s);
+        if (lane == 0) {
+            pm[o * G + j] = m;
+            pl[o * G + j] = s;
+        }
+    }
+    __syncthreads();
+    // phase 3, the exponentials times the values. Quantized values (token-major words): VW
+    // lanes a row, lane l decoding word l (TPW coordinates).
+    if (quant) {
+        const int li = (int)lane % VW, ri = (int)lane / VW;
+        for (int j0 = 0; j0 < G; j0 += GP) {
+            float acc[GP][TPW];
+            #pragma unroll
+            for (int j = 0; j < GP; ++j)
+                #pragma unroll
+                for (int u = 0; u < TPW; ++u) acc[j][u] = 0.0f;
+            // RU rows' words, scales and zeros loaded before any is used
+            for (int t0 = (int)warp * (32 / VW); t0 < len; t0 += NW * (32 / VW) * RU) {
+                unsigned int wv[RU];
+                float sv[RU], zv[RU];
+                #pragma unroll
+                for (int r = 0; r < RU; ++r) {
+                    const int t = t0 + r * NW * (32 / VW) + ri;
+                    const size_t row = bh * nq + start + (t < len ? t : 0);
+                    wv[r] = t < len ? vc[row * VW + li] : 0u;
+                    sv[r] = t < len ? static_cast<float>(vs[row * VG + li * TPW / GS]) : 0.0f;
+                    zv[r] = t < len ? static_cast<float>(vz[row * VG + li * TPW / GS]) : 0.0f;
+                }
+                #pragma unroll
+                for (int r = 0; r < RU; ++r) {
+                    const int t = t0 + r * NW * (32 / VW) + ri;
+                    if (t < len) {
+                        #pragma unroll
+                        for (int u = 0; u < TPW; ++u) {
+                            const float v = __fadd_rn(__fmul_rn((float)((wv[r] >> (u * BITS)) & CODE), sv[r]), zv[r]);
+                            #pragma unroll
+                            for (int j = 0; j < GP; ++j)
+                                if (j0 + j < G) acc[j][u] += lg[(j0 + j) * SPLIT + t] * v;
+                        }
+                    }
+                }
+            }
+            for (int off = VW; off < 32; off <<= 1) {
+                #pragma unroll
+                for (int j = 0; j < GP; ++j)
+                    #pragma unroll
+                    for (int u = 0; u < TPW; ++u) acc[j][u] += __shfl_xor_sync(0xffffffffu, acc[j][u], off);
+            }
+            if (ri == 0)
+                for (int j = 0; j < GP; ++j)
+                    for (int u = 0; u < TPW; ++u) part[(warp * GP + j) * HEAD_DIM + li * TPW + u] = acc[j][u];
+            __syncthreads();
+            for (int i = (int)tid; i < GP * HEAD_DIM; i += NT) {
+                const int j = i / HEAD_DIM;
+                if (j0 + j < G) {
+                    float s = 0.0f;
+                    for (int w = 0; w < NW; ++w) s += part[(w * GP + j) * HEAD_DIM + i % HEAD_DIM];
+                    pa[(o * G + j0 + j) * HEAD_DIM + i % HEAD_DIM] = s;
+                }
+            }
+            __syncthreads();
+        }
+    } else {
+        const int li = (int)lane % LR, ri = (int)lane / LR;
+        for (int j0 = 0; j0 < G; j0 += GR) {
+            float acc[GR][8];
+            #pragma unroll
+            for (int j = 0; j < GR; ++j)
+                for (int i = 0; i < 8; ++i) acc[j][i] = 0.0f;
+            for (int t0 = (int)warp * (32 / LR); t0 < len; t0 += NW * (32 / LR)) {
+                const int t = t0 + ri;
+                if (t < len) {
+                    float vr[8];
+                    velox_row8<HEAD_DIM>(rv + (bh * nr + start + t) * HEAD_DIM, li * 8, vr);
+                    /*COPY_V*/
+                    #pragma unroll
+                    for (int j = 0; j < GR; ++j) {
+                        const float p = j0 + j < G ? lg[(j0 + j) * SPLIT + t] : 0.0f;
+                        #pragma unroll
+                        for (int i = 0; i < 8; ++i) acc[j][i] += p * vr[i];
+                    }
+                }
+            }
+            for (int off = LR; off < 32; off <<= 1) {
+                #pragma unroll
+                for (int j = 0; j < GR; ++j)
+                    for (int i = 0; i < 8; ++i) acc[j][i] += __shfl_xor_sync(0xffffffffu, acc[j][i], off);
+            }
+            if (ri == 0)
+                for (int j = 0; j < GR; ++j)
+                    for (int i = 0; i < 8; ++i) part[(warp * GR + j) * HEAD_DIM + li * 8 + i] = acc[j][i];
+            __syncthreads();
+            for (int i = (int)tid; i < GR * HEAD_DIM; i += NT) {
+                const int j = i / HEAD_DIM;
+                if (j0 + j < G) {
+                    float s = 0.0f;
+                    for (int w = 0; w < NW; ++w) s += part[(w * GR + j) * HEAD_DIM + i % HEAD_DIM];
+                    pa[(o * G + j0 + j) * HEAD_DIM + i % HEAD_DIM] = s;
+                }
+            }
+            __syncthreads();
+        }
+    }
+    /*NEW_ROW*/
 """
 
-# A quantized token's key (token tok of the row, channel ch): its code at bit tok * BITS of the
-# channel's word stream, times the group's scale plus its zero; a residual token's: the row.
-_LOGITS = """if (quant) {
-            const int tok = start + t;
-            const int bit = tok * BITS, wi = bit >> 5, sh = bit & 31;
-            const unsigned int* kr = kc + bh * HEAD_DIM * (size_t)kw + wi;
-            const size_t side = bh * HEAD_DIM * (size_t)ng + tok / GS;
-            #pragma unroll 8
-            for (int ch = 0; ch < HEAD_DIM; ++ch) {
-                unsigned int w = kr[(size_t)ch * kw] >> sh;
-                if (32 % BITS != 0 && sh + BITS > 32) w |= kr[(size_t)ch * kw + 1] << (32 - sh);
-                const float k = __fadd_rn(__fmul_rn((float)(w & ((1u << BITS) - 1u)),
-                                                    static_cast<float>(ks[side + (size_t)ch * ng])),
-                                          static_cast<float>(kz[side + (size_t)ch * ng]));
-                #pragma unroll
-                for (int j = 0; j < G; ++j) lgt[j] += q_s[j * HEAD_DIM + ch] * k;
-            }
-        } else {
-            #pragma unroll 8
-            for (int ch = 0; ch < HEAD_DIM; ++ch) {
-                const float k = static_cast<float>(rk[row * HEAD_DIM + ch]);
-                #pragma unroll
-                for (int j = 0; j < G; ++j) lgt[j] += q_s[j * HEAD_DIM + ch] * k;
-            }
+# With the residual window appended (``APPEND``): the residual splits copy the rows they read
+# to rko / rvo (rows [0, nr)), the last split of a (batch row, kv head) writes the step's key
+# and value as row nr, in the residual's dtype, and the first one next_pos + 1 to npo.
+_COPY_K = ("if (APPEND) for (int i = 0; i < 8; ++i) "
+           "velox_put(rko + (bh * (nr + 1) + start + t) * HEAD_DIM + li * 8 + i, kr[i]);")
+_COPY_V = ("if (APPEND && j0 == 0) for (int i = 0; i < 8; ++i) "
+           "velox_put(rvo + (bh * (nr + 1) + start + t) * HEAD_DIM + li * 8 + i, vr[i]);")
+_NEW_ROW = """if (split == 0 && tid == 0) npo[bh] = next_pos[bh] + 1;
+    if (split == nsplit - 1)
+        for (int c = (int)tid; c < HEAD_DIM; c += NT) {
+            velox_put(rko + (bh * (nr + 1) + nr) * HEAD_DIM + c, static_cast<float>(knew[bh * HEAD_DIM + c]));
+            velox_put(rvo + (bh * (nr + 1) + nr) * HEAD_DIM + c, static_cast<float>(vnew[bh * HEAD_DIM + c]));
         }"""
 
-# Value coordinate c of the token in ``row``: its code at bit c * BITS of the row's words, times
-# the scale plus the zero of its channel group; or the residual row's.
-_VALUE = """float v;
-        if (quant) {
-            constexpr int VW = HEAD_DIM * BITS / 32, VG = HEAD_DIM / GS;
-            const int bit = c * BITS, wi = bit >> 5, sh = bit & 31;
-            unsigned int w = vc[row * VW + wi] >> sh;
-            if (32 % BITS != 0 && sh + BITS > 32) w |= vc[row * VW + wi + 1] << (32 - sh);
-            v = __fadd_rn(__fmul_rn((float)(w & ((1u << BITS) - 1u)), static_cast<float>(vs[row * VG + c / GS])),
-                          static_cast<float>(vz[row * VG + c / GS]));
-        } else {
-            v = static_cast<float>(rv[row * HEAD_DIM + c]);
-        }"""
-
-_INPUTS = ["qry", "kc", "ks", "kz", "vc", "vs", "vz", "rk", "rv", "params"]
+_INPUTS = ["qry", "kc", "ks", "kz", "vc", "vs", "vz", "rk", "rv", "params", "cfg"]
 _TEMPLATE = ("HEAD_DIM", "G", "BITS", "GS", "SPLIT", "QUANT", "RESID")
 
 
 @lru_cache(maxsize=None)
-def split_spec() -> dict:
+def split_spec(append: bool = False) -> dict:
     """The ``mx.fast.cuda_kernel`` arguments of the split kernel. Template values: ``HEAD_DIM``,
-    ``G``, ``BITS``, ``GS`` (group_size), ``SPLIT`` (most tokens a block holds, a multiple of
-    ``GS``), ``QUANT`` and ``RESID`` (1 where the step has quantized tokens, residual rows).
-    Phases 1 to 3 are the text of ``velox.kernels.codec``'s split kernel from its phase 1 on."""
-    body = ck._SPLIT_BODY
-    at = body.find("    // phase 1")
-    if at < 0:
-        raise RuntimeError("velox.kernels.codec's split kernel has no '// phase 1' section")
-    src = re.sub(r"\bNT\b", str(THREADS), _PREAMBLE + body[at:])
-    src = src.replace("LOGITS", _LOGITS).replace("SIDE", "").replace("VALUE", _VALUE)
-    return dict(name="velox_kivi_split", input_names=list(_INPUTS), output_names=["pm", "pl", "pa"],
-                source=src, header=ck._HEADER)
+    ``G``, ``BITS``, ``GS`` (group_size), ``SPLIT`` (most tokens or rows a block holds, a
+    multiple of 32), ``QUANT`` and ``RESID`` (1 where the step has quantized tokens, residual
+    rows). ``append``: the variant that also writes the residual window with the step's token
+    appended and the advanced positions (inputs ``knew``, ``vnew``, ``next_pos``; outputs
+    ``rko``, ``rvo``, ``npo``)."""
+    src = _STEP
+    inputs, outputs = list(_INPUTS), ["pm", "pl", "pa"]
+    if append:
+        src = (src.replace("/*COPY_K*/", _COPY_K).replace("/*COPY_V*/", _COPY_V)
+               .replace("/*NEW_ROW*/", _NEW_ROW).replace("(APPEND", "(true"))
+        inputs += ["knew", "vnew", "next_pos"]
+        outputs += ["rko", "rvo", "npo"]
+    else:
+        for marker in ("/*COPY_K*/", "/*COPY_V*/", "/*NEW_ROW*/"):
+            src = src.replace(marker, "")
+    name = "velox_kivi_step" if append else "velox_kivi_split"
+    return dict(name=name, input_names=inputs, output_names=outputs,
+                source=re.sub(r"\bNT\b", str(THREADS), src), header=ev._HEADER)
 
 
 @lru_cache(maxsize=None)
-def _kernel():
-    return mx.fast.cuda_kernel(**split_spec())
+def _kernel(append: bool):
+    return mx.fast.cuda_kernel(**split_spec(append))
 
 
 def _run_kernel(codec, values, inputs, grid, threadgroup, output_shapes, output_dtypes, template):
-    """One launch (``codec`` ``"kivi"``: the split kernel; None: the codec merge kernel); the
-    signature of ``velox.kernels.codec._run_kernel``. The tests replace it by an emulation."""
-    kernel = ck._kernel(None, None) if codec is None else _kernel()
+    """One launch (``codec`` ``"kivi"``: the split kernel, ``"kivi+append"`` its appending
+    variant; None: the codec merge kernel); the signature of ``velox.kernels.codec._run_kernel``.
+    The tests replace it by an emulation."""
+    kernel = ck._kernel(None, None) if codec is None else _kernel(codec == "kivi+append")
     return kernel(inputs=inputs, grid=grid, threadgroup=threadgroup, output_shapes=output_shapes,
                   output_dtypes=output_dtypes, template=template)
 
@@ -181,20 +372,25 @@ class _Layout(NamedTuple):
     group_size: int
     groups: int
     head_dim: int
-    split: int       # most stored tokens one split block holds (a multiple of group_size)
+    split: int       # most stored tokens (or residual rows) one split block holds
 
 
-def split_size(groups: int, group_size: int) -> int:
-    """Most tokens one split block holds: ``velox.kernels.codec.split_size``, at least one
-    key group."""
-    return max(ck.split_size(groups), group_size)
+def tile(bits: int) -> int:
+    """Tokens of 32 words of one key channel (a warp's load): the quantized splits take whole
+    tiles where their logits fit shared memory."""
+    return 32 * (32 // bits)
+
+
+def split_size(groups: int) -> int:
+    """Most tokens (or residual rows) one split block holds: a multiple of 32 whose
+    ``groups * split`` logits fit 16 KiB of shared memory (128 at 32 query heads per kv head,
+    4096 at one)."""
+    return max(32, 4096 // groups // 32 * 32)
 
 
 def shared_bytes(lay: _Layout) -> int:
-    """Static shared memory of a split block: logits, reduction scratch, scaled queries."""
-    return 4 * lay.groups * (lay.split + THREADS + lay.head_dim)
-
-
+    """Static shared memory of a split block: scaled queries, logits, the warps' partials."""
+    return 4 * (lay.groups * lay.head_dim + lay.groups * lay.split + THREADS // 32 * 1024)
 _FIELDS = ("key_codes", "key_scales", "key_zeros", "value_codes", "value_scales", "value_zeros",
            "residual_keys", "residual_values", "next_pos", "bits", "group_size")
 
@@ -230,34 +426,22 @@ def _layout(state, queries) -> _Layout | None:
             or any(x.dtype != ks.dtype for x in (kz, vs, vz)) or rk.dtype not in _ROW_DTYPES \
             or rv.dtype != rk.dtype:
         return None
-    lay = _Layout(bits, gs, hq // h, d, split_size(hq // h, gs))
+    lay = _Layout(bits, gs, hq // h, d, split_size(hq // h))
     return lay if shared_bytes(lay) <= ck.SHARED_LIMIT else None
 
 
-def supports(state, queries) -> bool:
-    """Whether :func:`attend` should run the kernels for ``state`` and ``queries`` (else the MLX
-    path): a KIVI state at bits 2, 4 or 8 (:data:`DEVICE_BITS`) and group_size 32, 64 or 128,
-    one query token, head_dim 64 or 128, at most 32 query heads per kv head, float16, bfloat16
-    or float32 queries, on a CUDA device.
-
-    3-bit states (codes spilling across words) are left to the MLX path: the kernel's 3-bit
-    variant compiles and matches ``attend`` in the CPU emulation, but its GPU test did not finish
-    within 38 s on an H200 (cause not found), so it is not used until it passes there."""
-    from velox.backend import device_supports
-    return (device_supports("cuda") and mx.default_device() == mx.gpu
-            and getattr(state, "bits", None) in DEVICE_BITS and _layout(state, queries) is not None)
-
-
-def plan_splits(batch: int, kv_heads: int, nq: int, nr: int, split: int, group_size: int) -> tuple[int, int]:
-    """``(quantized, residual)`` split blocks per (batch row, kv head): the quantized tokens in
-    about ``velox.kernels.codec.plan_splits``'s spans rounded up to whole groups, the residual
-    rows in blocks of at most ``split`` (as the kernel counts them)."""
-    nqs = 0
-    if nq:
-        span = -(-nq // ck.plan_splits(batch, kv_heads, nq, split))
-        groups = -(-span // group_size)
-        nqs = -(-(nq // group_size) // groups)
-    return nqs, -(-nr // split)
+def plan_splits(batch: int, kv_heads: int, nq: int, nr: int, split: int, bits: int) -> tuple[int, int, int, int]:
+    """``(quantized splits, residual splits, qspan, rspan)`` per (batch row, kv head): the
+    quantized tokens in spans of whole tiles (:func:`tile`) of about ``batch * kv_heads * nq
+    / velox.kernels.codec.TARGET_BLOCKS`` tokens, at most ``split`` (a multiple of 32); the
+    residual rows in as few spans of at most ``split`` as hold them, as even as can be."""
+    t = tile(bits)
+    target = -(-batch * kv_heads * nq // ck.TARGET_BLOCKS)
+    qspan = min(split, -(-max(target, 1) // t) * t)
+    nqs = -(-nq // qspan) if nq else 0
+    nrs = -(-nr // split) if nr else 0
+    rspan = -(-nr // nrs) if nr else 1
+    return nqs, nrs, qspan, rspan
 
 
 @lru_cache(maxsize=None)
@@ -265,32 +449,131 @@ def _placeholder(dtype) -> mx.array:
     return mx.zeros((1,), dtype)
 
 
+@lru_cache(maxsize=None)
+def _cfg(qspan: int, rspan: int) -> mx.array:
+    return mx.array([qspan, rspan], mx.int32)
+
+
+class _Plan(NamedTuple):
+    """Everything a step's two launches need but the arrays, for one shape of state and
+    queries (:func:`_plan`)."""
+    nq: int
+    nr: int
+    grid: tuple
+    template: list
+    shapes: list         # the split kernel's outputs (the appending variant's three more after)
+    cfg: mx.array
+    merge_grid: tuple
+    merge_template: list
+    merge_shape: tuple
+    out_shape: tuple
+
+
+_PLANS: dict = {}
+PLANS_MAX = 256  # plans kept (a decode step's shapes change as the residual window grows)
+
+
+def _plan(state, queries) -> _Plan | None:
+    """The launch plan of ``state`` and ``queries`` (None where :func:`_layout` refuses
+    them), computed once per shape of every array read and kept (a model's layers share it)."""
+    try:
+        arrays = (queries, state.key_codes, state.key_scales, state.key_zeros, state.value_codes,
+                  state.value_scales, state.value_zeros, state.residual_keys,
+                  state.residual_values, state.next_pos)
+        key = (type(state), state.bits, state.group_size,
+               *[(x.shape, x.dtype) if isinstance(x, mx.array) else None for x in arrays])
+    except AttributeError:
+        return None
+    try:
+        return _PLANS[key]
+    except (KeyError, TypeError):
+        pass
+    lay = _layout(state, queries)
+    plan = None
+    if lay is not None:
+        b, hq, _, d = queries.shape
+        h, g = state.next_pos.shape[1], lay.groups
+        nq, nr = state.value_codes.shape[2], state.residual_keys.shape[2]
+        nqs, nrs, qspan, rspan = plan_splits(b, h, nq, nr, lay.split, lay.bits)
+        nsplit = nqs + nrs
+        plan = _Plan(nq, nr, (b * h * nsplit * THREADS, 1, 1),
+                     [("HEAD_DIM", d), ("G", g), ("BITS", lay.bits), ("GS", lay.group_size),
+                      ("SPLIT", lay.split), ("QUANT", int(nq > 0)), ("RESID", int(nr > 0))],
+                     [(b, h, nsplit, g), (b, h, nsplit, g), (b, h, nsplit, g, d),
+                      (b, h, nr + 1, d), (b, h, nr + 1, d), (b, h)],
+                     _cfg(qspan, rspan), (b * h * g * ck.MERGE_THREADS, 1, 1), [("HEAD_DIM", d), ("G", g)],
+                     (b, h, g, d), (b, hq, 1, d))
+    if len(_PLANS) >= PLANS_MAX:
+        _PLANS.clear()
+    try:
+        _PLANS[key] = plan
+    except TypeError:  # an unhashable field: nothing kept
+        pass
+    return plan
+
+
+def _on_device() -> bool:
+    from velox.backend import device_supports
+    return device_supports("cuda") and mx.default_device() == mx.gpu
+
+
+def step_plan(state, queries) -> _Plan | None:
+    """The launch plan of a decode step of ``state`` and ``queries`` on this device (for
+    :func:`decode_step`'s ``plan``), or None where :func:`supports` would say no."""
+    return _plan(state, queries) if _on_device() else None
+
+
+def supports(state, queries) -> bool:
+    """Whether :func:`decode_attend` and :func:`decode_step` take ``state`` and ``queries``
+    (else the MLX path): a KIVI state at bits 2, 4 or 8 and group_size 32, 64 or 128, one query
+    token, head_dim 64 or 128, at most 32 query heads per kv head, float16, bfloat16 or
+    float32 queries, float16 / bfloat16 scales and zeros, float16 / bfloat16 / float32
+    residual rows, on a CUDA device."""
+    return step_plan(state, queries) is not None
+
+
+def _launch(state, queries, keys, values, scale: float, append: bool, plan: _Plan | None = None):
+    """The split kernel (appending or not), then the merge kernel: the output, and with
+    ``append`` the new residual window and positions."""
+    plan = plan or _plan(state, queries)
+    if plan is None:
+        raise ValueError("the KIVI decode kernels do not take this state and queries (see supports)")
+    ck.check_step(queries, keys, values, state.next_pos.shape[1])
+    if plan.nq == 0 and plan.nr == 0:
+        rd = state.residual_keys.dtype
+        return ck.new_token_alone(queries, values), keys.astype(rd), values.astype(rd), state.next_pos + 1
+    params = ck._params(queries.shape[3], 0, float(scale))
+    ins = [queries]
+    for x in (state.key_codes, state.key_scales, state.key_zeros, state.value_codes,
+              state.value_scales, state.value_zeros):
+        ins.append(x if plan.nq else _placeholder(x.dtype))
+    for x in (state.residual_keys, state.residual_values):
+        ins.append(x if plan.nr else _placeholder(x.dtype))
+    ins += [params, plan.cfg]
+    shapes, dtypes = plan.shapes[:3], [mx.float32] * 3
+    if append:
+        rd = state.residual_keys.dtype
+        ins += [keys, values, state.next_pos]
+        shapes, dtypes = plan.shapes, dtypes + [rd, rd, mx.int32]
+    parts = _run_kernel("kivi+append" if append else "kivi", None, ins, plan.grid,
+                        (THREADS, 1, 1), shapes, dtypes, plan.template)
+    (out,) = _run_kernel(None, None, [queries, keys, values, *parts[:3], params], plan.merge_grid,
+                         (ck.MERGE_THREADS, 1, 1), [plan.merge_shape], [queries.dtype],
+                         plan.merge_template)
+    return (out.reshape(plan.out_shape), *parts[3:])
+
+
 def decode_attend(state, queries, keys, values, *, scale: float):
     """``velox.methods.kivi.attend(state, queries, keys, values, scale=scale)`` for one query
     token (``queries [b, hq, 1, d]``, the step's ``keys`` / ``values [b, h, 1, d]``), by the
     kernels: ``[b, hq, 1, d]`` in the queries' dtype (see the module docstring for how it
     rounds). Refuses (``ValueError``) what :func:`supports` would not take (the device aside)."""
-    lay = _layout(state, queries)
-    if lay is None:
-        raise ValueError("decode_attend does not take this state and queries (see supports)")
-    b, _, _, d = queries.shape
-    h, g = state.next_pos.shape[1], lay.groups
-    ck.check_step(queries, keys, values, h)
-    nq, nr = state.value_codes.shape[2], state.residual_keys.shape[2]
-    if nq == 0 and nr == 0:
-        return ck.new_token_alone(queries, values)
-    params = ck._params(d, 0, float(scale))
-    ins = dict(qry=queries, params=params)
-    quant = ("kc", "ks", "kz", "vc", "vs", "vz")
-    fields = ("key_codes", "key_scales", "key_zeros", "value_codes", "value_scales", "value_zeros")
-    for k, f in zip(quant, fields):
-        x = getattr(state, f)
-        ins[k] = x if nq else _placeholder(x.dtype)
-    for k, x in (("rk", state.residual_keys), ("rv", state.residual_values)):
-        ins[k] = x if nr else _placeholder(x.dtype)
-    nqs, nrs = plan_splits(b, h, nq, nr, lay.split, lay.group_size)
-    nsplit = nqs + nrs
-    template = [("HEAD_DIM", d), ("G", g), ("BITS", lay.bits), ("GS", lay.group_size),
-                ("SPLIT", lay.split), ("QUANT", int(nq > 0)), ("RESID", int(nr > 0))]
-    return ck.split_then_merge(_run_kernel, ("kivi", None), [ins[k] for k in _INPUTS], nsplit,
-                               template, queries, keys, values, params)
+    return _launch(state, queries, keys, values, scale, False)[0]
+
+
+def decode_step(state, queries, keys, values, *, scale: float, plan: _Plan | None = None):
+    """:func:`decode_attend`, the residual window with the step's token appended in the
+    residual's dtype (``concatenate([residual, keys.astype(residual dtype)], axis=2)``, the
+    same bits) and ``next_pos + 1``, from the same two launches: ``(output, residual_keys,
+    residual_values, next_pos)``. ``plan``: :func:`step_plan`'s, where the caller has it."""
+    return _launch(state, queries, keys, values, scale, True, plan)

@@ -97,7 +97,8 @@ def test_merge_source_is_complete():
     src = re.sub(r"//[^\n]*", "", spec["source"])
     for name in spec["input_names"] + spec["output_names"]:
         assert re.search(rf"\b{name}\b", src), name
-    assert set(re.findall(r"\b[A-Z][A-Z_]*\b", src)) == {"HEAD_DIM", "G"}
+    assert set(re.findall(r"\b[A-Z][A-Z_]*\b", src)) - {"PARTS"} == {"HEAD_DIM", "G"}
+    assert ck.MERGE_THREADS % max(ck.HEAD_DIMS) == 0 and ck.MERGE_THREADS & (ck.MERGE_THREADS - 1) == 0
 
 
 # The MSE stage's bits classes: dividing 32 (no index crosses a word) and not (indices spill

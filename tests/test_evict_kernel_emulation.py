@@ -197,7 +197,11 @@ LAUNCHES: list[tuple] = []  # the variants launched, for the tests that check th
 def _emulated_kernel(variant, inputs, grid, threadgroup, output_shapes, output_dtypes, template):
     """``velox.kernels.evict._run_kernel`` on the CPU: the same source, compiled as C++."""
     LAUNCHES.append(variant)
-    spec = ev._spec(variant)
+    return emulate(ev._spec(variant), inputs, grid, threadgroup, output_shapes, output_dtypes, template)
+
+
+def emulate(spec, inputs, grid, threadgroup, output_shapes, output_dtypes, template):
+    """One launch of the kernel of ``spec`` (``mx.fast.cuda_kernel``'s arguments) on the CPU."""
     assert grid[1:] == threadgroup[1:] == (1, 1) and grid[0] % threadgroup[0] == 0
     ins = dict(zip(spec["input_names"], inputs, strict=True))
     lib = _library(spec, {k: tck._NAME_OF[v.dtype] for k, v in ins.items()},
@@ -223,7 +227,7 @@ def _emulated_kernel(variant, inputs, grid, threadgroup, output_shapes, output_d
         outs.append(o)
         ptrs.append(o.ctypes.data)
     arr = (ctypes.c_void_p * len(ptrs))(*ptrs)
-    assert lib.velox_launch(grid[0] // threadgroup[0], threadgroup[0], arr) == 0, f"{variant}: deadlock"
+    assert lib.velox_launch(grid[0] // threadgroup[0], threadgroup[0], arr) == 0, f"{spec['name']}: deadlock"
     res = []
     for o, dt in zip(outs, output_dtypes):
         m = mx.array(o)

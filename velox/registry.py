@@ -47,6 +47,7 @@ class Method:
     model_init: Callable[[list[dict[str, Any]]], tuple] | None = None
     layer_update: Callable[..., tuple[tuple, State]] | None = None
     attend: Callable[..., mx.array] | None = None
+    attend_update: Callable[..., tuple[mx.array, State]] | None = None
     calibrate: Callable[[State, dict], State] | None = None
     spec_override: Spec | None = None
     extras: dict[str, Any] = field(default_factory=dict)
@@ -136,7 +137,7 @@ def register(key: str, state_type: type, init: Callable, backends: Any = None, *
              kv_slots: Callable | None = None, error_bound: Callable | None = None, dims: Callable | None = None,
              layer_params: Callable | None = None, model_init: Callable | None = None,
              layer_update: Callable | None = None, attend: Callable | None = None,
-             calibrate: Callable | None = None, spec: Spec | None = None,
+             attend_update: Callable | None = None, calibrate: Callable | None = None, spec: Spec | None = None,
              **extras: Any) -> Method:
     """Add a method to the registry (called once, at the end of each method module).
 
@@ -186,6 +187,13 @@ def register(key: str, state_type: type, init: Callable, backends: Any = None, *
             ``queries [b, q, s, d]`` over the stored tokens plus ``s`` new ones, for methods
             whose attention is not plain attention over ``get_kv`` (sparse page selection,
             attention on packed quantized codes). ``mask`` is ``None`` or ``"causal"``.
+            The method then also has ``attend_update(state, queries, keys, values, *, scale,
+            mask=None) -> (out, state)``: ``attend``'s output and ``update``'s state (with
+            ``queries``) of one step, checked as ``update`` checks its rows; what decoding
+            loops and the mlx-lm adapter call.
+        attend_update: a faster way to that pair for the steps it takes (a decode step's
+            kernels that attend and update at once), returning None for the others; it
+            gives ``update``'s state and ``attend``'s output (within the kernels' tolerance).
         calibrate: ``calibrate(state, arrays) -> state``: a fresh state with one layer's
             calibration arrays installed (``{name: np.ndarray}``, from an artifact fitted on a
             real model: ``velox.adapters.artifacts``).
@@ -224,6 +232,10 @@ def register(key: str, state_type: type, init: Callable, backends: Any = None, *
             m.kv_slots = _default_kv_slots(m.get_kv)
         if update is None:
             m.update = _dispatching_update(m, init.__module__)
+        if attend is not None:
+            m.attend_update = _attend_update(m, attend_update)
+        elif attend_update is not None:
+            raise ValueError(f"{key}: attend_update needs attend")
         if not m.spec.contract.get("ragged", False):
             _take_row_states(m)
         if spec is None and key in spec_keys():
@@ -322,6 +334,30 @@ def _dispatching_update(m: Method, module: str) -> Callable:
                       f"real ones first; {rows}.\n\n"
                       f"Returns the new state; the state given is left as it was.")
     return update
+
+
+def _attend_update(m: Method, fast: Callable | None) -> Callable:
+    """``attend`` then ``update`` of one step, through ``fast`` where it takes the step."""
+    from .ragged import RowStates
+    from .validate import check_update
+
+    def attend_update(state: State, queries: mx.array, keys: mx.array, values: mx.array, *,
+                      scale: float, mask: Any = None) -> tuple[mx.array, State]:
+        if fast is not None and not isinstance(state, RowStates):
+            b, h, d, dtype = (m.dims or _keys_dims)(state)
+            check_update(keys, values, queries, batch=b, heads=h, head_dim=d, dtype=dtype)
+            got = fast(state, queries, keys, values, scale=scale, mask=mask)
+            if got is not None:
+                return got
+        return (m.attend(state, queries, keys, values, scale=scale, mask=mask),
+                m.update(state, keys, values, queries=queries))
+
+    attend_update.__qualname__ = "attend_update"
+    attend_update.__doc__ = (f"{m.key}'s attention over its state plus ``s`` new tokens and the "
+                             f"state that absorbs them: ``(attend(state, queries, keys, values, "
+                             f"scale=scale, mask=mask), update(state, keys, values, queries="
+                             f"queries))``, in one step where the method has a faster way.")
+    return attend_update
 
 
 def _full(b: int, s: int):

@@ -109,14 +109,21 @@ def flush_count(state: KiviState, s: int) -> int:
 
 
 def _update_mlx(state: KiviState, keys, values, queries) -> KiviState:
-    s = keys.shape[2]
-    rd, cd = state.residual_keys.dtype, quant.dtype_of(state.cache_dtype)
+    rd = state.residual_keys.dtype
     rk = mx.concatenate([state.residual_keys, keys.astype(rd)], axis=2)
     rv = mx.concatenate([state.residual_values, values.astype(rd)], axis=2)
+    return _flushed(state, rk, rv, keys.shape[2])
+
+
+def _flushed(state: KiviState, rk, rv, s: int, next_pos=None) -> KiviState:
+    """The state once ``s`` new tokens joined the residual window (``rk``, ``rv``: the window
+    with them appended; ``next_pos``: the advanced positions, when already computed): the
+    oldest whole groups beyond ``residual_length`` quantized."""
     f = flush_count(state, s)
-    fields = dict(residual_keys=rk[:, :, f:], residual_values=rv[:, :, f:],
-                  next_pos=state.next_pos + s)
+    fields = dict(residual_keys=rk[:, :, f:] if f else rk, residual_values=rv[:, :, f:] if f else rv,
+                  next_pos=state.next_pos + s if next_pos is None else next_pos)
     if f:
+        cd = quant.dtype_of(state.cache_dtype)
         kc, ks, kz = quant.quantize(rk[:, :, :f].swapaxes(2, 3), state.bits, state.group_size, cd)
         vc, vs, vz = quant.quantize(rv[:, :, :f], state.bits, state.group_size, cd)
         fields.update(
@@ -127,6 +134,21 @@ def _update_mlx(state: KiviState, keys, values, queries) -> KiviState:
             value_scales=mx.concatenate([state.value_scales, vs], axis=2),
             value_zeros=mx.concatenate([state.value_zeros, vz], axis=2))
     return state._replace(**fields)
+
+
+def _attend_update(state: KiviState, queries, keys, values, *, scale: float, mask=None):
+    """A decode step's attention and update from the two launches of
+    ``velox.kernels.kivi.decode_step`` (which also appends the token to the residual window),
+    then the flush of ``update``'s ``mlx`` backend every ``group_size`` steps: the state is
+    ``update``'s to the bit, the output ``attend``'s. None where the kernels do not take the
+    step (the registry then runs ``attend`` and ``update``)."""
+    if keys.shape[2] != 1 or state.backend != "mlx" or not (mask is None or mask == "causal"):
+        return None
+    plan = kivi_kernel.step_plan(state, queries)
+    if plan is None:
+        return None
+    out, rk, rv, next_pos = kivi_kernel.decode_step(state, queries, keys, values, scale=scale, plan=plan)
+    return out, _flushed(state, rk, rv, 1, next_pos)
 
 
 # --- reference: NumPy group quantization (velox.reference) ------------------------------
@@ -206,5 +228,5 @@ def error_bound(state: KiviState) -> tuple[Float[Array, "b h n d"], Float[Array,
 State = KiviState
 method = register("kivi", KiviState, init, {"reference": _update_reference, "mlx": _update_mlx},
                   get_kv=get_kv, positions=positions, error_bound=error_bound, dims=dims,
-                  attend=attend)
+                  attend=attend, attend_update=_attend_update)
 init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
