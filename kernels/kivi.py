@@ -1,28 +1,39 @@
-"""A CUDA decode step of KIVI's attention over its packed codes (``mx.fast.cuda_kernel``):
-flash-decoding over the quantized keys and values, the exact residual window and the new token.
+"""A CUDA decode step of KIVI over its packed codes (``mx.fast.cuda_kernel``): flash-decoding
+over the quantized keys and values, the exact residual window and the new token, and the
+step's update of the residual window, in two launches.
 
 KIVI's state (``velox.methods.kivi``): ``Q`` quantized tokens, keys per channel in groups of
 ``group_size`` tokens stored transposed (``key_codes [b, h, d, Q * bits / 32]``, scales and
 zeros ``[b, h, d, Q / group_size]``), values per token in groups of ``group_size`` channels
 (``value_codes [b, h, Q, d * bits / 32]``, scales and zeros ``[b, h, Q, d / group_size]``),
 codes packed little-endian in MLX's affine layout (``velox.quant.pack``: code ``i`` of a row at
-bit ``i * bits`` of its word stream, spilling into the next word for 3 bits); then the exact
-residual window ``residual_keys / residual_values [b, h, r, d]``.
+bit ``i * bits`` of its word stream); then the exact residual window ``residual_keys /
+residual_values [b, h, r, d]``.
 
 One query token per sequence (``s == 1``), the ``g`` query heads of a kv head in the same block,
 so each stored code is read once. A step is two launches:
 
-* ``split``: a block per (batch row, kv head, split) of ``velox.kernels.codec.THREADS``
-  threads. The first splits cover the quantized tokens in spans of whole key groups (each
-  key group's scale and zero is read for its channels by one block only); the last ones the
-  residual window. Phase 1, a thread per token: the ``g`` logits (quantized: each channel's
-  code unpacked from its word, times the group's scale plus its zero, float32; residual: the
-  row). Phases 2 and 3 are ``velox.kernels.codec``'s split kernel's own (the split's maximum and
-  sum of exponentials, then a thread per value coordinate: the weights times the values,
-  quantized ones decoded per token the same way). It writes each split's ``(max, sum,
-  weighted values)``, float32.
+* ``split``: a block per (batch row, kv head, split) of ``velox.kernels.codec.THREADS`` (128)
+  threads. The first splits cover the quantized tokens in spans of whole tiles (the ``32 *
+  32 / bits`` tokens of 32 words of a key channel) where shared memory allows; the last
+  ones the residual window. Phase 1, the logits: a quantized key tile is read a word per
+  lane (lane ``l`` decodes the ``32 / bits`` tokens of word ``l`` of a channel, times the
+  group's scale plus its zero), the four warps taking every fourth channel, eight channels'
+  words in flight per lane; the warps' partial logits are added in warp order. Residual
+  rows: ``head_dim / 8`` lanes a row, 16-byte loads. Phase 2, per head (a warp each): the
+  split's maximum, exponentials and their sum. Phase 3, the exponentials times the values:
+  a quantized value row is read a word per lane (``head_dim * bits / 32`` lanes a row),
+  eight rows in flight per lane, the lanes of a word added by warp shuffles and the warps
+  in order. It writes each split's ``(max, sum, weighted values)``, float32. Its appending
+  variant (:func:`decode_step`) also writes the residual window with the step's token
+  appended, in the residual's dtype (the residual splits copy the rows they read), and
+  ``next_pos + 1``: a decode step's whole update but the flush of a group every
+  ``group_size`` steps.
 * ``merge``: ``velox.kernels.codec``'s merge kernel: the new token's exact logit, then every
   split and the new token combined into the output, in the queries' dtype.
+
+The split arithmetic (spans, template, output shapes) is computed once per shape of the
+state and queries (:func:`_plan`; a model's layers share it).
 
 Arithmetic: the queries are scaled in float32, the codes decoded as ``q * scale + zero`` in
 float32 and everything summed in float32: the result is ``attend`` evaluated in float32
@@ -32,14 +43,12 @@ is ``attend`` itself. For float16 and bfloat16 queries ``attend``'s MLX path als
 scaled queries, the logits and the weights to the queries' dtype, so the two differ by that
 rounding as well (:data:`HALF_TOLERANCE`).
 
-:func:`supports` says which states and queries the kernels take: bits 2, 4 or 8 (the sources
-also cover 3, whose codes spill across words, but it is not used on a GPU yet: see
-:func:`supports`), group_size 32, 64 or 128 dividing
-head_dim 64 or 128, ``g <= 32`` (within the block's static shared memory), float16 / bfloat16 /
-float32 queries, float16 / bfloat16 scales and zeros, float16 / bfloat16 / float32 residual
-rows, one query token, a CUDA device; anything else goes to the MLX path.
-``velox.kernels.nvrtc`` compiles every variant's source without a GPU
-(``tests/test_kivi_kernel.py``).
+:func:`supports` says which states and queries the kernels take: bits 2, 4 or 8 (whole codes
+per word; 3-bit states take the MLX path), group_size 32, 64 or 128 dividing head_dim 64 or
+128, ``g <= 32``, float16 / bfloat16 / float32 queries, float16 / bfloat16 scales and zeros,
+float16 / bfloat16 / float32 residual rows, one query token, a CUDA device; anything else goes
+to the MLX path. ``velox.kernels.nvrtc`` compiles every variant's source without a GPU, and
+the tests run the sources on the CPU through an emulation (``tests/test_kivi_kernel.py``).
 """
 
 from __future__ import annotations
