@@ -257,25 +257,7 @@ _STEP = """
                     }
                 }
             }
-            for (int off = VW; off < 32; off <<= 1) {
-                #pragma unroll
-                for (int j = 0; j < GP; ++j)
-                    #pragma unroll
-                    for (int u = 0; u < TPW; ++u) acc[j][u] += __shfl_xor_sync(0xffffffffu, acc[j][u], off);
-            }
-            if (ri == 0)
-                for (int j = 0; j < GP; ++j)
-                    for (int u = 0; u < TPW; ++u) part[(warp * GP + j) * HEAD_DIM + li * TPW + u] = acc[j][u];
-            __syncthreads();
-            for (int i = (int)tid; i < GP * HEAD_DIM; i += NT) {
-                const int j = i / HEAD_DIM;
-                if (j0 + j < G) {
-                    float s = 0.0f;
-                    for (int w = 0; w < NW; ++w) s += part[(w * GP + j) * HEAD_DIM + i % HEAD_DIM];
-                    pa[(o * G + j0 + j) * HEAD_DIM + i % HEAD_DIM] = s;
-                }
-            }
-            __syncthreads();
+            velox_kivi_out<GP, TPW, VW, NT, HEAD_DIM>(acc, part, pa + (o * G + j0) * HEAD_DIM, G - j0, li, ri);
         }
     } else {
         const int li = (int)lane % LR, ri = (int)lane / LR;
@@ -298,24 +280,7 @@ _STEP = """
                     }
                 }
             }
-            for (int off = LR; off < 32; off <<= 1) {
-                #pragma unroll
-                for (int j = 0; j < GR; ++j)
-                    for (int i = 0; i < 8; ++i) acc[j][i] += __shfl_xor_sync(0xffffffffu, acc[j][i], off);
-            }
-            if (ri == 0)
-                for (int j = 0; j < GR; ++j)
-                    for (int i = 0; i < 8; ++i) part[(warp * GR + j) * HEAD_DIM + li * 8 + i] = acc[j][i];
-            __syncthreads();
-            for (int i = (int)tid; i < GR * HEAD_DIM; i += NT) {
-                const int j = i / HEAD_DIM;
-                if (j0 + j < G) {
-                    float s = 0.0f;
-                    for (int w = 0; w < NW; ++w) s += part[(w * GR + j) * HEAD_DIM + i % HEAD_DIM];
-                    pa[(o * G + j0 + j) * HEAD_DIM + i % HEAD_DIM] = s;
-                }
-            }
-            __syncthreads();
+            velox_kivi_out<GR, 8, LR, NT, HEAD_DIM>(acc, part, pa + (o * G + j0) * HEAD_DIM, G - j0, li, ri);
         }
     }
     /*NEW_ROW*/
@@ -334,6 +299,37 @@ _NEW_ROW = """if (split == 0 && tid == 0) npo[bh] = next_pos[bh] + 1;
             velox_put(rko + (bh * (nr + 1) + nr) * HEAD_DIM + c, static_cast<float>(knew[bh * HEAD_DIM + c]));
             velox_put(rvo + (bh * (nr + 1) + nr) * HEAD_DIM + c, static_cast<float>(vnew[bh * HEAD_DIM + c]));
         }"""
+
+# A pass's partial outputs: each lane's acc[P][E] (coordinates li * E to li * E + E - 1 of P
+# query heads) summed over the lanes holding the same coordinates (lanes W apart), then over
+# the NW warps in order through part; the first `heads` of the P heads written to out (a
+# row of HEAD_DIM floats a head).
+_OUT_HEADER = """
+template <int P, int E, int W, int NT_, int HD>
+__device__ void velox_kivi_out(float (&acc)[P][E], float* part, float* out, int heads, int li, int ri) {
+    constexpr int NW_ = NT_ / 32;
+    const int tid = (int)threadIdx.x, warp = tid >> 5;
+    for (int off = W; off < 32; off <<= 1) {
+        #pragma unroll
+        for (int j = 0; j < P; ++j)
+            #pragma unroll
+            for (int e = 0; e < E; ++e) acc[j][e] += __shfl_xor_sync(0xffffffffu, acc[j][e], off);
+    }
+    if (ri == 0)
+        for (int j = 0; j < P; ++j)
+            for (int e = 0; e < E; ++e) part[(warp * P + j) * HD + li * E + e] = acc[j][e];
+    __syncthreads();
+    for (int i = tid; i < P * HD; i += NT_) {
+        const int j = i / HD;
+        if (j < heads) {
+            float s = 0.0f;
+            for (int w = 0; w < NW_; ++w) s += part[(w * P + j) * HD + i % HD];
+            out[j * HD + i % HD] = s;
+        }
+    }
+    __syncthreads();
+}
+"""
 
 _INPUTS = ["qry", "kc", "ks", "kz", "vc", "vs", "vz", "rk", "rv", "params", "cfg"]
 _TEMPLATE = ("HEAD_DIM", "G", "BITS", "GS", "SPLIT", "QUANT", "RESID")
@@ -359,7 +355,7 @@ def split_spec(append: bool = False) -> dict:
             src = src.replace(marker, "")
     name = "velox_kivi_step" if append else "velox_kivi_split"
     return dict(name=name, input_names=inputs, output_names=outputs,
-                source=re.sub(r"\bNT\b", str(THREADS), src), header=ev._HEADER)
+                source=re.sub(r"\bNT\b", str(THREADS), src), header=ev._HEADER + _OUT_HEADER)
 
 
 @lru_cache(maxsize=None)
