@@ -199,6 +199,36 @@ def test_attend_equals_dense_attention(case):
                        atol=tol, rtol=tol)
 
 
+@_given_cases(fraction=0.5, dtypes=("float32",))
+def test_attend_update_is_attend_then_update(case):
+    """A method with its own attention has ``attend_update``: ``attend``'s output and
+    ``update``'s state (with the queries), the same arrays to the bit where no faster way takes
+    the step (this machine's path); a method without ``attend`` has none."""
+    m = get_method(case.key)
+    if m.attend is None:
+        assert m.attend_update is None
+        return
+    steps = vt.make_inputs(case)
+    state = vt.run(case, "mlx", steps=steps[:-1])[-1] if len(steps) > 1 else vt.init_state(case)
+    new = steps[-1]
+    q = new.queries if new.queries is not None else mx.repeat(new.keys, 2, axis=1)
+    mask = "causal" if new.keys.shape[2] > 1 else None
+    scale = case.head_dim ** -0.5
+    out, after = m.attend_update(state, q, new.keys, new.values, scale=scale, mask=mask)
+    want = m.attend(state, q, new.keys, new.values, scale=scale, mask=mask)
+    assert np.array_equal(np.array(out), np.array(want), equal_nan=True)
+    ref = m.update(state, new.keys, new.values, queries=q)
+    xs, ys = _record_arrays(after), _record_arrays(ref)
+    assert len(xs) == len(ys) and all(
+        x.shape == y.shape and x.dtype == y.dtype and np.array_equal(np.array(x), np.array(y), equal_nan=True)
+        for x, y in zip(xs, ys))
+
+
+def _record_arrays(record) -> list:
+    from mlx.utils import tree_flatten
+    return [x for _, x in tree_flatten(record) if isinstance(x, mx.array)]
+
+
 @_given_cases(fraction=0.5, contents=vt.NONFINITE)
 def test_nonfinite_input(case):
     """NaN, +-inf and overflowing inputs: protected tokens survive, the position and byte
