@@ -276,7 +276,7 @@ def _steps(case, monkeypatch, steps):
     ref_st, flushes = st, 0
     for i in range(steps):
         q, kn, vn = _step(b, h, g, d, dtype, seed=1000 + i)
-        out, st = kivi.method.attend_update(st, q, kn, vn, scale=d ** -0.5)
+        out, st = kivi.attend_update(st, q, kn, vn, scale=d ** -0.5)
         _, f32 = _mlx_path(ref_st, q, kn, vn, d ** -0.5, monkeypatch)
         flushes += kivi.flush_count(ref_st, 1) > 0
         ref_st = kivi.update(ref_st, kn, vn, queries=q)

@@ -29,7 +29,7 @@ from ..qattention import Affine, Dense, attend_segments
 from ..registry import register
 
 __all__ = ["KiviState", "State", "init", "update", "get_kv", "nbytes", "positions", "error_bound",
-           "attend", "dims", "extended_state", "quantized_tokens", "flush_count"]
+           "attend", "attend_update", "dims", "extended_state", "quantized_tokens", "flush_count"]
 
 
 class KiviState(NamedTuple):
@@ -230,3 +230,4 @@ method = register("kivi", KiviState, init, {"reference": _update_reference, "mlx
                   get_kv=get_kv, positions=positions, error_bound=error_bound, dims=dims,
                   attend=attend, attend_update=_attend_update)
 init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
+attend_update = method.attend_update
