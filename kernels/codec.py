@@ -569,6 +569,15 @@ def split_then_merge(run, variant: tuple, inputs: list, nsplit: int, template: l
     pm, pl, pa = run(*variant, inputs, (b * h * nsplit * THREADS, 1, 1), (THREADS, 1, 1),
                      [(b, h, nsplit, g), (b, h, nsplit, g), (b, h, nsplit, g, d)], [mx.float32] * 3,
                      template)
+    return merge(run, queries, keys, values, pm, pl, pa, params)
+
+
+def merge(run, queries, keys, values, pm, pl, pa, params):
+    """The merge kernel's launch (through ``run``, the caller's launcher): the splits' ``(max,
+    sum, weighted values)`` and the new token combined into ``[b, hq, 1, d]``."""
+    b, hq, _, d = queries.shape
+    h = keys.shape[1]
+    g = hq // h
     (out,) = run(None, None, [queries, keys, values, pm, pl, pa, params],
                  (b * h * g * MERGE_THREADS, 1, 1), (MERGE_THREADS, 1, 1), [(b, h, g, d)],
                  [queries.dtype], [("HEAD_DIM", d), ("G", g)])

@@ -332,7 +332,6 @@ __device__ void velox_kivi_out(float (&acc)[P][E], float* part, float* out, int 
 """
 
 _INPUTS = ["qry", "kc", "ks", "kz", "vc", "vs", "vz", "rk", "rv", "params", "cfg"]
-_TEMPLATE = ("HEAD_DIM", "G", "BITS", "GS", "SPLIT", "QUANT", "RESID")
 
 
 @lru_cache(maxsize=None)
@@ -468,10 +467,6 @@ class _Plan(NamedTuple):
     template: list
     shapes: list         # the split kernel's outputs (the appending variant's three more after)
     cfg: mx.array
-    merge_grid: tuple
-    merge_template: list
-    merge_shape: tuple
-    out_shape: tuple
 
 
 _PLANS: dict = {}
@@ -496,7 +491,7 @@ def _plan(state, queries) -> _Plan | None:
     lay = _layout(state, queries)
     plan = None
     if lay is not None:
-        b, hq, _, d = queries.shape
+        b, _, _, d = queries.shape
         h, g = state.next_pos.shape[1], lay.groups
         nq, nr = state.value_codes.shape[2], state.residual_keys.shape[2]
         nqs, nrs, qspan, rspan = plan_splits(b, h, nq, nr, lay.split, lay.bits)
@@ -506,8 +501,7 @@ def _plan(state, queries) -> _Plan | None:
                       ("SPLIT", lay.split), ("QUANT", int(nq > 0)), ("RESID", int(nr > 0))],
                      [(b, h, nsplit, g), (b, h, nsplit, g), (b, h, nsplit, g, d),
                       (b, h, nr + 1, d), (b, h, nr + 1, d), (b, h)],
-                     _cfg(qspan, rspan), (b * h * g * ck.MERGE_THREADS, 1, 1), [("HEAD_DIM", d), ("G", g)],
-                     (b, h, g, d), (b, hq, 1, d))
+                     _cfg(qspan, rspan))
     if len(_PLANS) >= PLANS_MAX:
         _PLANS.clear()
     try:
@@ -562,10 +556,7 @@ def _launch(state, queries, keys, values, scale: float, append: bool, plan: _Pla
         shapes, dtypes = plan.shapes, dtypes + [rd, rd, mx.int32]
     parts = _run_kernel("kivi+append" if append else "kivi", None, ins, plan.grid,
                         (THREADS, 1, 1), shapes, dtypes, plan.template)
-    (out,) = _run_kernel(None, None, [queries, keys, values, *parts[:3], params], plan.merge_grid,
-                         (ck.MERGE_THREADS, 1, 1), [plan.merge_shape], [queries.dtype],
-                         plan.merge_template)
-    return (out.reshape(plan.out_shape), *parts[3:])
+    return (ck.merge(_run_kernel, queries, keys, values, *parts[:3], params), *parts[3:])
 
 
 def decode_attend(state, queries, keys, values, *, scale: float):
