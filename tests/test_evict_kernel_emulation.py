@@ -339,6 +339,15 @@ def _mlx_scores(key, st, k, v, q):
     return None, None
 
 
+def _filled(rng, key, params, b, h, g, d):
+    """``(method, state, plan)``: a state of ``key`` (``mlx`` backend) that absorbed a prefill
+    of :func:`_prefill` six tokens past its capacity (integer keys for KNorm)."""
+    m, st = _init(key, params, b, h, d)
+    plan = evict._plan(m.spec)
+    k, v, q = _prefill(rng, b, h, g, d, plan.capacity(st) + 6, integer=key == "knorm")
+    return m, m.update(st, k, v, queries=q), plan
+
+
 def _prefill(rng, b, h, g, d, n, integer=False):
     """Keys with equal rows (ties of every score of a key; ``integer``: integer keys) and
     values, queries."""
@@ -378,11 +387,8 @@ def _step_inputs(rng, key, st, step, b, h, g, d, integer=False):
 def test_select_decides_as_the_mlx_slot_step(case, emulated):
     key, params, b, h, g, d = case
     rng = _rng("select", case)
-    m, st = _init(key, params, b, h, d)
-    plan = evict._plan(m.spec)
+    m, st, plan = _filled(rng, key, params, b, h, g, d)
     n = plan.capacity(st)
-    k, v, q = _prefill(rng, b, h, g, d, n + 6, integer=key == "knorm")
-    st = m.update(st, k, v, queries=q)
     lost_new = 0
     for step in range(len(STEP_KINDS)):
         k, v, q = _step_inputs(rng, key, st, step, b, h, g, d, integer=key == "knorm")
@@ -544,11 +550,8 @@ def test_attend_select_decides_as_attend_weights_then_select(case, emulated, mon
     float32 rounding.)"""
     key, params, b, h, g, d = case
     rng = _rng("attend-select", case)
-    m, st = _init(key, params, b, h, d)
-    plan = evict._plan(m.spec)
-    n = plan.capacity(st)
-    k, v, q = _prefill(rng, b, h, g, d, n + 6, integer=key == "knorm")
-    st = m.update(st, k, v, queries=q)._replace(backend="cuda")
+    m, st, plan = _filled(rng, key, params, b, h, g, d)
+    st = st._replace(backend="cuda")
     step_fn = m.backends["cuda"].with_attention
     supports = ev.attend_select_supports
     lost_new = 0
