@@ -40,6 +40,8 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
+from . import build
+
 __all__ = ["supports", "decode_attend", "TOLERANCE", "CODECS", "HEAD_DIMS", "MAX_GROUPS"]
 
 THREADS = 128            # threads per block of the split kernel (a power of two, >= head_dim)
@@ -368,7 +370,7 @@ def merge_spec() -> dict:
 @lru_cache(maxsize=None)
 def _kernel(codec: str | None, values: str | None):
     spec = merge_spec() if codec is None else split_spec(codec, values)
-    return mx.fast.cuda_kernel(**spec)
+    return build(spec)
 
 
 def _run_kernel(codec, values, inputs, grid, threadgroup, output_shapes, output_dtypes, template):

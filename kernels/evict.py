@@ -42,6 +42,8 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from . import build
+
 __all__ = ["weights", "attend_weights", "attend_supports", "attend_select",
            "attend_select_supports", "select", "compact"]
 
@@ -711,7 +713,7 @@ def _select_spec(carry: bool = False) -> dict:
 
 @lru_cache(maxsize=None)
 def _select_kernel(carry: bool):
-    return mx.fast.cuda_kernel(**_select_spec(carry))
+    return build(_select_spec(carry))
 
 
 def select(scores, positions, next_pos, keys, values, new_keys, new_values, *, n_sink: int,
@@ -835,27 +837,27 @@ def _compact_spec(select: str, carry: str = "none") -> dict:
 
 @lru_cache(maxsize=None)
 def _weights_kernel(group: str, accumulate: str | None, noise: bool):
-    return mx.fast.cuda_kernel(**_weights_spec(group, accumulate, noise))
+    return build(_weights_spec(group, accumulate, noise))
 
 
 @lru_cache(maxsize=None)
 def _attend_part_kernel():
-    return mx.fast.cuda_kernel(**_attend_part_spec())
+    return build(_attend_part_spec())
 
 
 @lru_cache(maxsize=None)
 def _attend_combine_kernel(group: str, accumulate: str | None):
-    return mx.fast.cuda_kernel(**_attend_combine_spec(group, accumulate))
+    return build(_attend_combine_spec(group, accumulate))
 
 
 @lru_cache(maxsize=None)
 def _compact_kernel(select: str, carry: str):
-    return mx.fast.cuda_kernel(**_compact_spec(select, carry))
+    return build(_compact_spec(select, carry))
 
 
 @lru_cache(maxsize=None)
 def _attend_select_kernel(group: str, accumulate: str | None, by: str, carry: bool):
-    return mx.fast.cuda_kernel(**_attend_select_spec(group, accumulate, by, carry))
+    return build(_attend_select_spec(group, accumulate, by, carry))
 
 
 _SPECS = {"weights": _weights_spec, "select": _select_spec, "compact": _compact_spec,
@@ -1005,8 +1007,11 @@ def _attend_part(queries, keys, values, new_keys, new_values, decay: float):
     ch = split_chunk(N, b * h)
     s = -(-N // ch)
     cfg, params = _cfg(ch), _params(d ** -0.5, decay)
+    # the newest query; a decode step's one query as it is (the same elements in the same
+    # order: a slice would add two primitives to the step's graph)
+    newest = queries if queries.shape[2] == 1 else queries[:, :, -1]
     lg, pm, ps, po = _run_kernel(
-        ("attend_part",), [queries[:, :, -1], keys, new_keys, values, new_values, params, cfg],
+        ("attend_part",), [newest, keys, new_keys, values, new_values, params, cfg],
         (b * h * s * ATTEND_THREADS, 1, 1), (ATTEND_THREADS, 1, 1),
         [(b, h, g, N), (b, h, s, g), (b, h, s, g), (b, h, s, g, d)], [mx.float32] * 4,
         [("HEAD_DIM", d), ("GROUPS", min(g, ATTEND_GROUPS)), ("UNROLL", ATTEND_UNROLL)])

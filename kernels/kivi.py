@@ -59,6 +59,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
+from . import build
 from . import codec as ck
 from . import evict as ev
 
@@ -359,7 +360,7 @@ def split_spec(append: bool = False) -> dict:
 
 @lru_cache(maxsize=None)
 def _kernel(append: bool):
-    return mx.fast.cuda_kernel(**split_spec(append))
+    return build(split_spec(append))
 
 
 def _run_kernel(codec, values, inputs, grid, threadgroup, output_shapes, output_dtypes, template):

@@ -32,6 +32,8 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from . import build
+
 from .evict import _HEADER, COMPACT_SPAN, COMPACT_THREADS, THREADS, _seed_mix
 
 __all__ = ["merge_step", "MODES"]
@@ -217,7 +219,7 @@ def _compact_spec() -> dict:
 
 @lru_cache(maxsize=None)
 def _kernel(which: str):
-    return mx.fast.cuda_kernel(**(_plan_spec() if which == "plan" else _compact_spec()))
+    return build(_plan_spec() if which == "plan" else _compact_spec())
 
 
 def merge_step(keys, values, positions, new_keys, new_values, next_pos, scores, key_norms, *,

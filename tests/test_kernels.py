@@ -431,6 +431,32 @@ def test_kernel_source_check_catches_an_error():
         nvrtc.compile_source('extern "C" __global__ void f(float* x) { x[0] = y; }')
 
 
+def test_compact_drops_comments_and_layout_only():
+    """The compacted source keeps every token, each preprocessor line on its own line and a
+    ``//`` inside a string literal, and drops comments, indentation and blank lines."""
+    from velox.kernels import compact
+    src = ('  // a comment line\n'
+           '#pragma unroll\n'
+           '    x = 1; /* a block\n   comment */ y = 2;  // trailing\n'
+           '\n'
+           '    static_assert(N > 0, "a // b");  // kept: the string\n')
+    assert compact(src) == '#pragma unroll\nx = 1;   y = 2;\nstatic_assert(N > 0, "a // b");\n'
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("variant", KERNEL_VARIANTS, ids=str)
+def test_compacted_sources_compile_to_the_same_program(variant):
+    """What a launch builds (``velox.kernels.build``: comments and indentation dropped)
+    compiles to the same PTX as the source as written, for every variant (bfloat16 rows)."""
+    from velox.kernels import compact, nvrtc
+    kind, spec = _spec(variant)
+    ins, outs = _dtypes(kind, spec, "bfloat16")
+    small = {**spec, "source": compact(spec["source"]), "header": compact(spec.get("header", ""))}
+    assert len(small["source"]) + len(small["header"]) < 0.8 * (len(spec["source"]) + len(spec["header"]))
+    ptx = [nvrtc.compile_source(nvrtc.kernel_source(s, ins, outs, TEMPLATE[kind])) for s in (spec, small)]
+    assert ptx[0] == ptx[1], variant
+
+
 def test_kernel_wrappers_refuse_bad_arguments():
     """Arguments that name no kernel variant are refused before any launch (any machine)."""
     from velox.kernels import evict as kernels

@@ -92,6 +92,24 @@ def test_split_source_compiles(bits, gs, head_dim, dtypes, groups, quant, resid)
     assert f".entry {spec['name']}" in ptx
 
 
+@needs_nvrtc
+@pytest.mark.parametrize("append", [False, True])
+def test_compacted_split_source_compiles_to_the_same_program(append):
+    """What a launch builds (``velox.kernels.build``: comments and indentation dropped)
+    compiles to the same PTX as the split kernel's source as written; the merge's too."""
+    from velox.kernels import codec as ck
+    from velox.kernels import compact
+    dtypes = _dtypes("bfloat16", "bfloat16", "bfloat16", append)
+    outs = ["float32"] * 3 + (["bfloat16"] * 2 + ["int32"] if append else [])
+    merge = dict(qry="bfloat16", kn="bfloat16", vn="bfloat16", pm="float32", pl="float32",
+                 pa="float32", params="float32")
+    for spec, ins, out, tmpl in ((kk.split_spec(append), dtypes, outs, _template(64, 4, 4, 32)),
+                                 (ck.merge_spec(), merge, ["bfloat16"], dict(HEAD_DIM=64, G=4))):
+        small = {**spec, "source": compact(spec["source"]), "header": compact(spec.get("header", ""))}
+        ptx = [nvrtc.compile_source(nvrtc.kernel_source(s, ins, out, tmpl)) for s in (spec, small)]
+        assert ptx[0] == ptx[1], spec["name"]
+
+
 # --- which states and queries the kernels take (any machine) ----------------------------------
 
 def _state(b, h, d, n, dtype, seed=0, **params):
