@@ -563,6 +563,7 @@ class VeloxCache(_BaseCache):
         if step.fused and sinks is None and mask is None:
             d = self.__dict__
             held, row = d["_held"], d["_row"]
+            steady = d.get("_fast") is held  # decided for this state: a fused step keeps it so
             if row is None:
                 fused = _compiled(m, "fused", held.backend)
                 out, new, row = fused(held, queries, step.keys, step.values, scale)
@@ -571,7 +572,10 @@ class VeloxCache(_BaseCache):
                 out, new, row = fused(held, row, queries, step.keys, step.values, scale)
             self._state, self._row = new, row
             self.last_step = "fused"
-            self._note_fast()
+            if steady:  # nothing _note_fast reads changes in a fused step (same rows, same cache)
+                d["_fast"] = new
+            else:
+                self._note_fast()
             return _with_state(out, self._new_arrays())
         if m.attend is not None:
             if sinks is not None:
@@ -796,16 +800,19 @@ def _slack(m: Method, params: dict[str, Any]) -> int:
 def _arrays(record: Any) -> list[mx.array]:
     """The arrays of ``record`` (nested tuples, lists and dicts), depth first, in
     ``mlx.utils.tree_flatten``'s order, without building its key strings: a decode step
-    calls it twice per layer."""
-    out, todo = [], [record]
-    while todo:
-        x = todo.pop()
+    calls it twice per layer (a state record's fields in one pass)."""
+    if isinstance(record, mx.array):
+        return [record]
+    if isinstance(record, dict):
+        record = list(record.values())
+    elif not isinstance(record, (tuple, list)):
+        return []
+    out = []
+    for x in record:
         if isinstance(x, mx.array):
             out.append(x)
-        elif isinstance(x, (tuple, list)):
-            todo.extend(reversed(x))
-        elif isinstance(x, dict):
-            todo.extend(reversed(list(x.values())))
+        elif isinstance(x, (tuple, list, dict)):
+            out.extend(_arrays(x))
     return out
 
 

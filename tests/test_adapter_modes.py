@@ -308,6 +308,19 @@ def test_compiled_steps_live_in_one_bounded_cache(model, monkeypatch):
     assert list(mlxlm._COMPILED) == [("h2o", "update+queries", backend), ("h2o", "fused", backend)]
 
 
+def test_arrays_of_a_record_in_tree_flatten_order():
+    """The adapter's array walk (a decode step's state and row, twice per layer) gives the
+    arrays of nested records as ``mlx.utils.tree_flatten`` does, leaves that are not arrays
+    left out."""
+    st = get_method("h2o").init(1, 2, 4, budget=32)
+    a, b, c = mx.zeros((1,)), mx.ones((2,)), mx.full((3,), 2.0)
+    record = (st, [a, {"x": b, "y": 3, "z": (c, "s")}], None, 1.5, (a,))
+    want = [v for _, v in tree_flatten(record) if isinstance(v, mx.array)]
+    got = mlxlm._arrays(record)
+    assert len(got) == len(want) == 9 and all(x is y for x, y in zip(got, want))
+    assert mlxlm._arrays(a) == [a] and mlxlm._arrays(None) == [] and mlxlm._arrays({"k": b})[0] is b
+
+
 @pytest.mark.parametrize("method,params", [("tova", dict(budget=24)), ("h2o", dict(budget=24, grace=4)),
                                            ("streaming_llm", dict(window_size=20))])
 def test_the_steady_fast_path_changes_nothing(model, monkeypatch, method, params):
