@@ -20,6 +20,7 @@ import argparse
 import statistics
 import time
 
+import velox  # first: it loads OpenBLAS for MLX's CPU matmuls, before mlx.core (velox._blas)
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 

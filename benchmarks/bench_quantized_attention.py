@@ -14,9 +14,9 @@ import argparse
 import statistics
 import time
 
+import velox  # first: it loads OpenBLAS for MLX's CPU matmuls, before mlx.core (velox._blas)
 import mlx.core as mx
 
-import velox
 from velox.methods import kivi
 
 

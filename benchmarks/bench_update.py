@@ -28,10 +28,10 @@ import statistics
 import sys
 import time
 
+import velox  # first: it loads OpenBLAS for MLX's CPU matmuls, before mlx.core (velox._blas)
 import mlx.core as mx
 import numpy as np
 
-import velox
 from velox.registry import get_method, method_keys
 
 B, H, D = 1, 8, 128

@@ -17,10 +17,10 @@ import json
 import time
 from pathlib import Path
 
+import velox  # first: it loads OpenBLAS for MLX's CPU matmuls, before mlx.core (velox._blas)
 import mlx.core as mx
 import numpy as np
 
-import velox
 from velox.registry import get_method, method_keys
 
 

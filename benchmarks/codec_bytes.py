@@ -27,10 +27,10 @@ from __future__ import annotations
 import argparse
 import itertools
 
+import velox  # first: it loads OpenBLAS for MLX's CPU matmuls, before mlx.core (velox._blas)
 import mlx.core as mx
 import numpy as np
 
-import velox
 from velox.registry import get_method, method_keys
 
 TARGETS = (2.5, 3.5)

@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 
+import velox  # noqa: F401  (first, as every script here: velox._blas)
 import mlx.core as mx
 
 LAYERS = 16

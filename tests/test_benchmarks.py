@@ -140,3 +140,21 @@ def test_decode_speed_pipelined_loop_decodes_the_same_tokens():
             ends[loop] = (y.tolist(), caches[0].offset)
         assert ends["sync"] == ends["pipelined"], method
         assert ends["sync"][1] == 39 + 1 + 5, method
+
+
+def test_every_script_imports_velox_before_mlx():
+    """A script that imports ``mlx`` imports ``velox`` first: ``import velox`` loads OpenBLAS
+    for MLX's CPU matmuls only before ``mlx.core`` is loaded (``velox._blas``), and a CPU
+    benchmark that missed it would time the reference BLAS (about 20x slower prefills)."""
+    import re
+    scripts = sorted((ROOT / "benchmarks").glob("*.py")) + sorted((ROOT / "scripts").glob("*.py"))
+    assert len(scripts) > 10
+    late = []
+    for path in scripts:
+        lines = path.read_text().splitlines()
+        first = {kind: next((i for i, line in enumerate(lines)
+                             if re.match(rf"(import|from) {kind}\b", line)), None)
+                 for kind in ("mlx", "velox")}
+        if first["mlx"] is not None and (first["velox"] is None or first["velox"] > first["mlx"]):
+            late.append(path.name)
+    assert late == []
