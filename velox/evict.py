@@ -601,26 +601,23 @@ def _decode_slot(plan: _Plan, state, scores, new_pos) -> tuple[Move, mx.array]:
     row goes; the positions with the freed slots emptied (slack)."""
     b, h, n = state.positions.shape
     slack, sinks, recent = plan.slack(state), plan.sinks(state), plan.recent(state)
-    total = state.next_pos[:, :, None] + 1
-    if slack == 0 and recent > 0:
-        # the newest candidate is among the recent ones, never the loser: the loser is a stored
-        # slot and the new row always takes it (the same choice, fewer ops: no candidate
-        # positions joined, no "the new token lost" case to write around)
-        pos = state.positions
-        scores = mx.zeros((b, 1, n), mx.float32) if scores is None else scores[..., :n]
-        if plan.shared(state) or scores.shape[1] == 1:  # one selection for the row
-            scores = scores.mean(axis=1, keepdims=True) if scores.shape[1] > 1 else scores
-            pos, total = pos[:, :1], total[:, :1]
-        loser = slot_losers(scores, pos, total, 1, sinks, recent)
-        return Move(slot=mx.broadcast_to(loser, (b, h, 1))), state.positions
-    cand = mx.concatenate([state.positions, new_pos], axis=2)
+    # with recent tokens protected (and one loser) the newest candidate never loses: the
+    # loser is a stored slot and the new row always takes it (the same choice, fewer ops: no
+    # candidate positions joined, no "the new token lost" case to write around)
+    stored_only = slack == 0 and recent > 0
+    cand = state.positions if stored_only else mx.concatenate([state.positions, new_pos], axis=2)
     if scores is None:  # a rule without a score: only the protected tokens stay
-        scores = mx.zeros((b, 1, n + 1), mx.float32)
+        scores = mx.zeros((b, 1, cand.shape[2]), mx.float32)
+    elif stored_only:
+        scores = scores[..., :n]
+    total = state.next_pos[:, :, None] + 1
     if plan.shared(state) or scores.shape[1] == 1:  # one selection for the row
         scores = scores.mean(axis=1, keepdims=True) if scores.shape[1] > 1 else scores
         cand, total = cand[:, :1], total[:, :1]
     if slack == 0:
         loser = mx.broadcast_to(slot_losers(scores, cand, total, 1, sinks, recent), (b, h, 1))
+        if stored_only:
+            return Move(slot=loser), state.positions
         write = loser < n
         return Move(slot=mx.where(write, loser, 0), write=write), state.positions
     lose = mx.broadcast_to(slot_losers(scores, cand, total, slack + 1, sinks, recent), (b, h, n + 1))
