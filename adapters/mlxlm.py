@@ -216,8 +216,9 @@ class VeloxCache(_BaseCache):
     ``compile``, ``real_queries``, ``decode``, ``decode_cap`` and ``mode``. State: the
     method's state, the offset, the append-mode tail (and its queries) and, in deferred mode
     between ``update_and_fetch`` and the wrapped attention, the pending step.
-    ``last_step`` says how the last step ran (``"proxy"``, ``"deferred"``, ``"fused"`` or
-    ``"tail"``); nothing reads it to choose a path.
+    ``last_step`` says how the last step ran (``"proxy"``, ``"deferred"``, ``"fused"``,
+    ``"fill"``: a steady step into an empty slot of amortized eviction, or ``"tail"``);
+    nothing reads it to choose a path.
     """
 
     def __init__(self, method: str, params: dict[str, Any] | None = None, *,
@@ -564,6 +565,20 @@ class VeloxCache(_BaseCache):
             d = self.__dict__
             held, row = d["_held"], d["_row"]
             steady = d.get("_fast") is held  # decided for this state: a fused step keeps it so
+            fill = getattr(m.backends[held.backend], "fill", None) if row is None else None
+            new = None if fill is None else fill(held, step.keys, step.values)
+            if new is not None:  # a token into an empty slot (amortized eviction): no score,
+                # the row written in place and attention over the filled slots, a view (the
+                # steps of mlx-lm's own cache: slice updates and one attention)
+                k, v, _ = m.kv_slots(new)
+                out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
+                self._state = new
+                self.last_step = "fill"
+                if steady:
+                    d["_fast"] = new
+                else:
+                    self._note_fast()
+                return _with_state(out, self._new_arrays())
             if row is None:
                 fused = _compiled(m, "fused", held.backend)
                 out, new, row = fused(held, queries, step.keys, step.values, scale)
@@ -773,8 +788,12 @@ class VeloxCache(_BaseCache):
         return 0 if self._state is None else int(self.method.positions(self._state).shape[2])
 
     def _slot_count(self) -> int:
-        """Rows the state's arrays hold (its slots, empty ones included)."""
-        return 0 if self._state is None else int(self.method.kv_slots(self._state)[0].shape[2])
+        """Rows the state's arrays hold (its slots, empty ones included: ``kv_slots`` leaves
+        out the empty slots, which are the last ones)."""
+        st = self._state
+        if st is None:
+            return 0
+        return int(self.method.kv_slots(st)[0].shape[2]) + evict.empty_slots(getattr(st, "policy", st))
 
     def _stored_rows(self, wrapped: bool) -> tuple[mx.array, mx.array]:
         """The stored rows attention reads: ``kv_slots`` (storage order; attention does not
@@ -1657,8 +1676,8 @@ def _compare(where: str, stored: tuple, fresh: tuple, *, static_values: bool = T
 
 def _check_slots(where: str, m: Method, st: tuple, b: int, h: int, d: int) -> None:
     """A state of slots (``velox.evict``): its stored arrays agree with its slot positions,
-    which hold each token once and exactly ``empty`` empty slots (-1) per row."""
-    keys, values, _ = m.kv_slots(st)
+    which hold each token once and exactly ``empty`` empty slots (-1) per row, the last ones."""
+    keys, values = st.keys, st.values
     raw = st.positions
     n = raw.shape[-1]
     if tuple(raw.shape) != (b, h, n) or {tuple(keys.shape), tuple(values.shape)} != {(b, h, n, d)}:
@@ -1670,6 +1689,9 @@ def _check_slots(where: str, m: Method, st: tuple, b: int, h: int, d: int) -> No
         raise ValueError(f"{where}: empty={empty!r} must count the state's empty slots (0 to {n})")
     if (p[..., :empty] != -1).any() or (p[..., empty:] < 0).any():
         raise ValueError(f"{where}: each row must hold empty={empty} empty slots (position -1)")
+    if empty and (np.array(raw[..., n - empty:]) != -1).any():
+        raise ValueError(f"{where}: the empty slots must be the last {empty} of each row "
+                         "(velox.evict: amortized eviction keeps them last)")
     if (np.diff(p[..., empty:], axis=-1) == 0).any():
         raise ValueError(f"{where}: stored positions must be unique (a token in two slots)")
 

@@ -56,8 +56,14 @@ def test_weights_attention_applies_only_where_the_weights_are_the_score():
     m, st = _state("tova", slack=4)
     for _ in range(8):  # decode until a selection frees slots: empty ones then
         st = m.update(st, k, v, queries=q)
-        sk, sv, filled = m.kv_slots(st)
-        if filled is not None:
+        if st.empty:
             break
-    assert filled is not None
-    assert mlxlm._weights_attention(m, q, sk, sv, filled, k, v, 64 ** -0.5) is None
+    # the empty slots are the last ones: kv_slots is a view of the filled slots (no mask),
+    # and the weights' attention over it is attention over the kept rows
+    sk, sv, filled = m.kv_slots(st)
+    assert st.empty and filled is None and sk.shape[2] == st.keys.shape[2] - st.empty
+    got = mlxlm._weights_attention(m, q, sk, sv, filled, k, v, 64 ** -0.5)
+    gk, gv = m.get_kv(st)
+    want = mx.fast.scaled_dot_product_attention(q, mx.concatenate([gk, k], 2), mx.concatenate([gv, v], 2),
+                                                scale=64 ** -0.5)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)

@@ -325,8 +325,14 @@ def test_slack_fills_empty_slots_then_selects():
         empties.append(st.empty)
         assert st.positions.shape[2] == 9  # the slots never move
     assert counts == [6, 7, 8, 9, 6, 7, 8, 9, 6] and empties == [3, 2, 1, 0, 3, 2, 1, 0, 3]
+    # a selection gathers the kept rows to the first slots in increasing position; the empty
+    # slots are the last ones, so kv_slots is a view of the filled first slots, no mask
+    pos = np.array(st.positions)
+    assert (pos[..., 6:] == -1).all() and (np.diff(pos[..., :6], axis=-1) > 0).all()
     k, v, mask = velox.get_method("tova").kv_slots(st)
-    assert np.array_equal(np.array(mask), np.array(st.positions) >= 0)
+    assert mask is None and k.shape[2] == v.shape[2] == 6
+    gk, gv = velox.get_kv(st)
+    assert mx.array_equal(k, gk).item() and mx.array_equal(v, gv).item()
 
 
 def test_decode_step_is_in_place():
@@ -361,25 +367,27 @@ def test_decode_step_is_in_place():
 
 
 def test_attention_over_slots_masks_empty_slots():
-    """The adapter's attention over ``kv_slots`` (storage order, empty slots masked) equals
-    attention over ``get_kv`` (the filled slots in position order), decode and chunk alike,
-    and its fused decode step too."""
+    """The adapter's attention over ``kv_slots`` (storage order: with amortized eviction's
+    empty slots, a view of the filled first slots) and over every slot with the empty ones
+    masked (``_with_empty_slots``, as for ragged rows) equal attention over ``get_kv`` (the
+    filled slots in position order), decode and chunk alike, and its fused decode step too."""
     from velox.adapters import mlxlm as A
     m = velox.get_method("tova")
     st = _slot_state(slack=3, chunks=(9, 1, 1))
     k, v, filled = m.kv_slots(st)
-    assert filled is not None and st.empty == 2
+    assert filled is None and st.empty == 2 and k.shape[2] == st.keys.shape[2] - 2
     gk, gv = m.get_kv(st)
     rng = np.random.default_rng(3)
     for s, mask in ((1, None), (4, "causal")):
         q = mx.array(rng.standard_normal((1, 4, s, 8)).astype(np.float32))
         nk, nv = (mx.array(rng.standard_normal((1, 2, s, 8)).astype(np.float32)) for _ in range(2))
-        got = mx.fast.scaled_dot_product_attention(
-            q, mx.concatenate([k, nk], 2), mx.concatenate([v, nv], 2), scale=0.3,
-            mask=A._with_empty_slots(mask, filled, q, k.shape[2] + s))
         want = mx.fast.scaled_dot_product_attention(
             q, mx.concatenate([gk, nk], 2), mx.concatenate([gv, nv], 2), scale=0.3, mask=mask)
-        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
+        for keys, values, where in ((k, v, None), (st.keys, st.values, st.positions >= 0)):
+            got = mx.fast.scaled_dot_product_attention(
+                q, mx.concatenate([keys, nk], 2), mx.concatenate([values, nv], 2), scale=0.3,
+                mask=A._with_empty_slots(mask, where, q, keys.shape[2] + s))
+            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
         if s == 1:
             out, new, row = A._fused_step(m)(st, q, nk, nv, 0.3)
             new = A._write_row(new, row) if row is not None else new
@@ -400,15 +408,23 @@ def test_adapter_decodes_over_slots(tiny_llama, slack):
         caches = make_cache(tiny_llama, "tova", budget=16, n_sink=2, slack=slack, **kw)
         tiny_llama(mx.array([prompt]), cache=caches)
         outs, x = [], prompt[-1]
+        kinds.clear()
         for _ in range(14):
             logits = tiny_llama(mx.array([[x]]), cache=caches)[0, -1]
             x = int(mx.argmax(logits).item())
             outs.append(np.array(logits))
+            kinds.append(caches[0].last_step)
         return outs, caches
 
+    kinds: list = []
     fused, a = run(real_queries=True)
+    # with slack the steady steps into empty slots take the unscored fill (slice updates and
+    # attention over the filled slots), a selection the fused step: 5 growing steps, then a
+    # selection every slack + 1 steps
+    want = ["deferred"] * 5 + (["fused"] + ["fill"] * 5) * 2 if slack else ["fused"] * 14
+    assert kinds == want[:14], kinds
     plain, b = run(real_queries=True, compile=False)
-    assert a[0].last_step == "fused" and b[0].last_step == "deferred"
+    assert b[0].last_step == "deferred"
     for x, y in zip(fused, plain):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4)
     for c, d in zip(a, b):

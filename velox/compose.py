@@ -308,10 +308,14 @@ def _evict_then_affine(policy: str) -> Method:
         return _decode(_sorted(state))
 
     def kv_slots(state):
-        """Dequantized stored rows in storage order, and the mask of filled slots."""
+        """Dequantized stored rows in storage order (empty slots, which are the last ones,
+        left out)."""
         k, v = _decode(state)
         empty = evict.empty_slots(state.policy)
-        return k, v, (state.policy.positions >= 0) if empty else None
+        if empty:
+            n = k.shape[2] - empty
+            k, v = k[:, :, :n], v[:, :, :n]
+        return k, v, None
 
     def dims(state):
         b, h, _, groups = state.key_scales.shape
@@ -475,10 +479,14 @@ def _evict_then_code(policy: str, codec_name: str) -> Method:
         return codec_cache.get_kv(_compact(state) if slotted else state)
 
     def kv_slots(state):
-        """Decoded stored rows in storage order, and the mask of filled slots."""
+        """Decoded stored rows in storage order (empty slots, which are the last ones, left
+        out)."""
         k, v = codec_cache.get_kv(state)
         empty = evict.empty_slots(state.policy)
-        return k, v, (state.policy.positions >= 0) if empty else None
+        if empty:
+            n = k.shape[2] - empty
+            k, v = k[:, :, :n], v[:, :, :n]
+        return k, v, None
 
     def attend(state, queries, keys, values, *, scale, mask=None):
         """``velox.codec_cache.attend`` over the filled slots."""

@@ -14,9 +14,14 @@ rows sorted at every step (the helpers :func:`keep_rows`, :func:`top_budget`,
 
 Amortized eviction (``contract.slack``, the name of a parameter): a state holds up to
 ``budget + slack`` rows; a step whose candidates exceed that keeps ``budget`` in one
-selection, and at decode the freed slots become empty (position ``-1``; the state's static
-``empty`` counts them), filled in place by the next tokens, so selection runs once every
-``slack + 1`` decode steps. ``slack = 0`` is the per-token rule.
+selection, so selection runs once every ``slack + 1`` decode steps. At decode the selection
+gathers the kept rows to the first slots (in slot order, the new token last when kept) and
+leaves the last ``slack`` slots empty (position ``-1``; the state's static ``empty`` counts
+them): the next tokens fill them in order, each by a slice update in place at a slot every
+row shares (no index, no score where the rule scores nothing between selections:
+``update.fill``), and the filled slots are always a prefix, which attention reads as a view
+(``kv_slots``: no mask). Such a state's slots are in increasing position. ``slack = 0`` is
+the per-token rule.
 
 Tie rule (all backends): among equal scores the newer token is kept (the older goes).
 
@@ -63,6 +68,8 @@ def empty_rows(batch: int, heads: int, head_dim: int, dtype: mx.Dtype):
 
 def new_positions(next_pos: Int[Array, "b h"], s: int) -> Int[Array, "b h s"]:
     """Absolute positions of ``s`` new tokens."""
+    if s == 1:  # a decode step: next_pos itself (no add)
+        return next_pos[:, :, None]
     return next_pos[:, :, None] + _const("arange", s)
 
 
@@ -206,8 +213,10 @@ def append_rows(a: Shaped[Array, "b h n *rest"], x: Shaped[Array, "b h s *rest"]
 dims = dims_of("keys")  # (batch, kv_heads, head_dim, dtype) of a state storing keys [b, h, n, d]
 
 
-def keep_rows(stored: tuple, new: tuple, idx: Int[Array, "b h k"] | None) -> tuple:
-    """Rows ``idx`` of each ``stored ++ new`` pair (token axis 2); ``None`` keeps all.
+def keep_rows(stored: tuple, new: tuple, idx: Int[Array, "b h k"] | None, pad: int = 0) -> tuple:
+    """Rows ``idx`` of each ``stored ++ new`` pair (token axis 2); ``None`` keeps all. With
+    ``pad``, the last ``pad`` entries of ``idx`` are not kept rows but empty slots to come
+    (they gather candidate 0; the caller marks them, :class:`Move`).
 
     A decode step (one new token) never concatenates the candidates of a large array: it
     gathers from the stored rows alone and writes the new row into the last slot when it is
@@ -232,8 +241,9 @@ def keep_rows(stored: tuple, new: tuple, idx: Int[Array, "b h k"] | None) -> tup
         return tuple(take_rows(append_rows(a, x), idx) for a, x in zip(stored, new))
     base = row_offsets(b, h, n)
     flat = (mx.minimum(idx, n - 1) + base).reshape(-1)
-    new_kept = idx[:, :, -1:] == n
-    same = idx == _const("arange", k) if k == n else None  # slot i holds candidate i (not i + 1)
+    last = k - pad  # the slot of the newest kept candidate, plus one
+    new_kept = idx[:, :, last - 1:last] == n
+    same = idx == _const("arange", k) if k == n and not pad else None  # slot i holds candidate i
     out = []
     for a, x in zip(stored, new):
         rest = a.shape[3:]
@@ -245,9 +255,10 @@ def keep_rows(stored: tuple, new: tuple, idx: Int[Array, "b h k"] | None) -> tup
         kept = mx.take(a.reshape(b * h * n, *rest), flat, axis=0).reshape(b, h, k, *rest)
         # the last slot holds the new row when it is kept, else stored row idx[k-1]: with one
         # loser (k == n) that is the last stored row, a static slice; else gathered on its own
-        other = a[:, :, n - 1:] if k == n else take_rows(a, mx.minimum(idx[:, :, k - 1:], n - 1))
+        other = (a[:, :, n - 1:] if k == n and not pad
+                 else take_rows(a, mx.minimum(idx[:, :, last - 1:last], n - 1)))
         cond = new_kept.reshape(new_kept.shape + trailing)
-        start = mx.array([0, 0, k - 1] + [0] * len(rest))
+        start = mx.array([0, 0, last - 1] + [0] * len(rest))
         out.append(mx.slice_update(kept, mx.where(cond, x, other), start, axes=tuple(range(a.ndim))))
     return tuple(out)
 
@@ -283,11 +294,14 @@ class Move(NamedTuple):
     """How an update moved the stored rows: what a composition (``velox.compose``) repeats on
     its own per-token rows (codes).
 
-    ``slot`` (``[b, h, 1]``) is a decode step in place: the new row goes to that slot where
-    ``write`` (``[b, h, 1]``, or ``None``: everywhere) holds, else nothing moves. Otherwise
-    the filled slots are first gathered by ``pre`` (``[b, h, f]``, ``None``: as stored), then
-    the candidates (those rows followed by the new ones) by ``idx`` (``None``: all are kept,
-    the new rows appended), as :func:`keep_rows` does. ``rows`` (a decode step of the fused
+    ``slot`` (``[b, h, 1]``, or an ``int``: the same slot in every row) is a decode step in
+    place: the new row goes to that slot where ``write`` (``[b, h, 1]``, or ``None``:
+    everywhere) holds, else nothing moves. Otherwise the filled slots are first gathered by
+    ``pre`` (``[b, h, f]``, ``None``: as stored), then the candidates (those rows followed by
+    the new ones) by ``idx`` (``None``: all are kept, the new rows appended), as
+    :func:`keep_rows` does; the last ``pad`` entries of ``idx`` (0) are then empty slots
+    (amortized eviction's selection: the kept rows first, in slot order, the empty slots
+    last). ``rows`` (a decode step of the fused
     kernels, ``velox.kernels.evict.select``) are the keys and values ``[b, h, 1, d]`` that
     belong in ``slot`` and that the step left unwritten (the adapter writes them in place)."""
 
@@ -296,17 +310,22 @@ class Move(NamedTuple):
     slot: Any = None
     write: Any = None
     rows: Any = None  # a decode step whose rows were not written: (keys, values) for ``slot``
+    pad: int = 0  # empty slots after the rows ``idx`` keeps
 
 
 def write_slot(a: Shaped[Array, "b h n *rest"], x: Shaped[Array, "b h 1 *rest"],
-               slot: Int[Array, "b h 1"], write: Bool[Array, "b h 1"] | None = None) -> Shaped[Array, "b h n *rest"]:
+               slot: Int[Array, "b h 1"] | int, write: Bool[Array, "b h 1"] | None = None) -> Shaped[Array, "b h n *rest"]:
     """``a`` with row ``x`` written at ``slot`` of each ``[b, h]`` row (where ``write`` holds;
-    elsewhere the slot keeps its row). Rows of values (keys, values): a scatter into ``a``,
+    elsewhere the slot keeps its row; an ``int`` slot: the same slot in every row, written
+    by one slice update). Rows of values (keys, values): a scatter into ``a``,
     which MLX writes in place when nothing else holds ``a``'s buffer (the state being
     replaced), so the step moves one row. One value per slot (``a [b, h, n]``): a select."""
     rest = a.shape[3:]
     if math.prod(rest) == 0:  # rows of no values: nothing to move
         return a
+    if isinstance(slot, int):  # the same slot in every row (an empty slot filled): in place
+        start = cached_const(("start", a.ndim, slot), lambda: np.array([0, 0, slot] + [0] * len(rest), np.int32))
+        return mx.slice_update(a, x.astype(a.dtype), start, axes=tuple(range(a.ndim)))
     if not rest:  # one value per slot (positions, a carried score): a select over the row, whose
         # one fused pass costs less than a gather and a scatter (2-3% of TOVA's and H2O's CPU
         # decode update at SmolLM2's shape; the same values)
@@ -322,12 +341,13 @@ def write_slot(a: Shaped[Array, "b h n *rest"], x: Shaped[Array, "b h 1 *rest"],
 
 def apply_move(move: Move, stored: Sequence[mx.array], new: Sequence[mx.array]) -> tuple:
     """The per-token arrays ``stored`` (``[b, h, n, ...]``, slot order) after ``move``, the
-    step's ``new`` rows (``[b, h, s, ...]``) placed as it says."""
+    step's ``new`` rows (``[b, h, s, ...]``) placed as it says (the rows of ``move.pad``
+    empty slots hold a copy of candidate 0's)."""
     if move.slot is not None:
         return tuple(write_slot(a, x, move.slot, move.write) for a, x in zip(stored, new))
     if move.pre is not None:
         stored = tuple(take_rows(a, move.pre) for a in stored)
-    return keep_rows(tuple(stored), tuple(new), move.idx)
+    return keep_rows(tuple(stored), tuple(new), move.idx, move.pad)
 
 
 def _mono(scores: Float[Array, "..."]) -> Int[Array, "..."]:
@@ -620,10 +640,15 @@ def _decode_slot(plan: _Plan, state, scores, new_pos) -> tuple[Move, mx.array]:
             return Move(slot=loser), state.positions
         write = loser < n
         return Move(slot=mx.where(write, loser, 0), write=write), state.positions
-    lose = mx.broadcast_to(slot_losers(scores, cand, total, slack + 1, sinks, recent), (b, h, n + 1))
-    gone = lose[:, :, :n]
-    slot = mx.argmax(gone, axis=-1, keepdims=True).astype(mx.int32)  # the first freed slot
-    return Move(slot=slot, write=~lose[:, :, n:]), mx.where(gone, EMPTY, state.positions)
+    # amortized: the slack + 1 losers go and the kept rows are gathered to the first slots,
+    # in slot order (the new token, when kept, last of them), the freed slots last: the next
+    # slack tokens fill them in order at a static slot (a slice update, no index), and the
+    # filled slots are a prefix (attention reads a view, no mask)
+    lose = slot_losers(scores, cand, total, slack + 1, sinks, recent)
+    i = _const("arange", n + 1)
+    order = mx.argsort(mx.where(lose, i + (n + 1), i), axis=-1)[..., :n - slack].astype(mx.int32)
+    idx = mx.concatenate([order, mx.zeros(order.shape[:2] + (slack,), mx.int32)], axis=-1)
+    return Move(idx=mx.broadcast_to(idx, (b, h, n)), pad=slack), state.positions
 
 
 def _place(plan: _Plan, state, keys, values, scored: Scored, carry, evicting: bool):
@@ -635,8 +660,8 @@ def _place(plan: _Plan, state, keys, values, scored: Scored, carry, evicting: bo
     if evicting:
         move, positions = _decode_slot(plan, state, scored.scores, new_pos)
         empty = plan.slack(state)
-    else:  # the first empty slot
-        move = Move(slot=mx.argmax(positions < 0, axis=-1, keepdims=True).astype(mx.int32))
+    else:  # the first empty slot: the empty slots are the last ones (_decode_slot)
+        move = Move(slot=state.positions.shape[2] - empty)
         empty -= 1
     stored, new = [state.keys, state.values, positions], [keys, values, new_pos]
     n = state.positions.shape[2]
@@ -650,6 +675,17 @@ def _place(plan: _Plan, state, keys, values, scored: Scored, carry, evicting: bo
         stored.append(a)
         new.append(x)
     return move, stored, new, empty
+
+
+def _moved(move: Move, stored: list, new: list) -> tuple:
+    """:func:`apply_move` of a slot step's arrays (keys, values, positions, carried), the
+    positions of the empty slots an amortized selection leaves (``move.pad``) at ``EMPTY``."""
+    out = apply_move(move, stored, new)
+    if not move.pad:
+        return out
+    n = out[2].shape[2]
+    filled = _const("arange", n) < n - move.pad
+    return (*out[:2], mx.where(filled, out[2], EMPTY), *out[3:])
 
 
 def _finish(state, out, carry, refreshed: dict, s: int, empty: int | None):
@@ -676,7 +712,7 @@ def _mlx_backend(score, carry, fields, plan: _Plan, logits_only: bool = False) -
         refreshed = {name: scored.updates[name] for name in fields}
         if _slot_step(plan, state, n, s, evicting):
             move, stored, new, empty = _place(plan, state, keys, values, scored, carry, evicting)
-            out = apply_move(move, stored, new)
+            out = _moved(move, stored, new)
             return _finish(state, out, carry, refreshed, s, empty), move
         idx = None
         if evicting:
@@ -706,11 +742,31 @@ def _mlx_backend(score, carry, fields, plan: _Plan, logits_only: bool = False) -
     def update(state, keys, values, queries):
         return step(state, keys, values, queries)[0]
 
+    def fill(state, keys, values):
+        """A decode step into an empty slot (amortized eviction's steps between selections)
+        of a rule that scores nothing there: the new row, its position and ``next_pos + 1``
+        written at the first empty slot (the same slot in every row: slice updates in place),
+        no score; ``None`` where the step is another (:func:`_fillable`)."""
+        if not _fillable(plan, state, keys):
+            return None
+        move, stored, new, empty = _place(plan, state, keys, values, Scored(None, {}), (), False)
+        return _finish(state, apply_move(move, stored, new), (), {}, 1, empty)
+
     update.logits_only = logits_only
     update.slots = plan.slots
     update.with_move = step
     update.ragged = ragged(update)  # valid counts per row (velox.ragged)
+    if score is None or not (carry or fields):  # the rule scores nothing between selections
+        update.fill = fill
     return update
+
+
+def _fillable(plan: _Plan, state, keys) -> bool:
+    """Whether a step is one token into an empty slot of a state of plain rows (amortized
+    eviction between selections)."""
+    return (keys.shape[2] == 1 and plan.slots and empty_slots(state) > 0
+            and isinstance(state.keys, mx.array) and not getattr(state, "ragged", False)
+            and state.keys.shape[2] == plan.capacity(state) + plan.slack(state))
 
 
 def _reference_backend(reference, carry, fields, plan: _Plan, logits_only: bool = False) -> Callable:
@@ -748,8 +804,12 @@ def _reference_backend(reference, carry, fields, plan: _Plan, logits_only: bool 
         cap, sinks, recent = plan.capacity(state), plan.sinks(state), plan.recent(state)
         if _slot_step(plan, state, n, s, evicting):
             slack = plan.slack(state)
-            slots = ref.slot_step(scores, c.positions, c.total, n, evicting, slack, sinks, recent)
-            new, move = ref.place(state, c, slots, **{name: stacked[name] for name in carry})
+            extra = {name: stacked[name] for name in carry}
+            if evicting and slack:
+                new, move = ref.amortized(state, c, scores, slack, sinks, recent, **extra)
+            else:
+                slots = ref.slot_step(scores, c.positions, c.total, n, evicting, sinks, recent)
+                new, move = ref.place(state, c, slots, **extra)
             empty = slack if evicting else empty - 1
         else:
             chosen = [[None] * h for _ in range(b)]
@@ -806,6 +866,8 @@ def _cuda_update(mlx_update, plan: _Plan, decode_step) -> Callable:
         decode_step.with_move(state, keys, values, queries) if full_decode(state, keys)
         else mlx_update.with_move(state, keys, values, queries))
     update.with_attention = with_attention
+    if hasattr(mlx_update, "fill"):
+        update.fill = mlx_update.fill
     return update
 
 
@@ -845,7 +907,7 @@ def _kernel_step(score, kernel, carry, fields, plan: _Plan) -> Callable:
 
     def finish(state, keys, values, by, updates):
         move, stored, new, empty = _place(plan, state, keys, values, Scored(by, updates), carry, True)
-        rows = apply_move(move, stored, new)
+        rows = _moved(move, stored, new)
         return _finish(state, rows, carry, {}, 1, empty), move
 
     def step(state, keys, values, queries):

@@ -183,32 +183,27 @@ def slot_losers(scores: np.ndarray, positions: np.ndarray, total: int | np.integ
 
 
 def slot_step(scores: np.ndarray, positions: np.ndarray, total: np.ndarray, n: int,
-              evicting: bool, slack: int, n_sink: int, recent: int) -> list:
-    """A decode step on slots, head by head: ``[i][j] -> (slot or None, freed slots)``.
-
-    Evicting (``n`` full slots and the new token): the ``slack + 1`` losers go; the new token,
-    unless it lost, takes the first freed slot, and the other freed slots empty. Otherwise the
-    new token takes the first empty slot."""
+              evicting: bool, n_sink: int, recent: int) -> list:
+    """A decode step on slots, head by head: ``[i][j] -> slot or None``. Evicting (``n``
+    full slots and the new token): the loser goes and the new token, unless it lost, takes
+    its slot. Otherwise the new token takes the first empty slot."""
     b, h, _ = positions.shape
     out = [[None] * h for _ in range(b)]
     for i in range(b):
         for j in range(h):
             pos = positions[i, j]
             if not evicting:
-                out[i][j] = (int(np.flatnonzero(pos[:n] < 0)[0]), [])
+                out[i][j] = int(np.flatnonzero(pos[:n] < 0)[0])
                 continue
-            losers = slot_losers(scores[i, j], pos, total[i, j], slack + 1, n_sink, recent)
-            freed = sorted(int(x) for x in losers if x < n)
-            slot = None if n in losers else freed[0]
-            out[i][j] = (slot, [x for x in freed if x != slot])
+            loser = int(slot_losers(scores[i, j], pos, total[i, j], 1, n_sink, recent)[0])
+            out[i][j] = None if loser == n else loser
     return out
 
 
 def place(state, cand: Candidates, slots: list, **extra: np.ndarray):
     """The state after a decode step on slots (:func:`slot_step`): each head's new token
-    (candidate ``n``) written at its slot, freed slots emptied (position -1); ``extra`` per-
-    candidate arrays ``[b, h, n + 1, ...]`` are placed the same way. Returns the state and
-    its ``velox.evict.Move``."""
+    (candidate ``n``) written at its slot; ``extra`` per-candidate arrays ``[b, h, n + 1,
+    ...]`` are placed the same way. Returns the state and its ``velox.evict.Move``."""
     from .evict import Move
     b, h, N = cand.positions.shape
     n = N - 1
@@ -219,8 +214,7 @@ def place(state, cand: Candidates, slots: list, **extra: np.ndarray):
     write = np.zeros((b, h, 1), bool)
     for i in range(b):
         for j in range(h):
-            at, freed = slots[i][j]
-            out["positions"][i, j, freed] = -1
+            at = slots[i][j]
             if at is not None:
                 slot[i, j, 0], write[i, j, 0] = at, True
                 for name, x in arrays.items():
@@ -230,6 +224,29 @@ def place(state, cand: Candidates, slots: list, **extra: np.ndarray):
     for name in extra:
         fields[name] = to_mx(out[name], getattr(state, name).dtype)
     return state._replace(**fields), Move(slot=mx.array(slot), write=mx.array(write))
+
+
+def amortized(state, cand: Candidates, by: np.ndarray, slack: int, n_sink: int, recent: int,
+              **extra: np.ndarray):
+    """Amortized eviction's selection (``slack > 0``) at a full state of ``n`` slots and the
+    new token, head by head: the ``slack + 1`` losers by the scores ``by`` go, the kept
+    candidates fill the first ``n - slack`` slots in candidate order, and the last ``slack``
+    slots are empty (position -1; their rows hold candidate 0's). ``extra`` per-candidate
+    arrays are kept the same way. Returns the state and its ``velox.evict.Move``."""
+    from .evict import Move
+    b, h, N = cand.positions.shape
+    n = N - 1
+    chosen = [[None] * h for _ in range(b)]
+    for i in range(b):
+        for j in range(h):
+            lost = slot_losers(by[i, j], cand.positions[i, j], cand.total[i, j], slack + 1, n_sink, recent)
+            kept = np.setdiff1d(np.arange(N), lost)  # ascending
+            chosen[i][j] = np.concatenate([kept, np.zeros(slack, np.int64)]).astype(np.int32)
+    new = keep(state, cand, chosen, **extra)
+    positions = np.array(new.positions)
+    positions[:, :, n - slack:] = -1
+    idx = np.stack([np.stack(row) for row in chosen])
+    return new._replace(positions=to_mx(positions, mx.int32)), Move(idx=mx.array(idx), pad=slack)
 
 
 def gather_move(chosen, n: int, s: int):

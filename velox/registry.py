@@ -110,10 +110,17 @@ def _slot_kv(state: State) -> tuple[mx.array, mx.array]:
 
 def _slot_kv_slots(state: State) -> tuple[mx.array, mx.array, mx.array | None]:
     """Stored keys and values in storage order, and the mask of filled slots (``None`` when
-    every slot holds a token; always given for a state of ragged rows, ``velox.ragged``)."""
+    every slot given holds a token; always given for a state of ragged rows,
+    ``velox.ragged``). A state with empty slots (amortized eviction) keeps them last: its
+    filled slots are given as a view of the first ones, no mask."""
     from .ragged import is_ragged
-    mask = state.positions >= 0 if getattr(state, "empty", 0) or is_ragged(state) else None
-    return state.keys, state.values, mask
+    if is_ragged(state):
+        return state.keys, state.values, state.positions >= 0
+    empty = getattr(state, "empty", 0)
+    if empty:
+        n = state.keys.shape[2] - empty
+        return state.keys[:, :, :n], state.values[:, :, :n], None
+    return state.keys, state.values, None
 
 
 def _slot_nbytes(state: State) -> int:
@@ -165,9 +172,11 @@ def register(key: str, state_type: type, init: Callable, backends: Any = None, *
     * ``kv_slots(state) -> (keys, values, mask)``: the stored rows in storage order, every
       one older than the next update's tokens (what attention reads: it is invariant to the
       order of the stored rows), and ``mask`` ``None`` when every slot holds a token, else
-      a bool ``[b, h, n]`` (True: a token). Slot states: their arrays and the mask of
-      ``positions >= 0``; others: ``get_kv`` and ``None``. A state of slots holding ragged
-      rows (``velox.ragged``) always has the mask, and ``nbytes`` counts its filled slots.
+      a bool ``[b, h, n]`` (True: a token). Slot states: their arrays (with empty slots,
+      amortized eviction's, which are the last ones: a view of the filled first slots);
+      others: ``get_kv`` and ``None``. A state of slots holding ragged rows
+      (``velox.ragged``) always has the mask of ``positions >= 0``, and ``nbytes`` counts
+      its filled slots.
 
     Args:
         key: the method key (``velox/specs/<key>.toml`` is its spec, unless ``spec`` is given).

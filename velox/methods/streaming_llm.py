@@ -17,12 +17,17 @@ __all__ = ["StreamingLLMState", "State", "init", "update", "get_kv", "nbytes"]
 
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-         n_sink: int = 4, window_size: int = 512, backend: str = "auto") -> StreamingLLMState:
+         n_sink: int = 4, window_size: int = 512, slack: int = 0,
+         backend: str = "auto") -> StreamingLLMState:
     """Empty state keeping ``n_sink`` sinks and the ``window_size`` newest tokens.
 
     Args:
         n_sink: leading tokens (attention sinks) never evicted.
         window_size: most recent tokens kept besides the sinks.
+        slack: rows held beyond the sinks and the window: a full state drops its
+            ``slack + 1`` oldest non-sink tokens at once, and the next ``slack`` tokens fill
+            the freed slots (the window then spans ``window_size`` to ``window_size +
+            slack`` tokens; 0 = the paper's fixed window).
     """
     return evict.empty_state(StreamingLLMState, locals())
 
