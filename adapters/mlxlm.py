@@ -568,10 +568,12 @@ class VeloxCache(_BaseCache):
             fill = getattr(m.backends[held.backend], "fill", None) if row is None else None
             new = None if fill is None else fill(held, step.keys, step.values)
             if new is not None:  # a token into an empty slot (amortized eviction): no score,
-                # the row written in place and attention over the filled slots, a view (the
-                # steps of mlx-lm's own cache: slice updates and one attention)
-                k, v, _ = m.kv_slots(new)
-                out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
+                # the row written in place and attention over the filled slots, a view of the
+                # first ones (kv_slots'; the steps of mlx-lm's own cache: slice updates and
+                # one attention)
+                n = new.keys.shape[2] - new.empty
+                out = mx.fast.scaled_dot_product_attention(
+                    queries, new.keys[:, :, :n], new.values[:, :, :n], scale=scale)
                 self._state = new
                 self.last_step = "fill"
                 if steady:

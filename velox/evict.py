@@ -323,9 +323,12 @@ def write_slot(a: Shaped[Array, "b h n *rest"], x: Shaped[Array, "b h 1 *rest"],
     rest = a.shape[3:]
     if math.prod(rest) == 0:  # rows of no values: nothing to move
         return a
-    if isinstance(slot, int):  # the same slot in every row (an empty slot filled): in place
-        start = cached_const(("start", a.ndim, slot), lambda: np.array([0, 0, slot] + [0] * len(rest), np.int32))
-        return mx.slice_update(a, x.astype(a.dtype), start, axes=tuple(range(a.ndim)))
+    if isinstance(slot, int):  # the same slot in every row (an empty slot filled): in place,
+        # a slice update at a static start (one launch on a GPU; mx.slice_update's start is an
+        # array, one more), written into a new handle of a's node (a itself is not changed)
+        out = mx.array(a)
+        out[:, :, slot:slot + 1] = x.astype(a.dtype)
+        return out
     if not rest:  # one value per slot (positions, a carried score): a select over the row, whose
         # one fused pass costs less than a gather and a scatter (2-3% of TOVA's and H2O's CPU
         # decode update at SmolLM2's shape; the same values)
@@ -749,8 +752,11 @@ def _mlx_backend(score, carry, fields, plan: _Plan, logits_only: bool = False) -
         no score; ``None`` where the step is another (:func:`_fillable`)."""
         if not _fillable(plan, state, keys):
             return None
-        move, stored, new, empty = _place(plan, state, keys, values, Scored(None, {}), (), False)
-        return _finish(state, apply_move(move, stored, new), (), {}, 1, empty)
+        i = state.keys.shape[2] - state.empty  # _place's slot and values, written directly
+        nxt = state.next_pos
+        return state._replace(keys=write_slot(state.keys, keys, i), values=write_slot(state.values, values, i),
+                              positions=write_slot(state.positions, nxt[:, :, None], i),
+                              next_pos=nxt + 1, empty=state.empty - 1)
 
     update.logits_only = logits_only
     update.slots = plan.slots
@@ -764,8 +770,8 @@ def _mlx_backend(score, carry, fields, plan: _Plan, logits_only: bool = False) -
 def _fillable(plan: _Plan, state, keys) -> bool:
     """Whether a step is one token into an empty slot of a state of plain rows (amortized
     eviction between selections)."""
-    return (keys.shape[2] == 1 and plan.slots and empty_slots(state) > 0
-            and isinstance(state.keys, mx.array) and not getattr(state, "ragged", False)
+    return (keys.shape[2] == 1 and plan.slots and state.empty > 0 and not state.ragged
+            and isinstance(state.keys, mx.array)
             and state.keys.shape[2] == plan.capacity(state) + plan.slack(state))
 
 
