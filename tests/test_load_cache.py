@@ -279,3 +279,25 @@ def _one_layer_llama():
 def test_mlx_lm_load_prompt_cache_points_to_load_cache(saved):
     with pytest.raises(ValueError, match=r"velox prompt cache: load it with velox\.adapters\.mlxlm\.load_cache"):
         load_prompt_cache(str(saved / "tova.safetensors"))
+
+
+def test_empty_slots_before_filled_ones_are_refused(tiny_llama, tmp_path):
+    """Amortized eviction keeps its empty slots last (kv_slots reads the filled ones as a
+    prefix): a file whose empty slot sits before a filled one is refused; the file as saved
+    loads and decodes as the saving caches."""
+    caches = make_cache(tiny_llama, "tova", budget=24, slack=5)
+    greedy(tiny_llama, caches, n=4)  # 60 prompt tokens: a selection, then filled slots
+    st = caches[0].velox_state
+    assert 0 < st.empty < 5 and (np.array(st.positions)[..., -st.empty:] == -1).all()
+    src = tmp_path / "slack.safetensors"
+    save_cache(src, caches)
+    back, _ = load_cache(src)
+    assert greedy(tiny_llama, back, 3, NEXT) == greedy(tiny_llama, caches, 3, NEXT)
+
+    def swap(entry, arrays):  # the last slot (empty) and the first one change places
+        for name in ("0.keys", "0.values", "0.positions"):
+            a = arrays[name]
+            arrays[name] = mx.concatenate([a[:, :, -1:], a[:, :, 1:-1], a[:, :, :1]], axis=2)
+
+    _refused(_rewrite(src, tmp_path / "x.safetensors", _layer(0, swap)),
+             "layer 0: the empty slots must be the last")
