@@ -335,6 +335,40 @@ def test_slack_fills_empty_slots_then_selects():
     assert mx.array_equal(k, gk).item() and mx.array_equal(v, gv).item()
 
 
+@pytest.mark.parametrize("key, params", [("tova", dict(budget=6, n_sink=1)),
+                                         ("knorm", dict(budget=6, n_sink=1, recent=2)),
+                                         ("streaming_llm", dict(n_sink=1, window_size=5))])
+def test_fill_is_the_update_into_an_empty_slot(key, params):
+    """A rule that scores nothing between selections has ``fill``: a step into an empty slot
+    written directly, the same state as its update (every array, ``empty``); ``None`` for
+    any other step (a selection, a chunk, no empty slot)."""
+    m = velox.get_method(key)
+    fill = m.backends["mlx"].fill
+    assert m.backends["cuda"].fill is fill and not hasattr(velox.get_method("h2o").backends["mlx"], "fill")
+    rng = np.random.default_rng(5)
+    st = m.init(1, 2, 8, slack=3, backend="mlx", **params)
+    st = m.update(st, *(mx.array(rng.standard_normal((1, 2, 9, 8)).astype(np.float32)),) * 2)
+    seen = 0
+    for _ in range(9):
+        k, v = (mx.array(rng.standard_normal((1, 2, 1, 8)).astype(np.float32)) for _ in range(2))
+        want = m.update(st, k, v)
+        got = fill(st, k, v)
+        if st.empty == 0 or st.keys.shape[2] < 9:
+            assert got is None
+        else:
+            seen += 1
+            assert got.empty == want.empty == st.empty - 1
+            for a, b in zip(_row_fields(got), _row_fields(want)):
+                assert mx.array_equal(a, b).item()
+        assert fill(st, *(mx.concatenate([k, k], 2),) * 2) is None  # a chunk
+        st = want
+    assert seen >= 4
+
+
+def _row_fields(state):
+    return [getattr(state, f) for f in ("keys", "values", "positions", "next_pos")]
+
+
 def test_decode_step_is_in_place():
     """The adapter's decode update (``_split_step``: the slot write built at the start of the
     next step, before anything reads the rows) writes one row: its time does not grow with

@@ -762,7 +762,7 @@ def _mlx_backend(score, carry, fields, plan: _Plan, logits_only: bool = False) -
     update.slots = plan.slots
     update.with_move = step
     update.ragged = ragged(update)  # valid counts per row (velox.ragged)
-    if score is None or not (carry or fields):  # the rule scores nothing between selections
+    if not (carry or fields):  # the rule scores nothing between selections
         update.fill = fill
     return update
 
@@ -770,8 +770,8 @@ def _mlx_backend(score, carry, fields, plan: _Plan, logits_only: bool = False) -
 def _fillable(plan: _Plan, state, keys) -> bool:
     """Whether a step is one token into an empty slot of a state of plain rows (amortized
     eviction between selections)."""
-    return (keys.shape[2] == 1 and plan.slots and state.empty > 0 and not state.ragged
-            and isinstance(state.keys, mx.array)
+    return (keys.shape[2] == 1 and plan.slots and empty_slots(state) > 0
+            and not getattr(state, "ragged", False) and isinstance(state.keys, mx.array)
             and state.keys.shape[2] == plan.capacity(state) + plan.slack(state))
 
 
