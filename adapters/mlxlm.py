@@ -571,9 +571,8 @@ class VeloxCache(_BaseCache):
                 # the row written in place and attention over the filled slots, a view of the
                 # first ones (kv_slots'; the steps of mlx-lm's own cache: slice updates and
                 # one attention)
-                n = new.keys.shape[2] - new.empty
-                out = mx.fast.scaled_dot_product_attention(
-                    queries, new.keys[:, :, :n], new.values[:, :, :n], scale=scale)
+                k, v = evict.filled_rows(new.keys, new.values, new.empty)
+                out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
                 self._state = new
                 self.last_step = "fill"
                 if steady:

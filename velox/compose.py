@@ -310,12 +310,7 @@ def _evict_then_affine(policy: str) -> Method:
     def kv_slots(state):
         """Dequantized stored rows in storage order (empty slots, which are the last ones,
         left out)."""
-        k, v = _decode(state)
-        empty = evict.empty_slots(state.policy)
-        if empty:
-            n = k.shape[2] - empty
-            k, v = k[:, :, :n], v[:, :, :n]
-        return k, v, None
+        return (*evict.filled_rows(*_decode(state), evict.empty_slots(state.policy)), None)
 
     def dims(state):
         b, h, _, groups = state.key_scales.shape
@@ -481,12 +476,7 @@ def _evict_then_code(policy: str, codec_name: str) -> Method:
     def kv_slots(state):
         """Decoded stored rows in storage order (empty slots, which are the last ones, left
         out)."""
-        k, v = codec_cache.get_kv(state)
-        empty = evict.empty_slots(state.policy)
-        if empty:
-            n = k.shape[2] - empty
-            k, v = k[:, :, :n], v[:, :, :n]
-        return k, v, None
+        return (*evict.filled_rows(*codec_cache.get_kv(state), evict.empty_slots(state.policy)), None)
 
     def attend(state, queries, keys, values, *, scale, mask=None):
         """``velox.codec_cache.attend`` over the filled slots."""

@@ -57,7 +57,7 @@ __all__ = ["empty_rows", "new_positions", "protected", "ranked", "top_budget", "
            "take_rows", "append_rows", "keep_rows", "dims", "row_sq_norms", "row_norms",
            "cuda_update", "with_compacted", "cached_const", "CONST_BYTES", "score_and_keep", "Scored",
            "empty_state", "state_type", "scores_by_logits", "Move", "apply_move", "write_slot",
-           "slot_losers", "filled_order", "empty_slots", "compacted", "EMPTY"]
+           "slot_losers", "filled_order", "empty_slots", "filled_rows", "compacted", "EMPTY"]
 
 
 def empty_rows(batch: int, heads: int, head_dim: int, dtype: mx.Dtype):
@@ -271,6 +271,15 @@ EMPTY = -1  # the position of an empty slot
 def empty_slots(state) -> int:
     """Empty slots of a state (its static ``empty`` field; 0 for states without one)."""
     return getattr(state, "empty", 0)
+
+
+def filled_rows(keys: mx.array, values: mx.array, empty: int) -> tuple[mx.array, mx.array]:
+    """The rows of the filled slots of a state with ``empty`` empty slots, which are the last
+    ones (amortized eviction, see the module): views of the first ``n - empty`` slots."""
+    if not empty:
+        return keys, values
+    n = keys.shape[2] - empty
+    return keys[:, :, :n], values[:, :, :n]
 
 
 def filled_order(positions: Int[Array, "b h n"], empty: int = 0) -> Int[Array, "b h f"] | None:

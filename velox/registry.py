@@ -113,14 +113,11 @@ def _slot_kv_slots(state: State) -> tuple[mx.array, mx.array, mx.array | None]:
     every slot given holds a token; always given for a state of ragged rows,
     ``velox.ragged``). A state with empty slots (amortized eviction) keeps them last: its
     filled slots are given as a view of the first ones, no mask."""
+    from .evict import filled_rows
     from .ragged import is_ragged
     if is_ragged(state):
         return state.keys, state.values, state.positions >= 0
-    empty = getattr(state, "empty", 0)
-    if empty:
-        n = state.keys.shape[2] - empty
-        return state.keys[:, :, :n], state.values[:, :, :n], None
-    return state.keys, state.values, None
+    return (*filled_rows(state.keys, state.values, getattr(state, "empty", 0)), None)
 
 
 def _slot_nbytes(state: State) -> int:

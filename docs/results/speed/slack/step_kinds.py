@@ -20,7 +20,7 @@ model, info = build_model(name, None, 0)
 install_query_capture()
 prompt = mx.random.randint(0, 1000, (b, ctx))
 for label, kw in (("full", None), ("tova", dict(budget=budget)), ("tova s63", dict(budget=budget, slack=63))):
-    caches = make_prompt_cache(model) if kw is None else make_cache(model, "streaming_llm" if "sllm" in label else "tova", **kw)
+    caches = make_prompt_cache(model) if kw is None else make_cache(model, "tova", **kw)
     for i in range(0, ctx - 1, 2048):
         model(prompt[:, i:min(i + 2048, ctx - 1)], cache=caches)
         mx.eval([c.state for c in caches] if kw is None else [c.velox_state for c in caches])
