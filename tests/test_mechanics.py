@@ -506,3 +506,20 @@ def test_top_level_kv_slots_dispatches_and_sorts_to_get_kv():
     order = np.argsort(np.array(s.positions), axis=-1)
     sorted_keys = np.take_along_axis(np.array(keys), order[..., None], axis=2)
     np.testing.assert_array_equal(sorted_keys, np.array(velox.get_kv(s)[0]))
+
+
+def test_streaming_llm_slack_by_hand():
+    """n_sink 2, window 4, slack 3: 9 slots. The 10th token (position 9) is the first with 10
+    candidates: the sinks 0, 1 and the newest four (6-9) stay, in the first slots, and the last
+    three slots are empty; three tokens fill them, the next selects again."""
+    st = velox.streaming_llm_init(1, 1, 4, n_sink=2, window_size=4, slack=3)
+    rows = []
+    for t in range(14):
+        k = mx.full((1, 1, 1, 4), float(t))
+        st = velox.streaming_llm_update(st, k, k)
+        rows.append((np.array(st.positions)[0, 0].tolist(), st.empty))
+    assert rows[8] == (list(range(9)), 0)
+    assert rows[9] == ([0, 1, 6, 7, 8, 9, -1, -1, -1], 3)
+    assert rows[12] == ([0, 1, 6, 7, 8, 9, 10, 11, 12], 0)
+    assert rows[13] == ([0, 1, 10, 11, 12, 13, -1, -1, -1], 3)
+    assert np.array(st.keys)[0, 0, :6, 0].tolist() == [0, 1, 10, 11, 12, 13]  # rows follow
