@@ -565,14 +565,18 @@ class VeloxCache(_BaseCache):
             d = self.__dict__
             held, row = d["_held"], d["_row"]
             steady = d.get("_fast") is held  # decided for this state: a fused step keeps it so
-            fill = getattr(m.backends[held.backend], "fill", None) if row is None else None
+            backend = m.backends[held.backend]
+            fill = getattr(backend, "fill", None) if row is None else None
             new = None if fill is None else fill(held, step.keys, step.values)
             if new is not None:  # a token into an empty slot (amortized eviction): no score,
-                # the row written in place and attention over the filled slots, a view of the
-                # first ones (kv_slots'; the steps of mlx-lm's own cache: slice updates and
-                # one attention)
-                k, v = evict.filled_rows(new.keys, new.values, new.empty)
-                out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
+                # the row written in place and attention over the filled slots: the backend's
+                # kernel reading the buffers in place (cuda), else MLX's over a view of the
+                # first slots (kv_slots'; the steps of mlx-lm's own cache)
+                attend = getattr(backend, "fill_attention", None)
+                out = None if attend is None else attend(held, new, queries, step.keys, step.values, scale)
+                if out is None:
+                    k, v = evict.filled_rows(new.keys, new.values, new.empty)
+                    out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
                 self._state = new
                 self.last_step = "fill"
                 if steady:

@@ -44,7 +44,7 @@ import mlx.core as mx
 
 from . import build
 
-__all__ = ["weights", "attend_weights", "attend_supports", "attend_select",
+__all__ = ["weights", "attend", "attend_weights", "attend_supports", "attend_select",
            "attend_select_supports", "select", "compact"]
 
 THREADS = 1024  # threads per block of the weights kernel (a power of two)
@@ -66,6 +66,12 @@ SELECT_THREADS = 1024  # threads per block of attend_select's second kernel (a p
 # runs' noise (docs/results/speed/select/h200-split-balanced.txt).
 SPLIT_BLOCKS = 256
 MIN_CHUNK = 1024
+# How attend (attention alone, no weights) splits a unit's candidates: chunks of at least
+# FLASH_MIN_CHUNK rows, enough for about FLASH_BLOCKS blocks; FLASH_UNROLL rows per lane group
+# loaded before any is used (host-side: a new value builds a new variant).
+FLASH_BLOCKS = 1024
+FLASH_MIN_CHUNK = 128
+FLASH_UNROLL = 2
 
 # Block-wide reductions (max, sum, argmin) through shared memory; every lane gets the result.
 _HEADER = """
@@ -556,6 +562,185 @@ _ATTEND_SELECT = """
     }
 """
 
+# attend's first kernel (attention only, no weights: a step into an empty slot of amortized
+# eviction), a block per chunk of a unit's candidates: the first n = cfg[1] slots of buffers
+# of R rows (the filled prefix, read in place) and the new row. Each lane group keeps a running
+# softmax (maximum m, sum l) and output per query head over the rows it reads, the keys and
+# values of UNROLL rows loaded before any is used (one pass over the rows, as flash-decoding);
+# the lane groups of a warp then merge by shuffles, the warps through shared memory. OUTPUT: the
+# normalised output (one chunk) or the chunk's maximum, sum and unnormalised output (pm, ps, po).
+_ATTEND_FLASH = """
+    const unsigned int tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    constexpr int nw = THREADS / 32;
+    static_assert(HEAD_DIM <= 256, "head_dim up to 256");
+    constexpr int lpr = HEAD_DIM <= 8 ? 1 : HEAD_DIM <= 16 ? 2 : HEAD_DIM <= 32 ? 4 : HEAD_DIM <= 64 ? 8
+                      : HEAD_DIM <= 128 ? 16 : 32;
+    constexpr int rpw = 32 / lpr;
+    const int li = lane % lpr, ri = lane / lpr;
+    const int H = K_shape[1];
+    const int R = K_shape[2];
+    const int n = cfg[1];
+    const int N = n + 1;
+    const int QH = q_shape[1];
+    const int G = QH / H;
+    const int CH = cfg[0];
+    const int S = (N + CH - 1) / CH;
+    const size_t bh = blockIdx.x / S;
+    const int s = blockIdx.x % S;
+    const size_t bi = bh / H, hk = bh % H;
+    const int c0 = s * CH, c1 = c0 + CH < N ? c0 + CH : N;
+    const float scale = params[0];
+    const float inf = __int_as_float(0x7f800000);
+    __shared__ float qs[GROUPS * HEAD_DIM];
+    __shared__ float wm[nw * GROUPS];
+    __shared__ float wl[nw * GROUPS];
+    __shared__ float red[nw * HEAD_DIM];
+    for (int j0 = 0; j0 < G; j0 += GROUPS) {
+        const int gp = G - j0 < GROUPS ? G - j0 : GROUPS;
+        for (int i = tid; i < gp * HEAD_DIM; i += THREADS)
+            qs[i] = static_cast<float>(q[(bi * QH + hk * G + j0) * HEAD_DIM + i]) * scale;
+        __syncthreads();
+        float m[GROUPS], l[GROUPS], acc[GROUPS][8];
+        #pragma unroll
+        for (int j = 0; j < GROUPS; ++j) {
+            m[j] = -inf;
+            l[j] = 0.0f;
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) acc[j][i] = 0.0f;
+        }
+        for (int t0 = c0 + warp * rpw; t0 < c1; t0 += UNROLL * nw * rpw) {
+            float kr[UNROLL][8], vr[UNROLL][8];
+            #pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const int t = t0 + u * nw * rpw + ri;
+                if (t < c1) {
+                    velox_row8<HEAD_DIM>(t < n ? K + (bh * R + t) * HEAD_DIM : knew + bh * HEAD_DIM, li * 8, kr[u]);
+                    velox_row8<HEAD_DIM>(t < n ? V + (bh * R + t) * HEAD_DIM : vnew + bh * HEAD_DIM, li * 8, vr[u]);
+                } else {
+                    for (int i = 0; i < 8; ++i) kr[u][i] = vr[u][i] = 0.0f;
+                }
+            }
+            #pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const int t = t0 + u * nw * rpw + ri;
+                float x[GROUPS];
+                #pragma unroll
+                for (int j = 0; j < GROUPS; ++j) {
+                    float a = 0.0f;
+                    #pragma unroll
+                    for (int i = 0; i < 8; ++i)
+                        if (li * 8 + i < HEAD_DIM && j < gp) a += qs[j * HEAD_DIM + li * 8 + i] * kr[u][i];
+                    x[j] = a;
+                }
+                for (int off = lpr / 2; off > 0; off >>= 1) {
+                    #pragma unroll
+                    for (int j = 0; j < GROUPS; ++j) x[j] += __shfl_xor_sync(0xffffffffu, x[j], off);
+                }
+                if (t < c1) {
+                    #pragma unroll
+                    for (int j = 0; j < GROUPS; ++j) {
+                        const float mn = x[j] > m[j] ? x[j] : m[j];
+                        const float c = m[j] == mn ? 1.0f : expf(m[j] - mn);
+                        const float p = expf(x[j] - mn);
+                        l[j] = l[j] * c + p;
+                        #pragma unroll
+                        for (int i = 0; i < 8; ++i) acc[j][i] = acc[j][i] * c + p * vr[u][i];
+                        m[j] = mn;
+                    }
+                }
+            }
+        }
+        // the warp's lane groups merged (a butterfly: every lane group ends with the warp's)
+        for (int off = lpr; off < 32; off <<= 1) {
+            #pragma unroll
+            for (int j = 0; j < GROUPS; ++j) {
+                const float mo = __shfl_xor_sync(0xffffffffu, m[j], off);
+                const float lo = __shfl_xor_sync(0xffffffffu, l[j], off);
+                const float mn = mo > m[j] ? mo : m[j];
+                const float ca = m[j] == mn ? 1.0f : expf(m[j] - mn);
+                const float cb = mo == mn ? 1.0f : expf(mo - mn);
+                l[j] = l[j] * ca + lo * cb;
+                #pragma unroll
+                for (int i = 0; i < 8; ++i)
+                    acc[j][i] = acc[j][i] * ca + __shfl_xor_sync(0xffffffffu, acc[j][i], off) * cb;
+                m[j] = mn;
+            }
+        }
+        if (lane == 0) {
+            #pragma unroll
+            for (int j = 0; j < GROUPS; ++j) {
+                wm[warp * GROUPS + j] = m[j];
+                wl[warp * GROUPS + j] = l[j];
+            }
+        }
+        __syncthreads();
+        #pragma unroll
+        for (int j = 0; j < GROUPS; ++j) {
+            if (j < gp) {
+                float M = -inf;
+                for (int u = 0; u < nw; ++u) M = wm[u * GROUPS + j] > M ? wm[u * GROUPS + j] : M;
+                const float cw = m[j] == M ? 1.0f : expf(m[j] - M);
+                if (ri == 0)
+                    for (int i = 0; i < 8; ++i)
+                        if (li * 8 + i < HEAD_DIM) red[warp * HEAD_DIM + li * 8 + i] = acc[j][i] * cw;
+                __syncthreads();
+                float L = 0.0f;
+                for (int u = 0; u < nw; ++u) {
+                    const float mu = wm[u * GROUPS + j];
+                    L += wl[u * GROUPS + j] * (mu == M ? 1.0f : expf(mu - M));
+                }
+                for (int c = tid; c < HEAD_DIM; c += THREADS) {
+                    float sum = 0.0f;
+                    for (int u = 0; u < nw; ++u) sum += red[u * HEAD_DIM + c];
+                    OUTPUT
+                }
+                __syncthreads();
+            }
+        }
+        __syncthreads();
+    }
+"""
+_FLASH_OUTPUT = {
+    True: "velox_put(&o[(bi * QH + hk * G + j0 + j) * HEAD_DIM + c], sum / L);",
+    False: """po[((bh * S + s) * G + j0 + j) * HEAD_DIM + c] = sum;
+                    if (c == 0) {
+                        pm[(bh * S + s) * G + j0 + j] = M;
+                        ps[(bh * S + s) * G + j0 + j] = L;
+                    }""",
+}
+
+# attend's second kernel (more than one chunk per unit), a block per unit: each query head's
+# softmax over the chunks' maxima and sums, then the output, as attend_weights' combine
+# computes its output.
+_ATTEND_OUT = """
+    const unsigned int tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    constexpr int nw = THREADS / 32;
+    const int H = pm_shape[1];
+    const int S = pm_shape[2];
+    const int G = pm_shape[3];
+    const size_t bh = blockIdx.x;
+    const size_t bi = bh / H, hk = bh % H;
+    const int QH = H * G;
+    __shared__ float mj[MAX_GROUPS];
+    __shared__ float ij[MAX_GROUPS];
+    for (int j = warp; j < G; j += nw) {
+        float m, inv;
+        velox_chunk_softmax(pm, ps, bh, S, G, j, lane, m, inv);
+        if (lane == 0) {
+            mj[j] = m;
+            ij[j] = inv;
+        }
+    }
+    __syncthreads();
+    for (int i = tid; i < G * HEAD_DIM; i += THREADS) {
+        const int j = i / HEAD_DIM, c = i % HEAD_DIM;
+        float acc = 0.0f;
+        for (int v = 0; v < S; ++v)
+            acc += po[((bh * S + v) * G + j) * HEAD_DIM + c] * expf(pm[(bh * S + v) * G + j] - mj[j]);
+        velox_put(&o[(bi * QH + hk * G + j) * HEAD_DIM + c], acc * ij[j]);
+    }
+"""
+
 # attend_select's selection score of candidate t of head bh, by the kind of its rule
 _BY = {"weights": "w[bh * N + t]", "carried": "scores[bh * N + t]", "given": "given[bh * N + t]",
        "none": "0.0f"}
@@ -786,6 +971,28 @@ def _attend_combine_spec(group: str = "mean", accumulate: str | None = None) -> 
                 header=_HEADER)
 
 
+def _attend_flash_spec(direct: bool = False) -> dict:
+    """The ``mx.fast.cuda_kernel`` arguments of :func:`attend`'s first launch (a block per chunk
+    of a unit's candidates; template ``HEAD_DIM``, ``GROUPS`` and ``UNROLL``): ``direct``
+    writes the normalised output (one chunk per unit), else each chunk's maximum, sum and
+    unnormalised output for :func:`_attend_out_spec`'s launch."""
+    return dict(name="velox_attend_flash" + ("_direct" if direct else ""),
+                input_names=["q", "K", "knew", "V", "vnew", "params", "cfg"],
+                output_names=["o"] if direct else ["pm", "ps", "po"],
+                source=_ATTEND_FLASH.replace("OUTPUT", _FLASH_OUTPUT[bool(direct)])
+                                    .replace("THREADS", str(ATTEND_THREADS)),
+                header=_HEADER)
+
+
+def _attend_out_spec() -> dict:
+    """The ``mx.fast.cuda_kernel`` arguments of :func:`attend`'s second launch (a block per
+    unit; template ``HEAD_DIM``)."""
+    return dict(name="velox_attend_out", input_names=["pm", "ps", "po"], output_names=["o"],
+                source=_ATTEND_OUT.replace("THREADS", str(ATTEND_THREADS))
+                                  .replace("MAX_GROUPS", str(ATTEND_MAX_GROUPS)),
+                header=_HEADER)
+
+
 def _attend_select_spec(group: str = "mean", accumulate: str | None = None, by: str = "weights",
                         carry: bool = False) -> dict:
     """The ``mx.fast.cuda_kernel`` arguments of ``attend_select``'s second launch: ``group``
@@ -851,6 +1058,16 @@ def _attend_combine_kernel(group: str, accumulate: str | None):
 
 
 @lru_cache(maxsize=None)
+def _attend_flash_kernel(direct: bool):
+    return build(_attend_flash_spec(direct))
+
+
+@lru_cache(maxsize=None)
+def _attend_out_kernel():
+    return build(_attend_out_spec())
+
+
+@lru_cache(maxsize=None)
 def _compact_kernel(select: str, carry: str):
     return build(_compact_spec(select, carry))
 
@@ -862,10 +1079,12 @@ def _attend_select_kernel(group: str, accumulate: str | None, by: str, carry: bo
 
 _SPECS = {"weights": _weights_spec, "select": _select_spec, "compact": _compact_spec,
           "attend_part": _attend_part_spec, "attend_combine": _attend_combine_spec,
-          "attend_select": _attend_select_spec}
+          "attend_select": _attend_select_spec, "attend_flash": _attend_flash_spec,
+          "attend_out": _attend_out_spec}
 _KERNELS = {"weights": _weights_kernel, "select": _select_kernel, "compact": _compact_kernel,
             "attend_part": _attend_part_kernel, "attend_combine": _attend_combine_kernel,
-            "attend_select": _attend_select_kernel}
+            "attend_select": _attend_select_kernel, "attend_flash": _attend_flash_kernel,
+            "attend_out": _attend_out_kernel}
 
 
 def _spec(variant: tuple) -> dict:
@@ -1097,10 +1316,56 @@ def split_chunk(rows: int, units: int) -> int:
     return -(-rows // -(-rows // chunk))  # as many chunks, of equal rows (no near-empty last one)
 
 
+def attend(queries, keys, values, new_keys, new_values, *, rows: int | None = None,
+           scale: float | None = None):
+    """A decode step's attention output alone: ``queries [b, qh, 1, d]`` over the first
+    ``rows`` slots of ``keys``/``values [b, h, n, d]`` (default all ``n``: buffers whose last
+    slots are empty are read in place, no copy of a view) and the new token's ``new_keys``/
+    ``new_values [b, h, 1, d]``, at ``scale`` (default ``d ** -0.5``); ``[b, qh, 1, d]`` in the
+    values' dtype. The step into an empty slot of amortized eviction, which scores nothing.
+
+    One pass over the rows (keys and values of a row read together, a running softmax per
+    lane group, as flash-decoding), split over the candidates into chunks of at least
+    ``FLASH_MIN_CHUNK`` rows, as many as make about ``FLASH_BLOCKS`` blocks
+    (:func:`flash_chunk`); with more than one chunk a second launch combines them."""
+    _check_step("attend", queries, keys, values, new_keys, new_values)
+    b, h, n, d = keys.shape
+    rows = n if rows is None else rows
+    if not 0 <= rows <= n:
+        raise ValueError(f"attend: rows {rows} of a buffer of {n}")
+    hq = queries.shape[1]
+    if not attend_supports(d, hq // h):
+        raise ValueError(f"attend needs head_dim dividing {ATTEND_THREADS} and at most {ATTEND_MAX_GROUPS} "
+                         f"query heads per kv head, got head_dim {d}, {hq // h} heads")
+    g, N = hq // h, rows + 1
+    ch = flash_chunk(N, b * h)
+    s = -(-N // ch)
+    inputs = [queries, keys, new_keys, values, new_values, _params(d ** -0.5 if scale is None else scale, 1.0),
+              _cfg(ch, rows)]
+    template = [("HEAD_DIM", d), ("GROUPS", min(g, ATTEND_GROUPS)), ("UNROLL", FLASH_UNROLL)]
+    grid = (b * h * s * ATTEND_THREADS, 1, 1), (ATTEND_THREADS, 1, 1)
+    if s == 1:
+        return _run_kernel(("attend_flash", True), inputs, *grid, [(b, hq, 1, d)], [values.dtype], template)[0]
+    pm, ps, po = _run_kernel(("attend_flash", False), inputs, *grid,
+                             [(b, h, s, g), (b, h, s, g), (b, h, s, g, d)], [mx.float32] * 3, template)
+    return _run_kernel(("attend_out",), [pm, ps, po], (b * h * ATTEND_THREADS, 1, 1), (ATTEND_THREADS, 1, 1),
+                       [(b, hq, 1, d)], [values.dtype], [("HEAD_DIM", d)])[0]
+
+
+def flash_chunk(rows: int, units: int) -> int:
+    """The candidates per block of :func:`attend`'s first kernel, for ``rows`` candidates of
+    each of ``units`` (batch row, kv head) pairs: about ``FLASH_BLOCKS`` blocks in all, at
+    least ``FLASH_MIN_CHUNK`` rows each (fewer only where a unit has fewer), evened out."""
+    want = max(1, -(-FLASH_BLOCKS // max(units, 1)))
+    chunk = max(1, min(rows, max(FLASH_MIN_CHUNK, -(-rows // want))))
+    return -(-rows // -(-rows // chunk))
+
+
 @lru_cache(maxsize=None)
-def _cfg(chunk: int) -> mx.array:
-    """The split's chunk size as the kernels read it (one cached int32 device array)."""
-    return mx.array([chunk], mx.int32)
+def _cfg(chunk: int, rows: int = 0) -> mx.array:
+    """The split's chunk size (and :func:`attend`'s stored rows) as the kernels read them (one
+    cached int32 device array)."""
+    return mx.array([chunk, rows], mx.int32)
 
 
 def _pair(x):

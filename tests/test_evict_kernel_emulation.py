@@ -534,6 +534,91 @@ def test_fused_decode_step_matches_attention_then_update(case, emulated):
         st = plain
 
 
+# --- attend: attention alone over a buffer's filled prefix --------------------------------------
+
+FLASH_CASES = [  # b, h, g, d, buffer rows, rows attended, dtype, chunks of
+    (1, 2, 4, 64, 40, 33, mx.float32, 8),  # 34 candidates: 5 chunks (combined by attend_out)
+    (2, 2, 2, 32, 30, 30, mx.float32, 0),  # every slot filled, one chunk (normalised directly)
+    (1, 1, 10, 32, 50, 47, mx.float32, 16),  # 10 query heads: passes of 8 and 2
+    (1, 2, 3, 64, 20, 0, mx.float32, 4),  # no stored row: the new token alone
+    (2, 2, 4, 128, 70, 61, mx.bfloat16, 24),
+    (1, 3, 3, 64, 300, 299, mx.float32, 0),  # one block over 300 candidates: many rows per lane group
+]
+
+
+@pytest.mark.parametrize("case", FLASH_CASES, ids=str)
+def test_attend_is_attention_over_the_filled_prefix(case, emulated, monkeypatch):
+    """``attend`` over the first ``rows`` slots of a buffer and the new token equals
+    ``scaled_dot_product_attention`` over those rows and the new one (at the scale asked); the
+    slots past ``rows`` (here NaN, as garbage) are never read."""
+    b, h, g, d, n, rows, dtype, chunk = case
+    rng = _rng("flash", case)
+    monkeypatch.setattr(ev, "FLASH_MIN_CHUNK", chunk or 10_000)
+    monkeypatch.setattr(ev, "FLASH_BLOCKS", 10_000 if chunk else 1)
+    q, kn, vn = _arr(rng, b, h * g, 1, d, dtype=dtype), _arr(rng, b, h, 1, d, dtype=dtype), _arr(rng, b, h, 1, d, dtype=dtype)
+    k, v = _arr(rng, b, h, n, d, dtype=dtype), _arr(rng, b, h, n, d, dtype=dtype)
+    garbage = mx.arange(n)[None, None, :, None] >= rows
+    k, v = mx.where(garbage, mx.nan, k).astype(dtype), mx.where(garbage, mx.nan, v).astype(dtype)
+    scale = 0.7 * d ** -0.5
+    out = ev.attend(q, k, v, kn, vn, rows=rows, scale=scale)
+    chunks = -(-(rows + 1) // ev.flash_chunk(rows + 1, b * h))
+    assert chunks == (1 if not chunk else -(-(rows + 1) // chunk)), chunks
+    assert emulated == ([("attend_flash", True)] if chunks == 1 else [("attend_flash", False), ("attend_out",)])
+    want = mx.fast.scaled_dot_product_attention(q.astype(mx.float32),
+                                                mx.concatenate([k[:, :, :rows], kn], axis=2).astype(mx.float32),
+                                                mx.concatenate([v[:, :, :rows], vn], axis=2).astype(mx.float32),
+                                                scale=scale)
+    assert out.shape == (b, h * g, 1, d) and out.dtype == dtype
+    tol = (1e-5, 1e-6) if dtype == mx.float32 else (1e-2, 1e-2)
+    np.testing.assert_allclose(np.array(out.astype(mx.float32)), np.array(want), rtol=tol[0], atol=tol[1])
+
+
+def test_attend_refuses_bad_arguments():
+    k = mx.zeros((1, 2, 8, 32))
+    q, kn = mx.zeros((1, 4, 1, 32)), mx.zeros((1, 2, 1, 32))
+    with pytest.raises(ValueError, match="rows 9 of a buffer of 8"):
+        ev.attend(q, k, k, kn, kn, rows=9)
+    with pytest.raises(ValueError, match="attend"):
+        ev.attend(q, k, k, kn, kn[:, :1])
+    with pytest.raises(ValueError, match="head_dim"):
+        ev.attend(mx.zeros((1, 4, 1, 24)), mx.zeros((1, 2, 8, 24)), mx.zeros((1, 2, 8, 24)),
+                  mx.zeros((1, 2, 1, 24)), mx.zeros((1, 2, 1, 24)))
+
+
+@pytest.mark.parametrize("key, params", [("tova", dict(budget=20, n_sink=2)),
+                                         ("streaming_llm", dict(n_sink=2, window_size=18))])
+def test_fill_attention_is_attention_over_the_filled_slots(key, params, emulated):
+    """The ``cuda`` backend's attention of a step into an empty slot (``fill_attention``, the
+    adapter's fill step): ``attend`` over the state's filled slots in place and the new row,
+    equal to MLX's attention over ``kv_slots`` after the fill, through two selections' worth
+    of steps; ``None`` for a state without an empty slot (the fused step's)."""
+    b, h, g, d = 2, 2, 3, 32
+    rng = _rng("fill-attention", key)
+    m = get_method(key)
+    st = m.init(b, h, d, backend="mlx", slack=5, **params)
+    st = m.update(st, _arr(rng, b, h, 25, d), _arr(rng, b, h, 25, d), queries=_arr(rng, b, h * g, 25, d))
+    backend = m.backends["cuda"]
+    fills = 0
+    for _ in range(14):
+        q, k, v = _arr(rng, b, h * g, 1, d), _arr(rng, b, h, 1, d), _arr(rng, b, h, 1, d)
+        new = backend.fill(st, k, v)
+        if new is None:
+            st = m.update(st, k, v, queries=q)
+            continue
+        emulated.clear()
+        out = backend.fill_attention(st, new, q, k, v, d ** -0.5)
+        assert emulated and emulated[0][0] == "attend_flash", emulated
+        ks, vs, mask = m.kv_slots(new)
+        assert mask is None
+        want = mx.fast.scaled_dot_product_attention(q, ks, vs, scale=d ** -0.5)
+        np.testing.assert_allclose(np.array(out), np.array(want), rtol=1e-5, atol=1e-6)
+        fills += 1
+        st = new
+    assert fills >= 8
+    full = m.update(m.init(b, h, d, backend="mlx", **params), _arr(rng, b, h, 25, d), _arr(rng, b, h, 25, d))
+    assert backend.fill(full, k, v) is None
+
+
 # --- attend_select: the combine and the selection in one launch ------------------------------
 
 # key, params, b, h, g, d (budget 20): select's first five cases, then KVzip's two probes

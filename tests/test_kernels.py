@@ -205,6 +205,30 @@ def test_kernel_attended_decode_step_matches_attention_then_update(key, shape, d
 
 
 @needs_cuda
+@pytest.mark.parametrize("case", [(1, 8, 4, 64, 2112, 2080, "bfloat16"), (32, 8, 4, 64, 2112, 2048, "bfloat16"),
+                                  (2, 2, 10, 128, 700, 650, "float32"), (3, 3, 3, 64, 300, 0, "float16"),
+                                  (4, 2, 2, 256, 513, 513, "float32")], ids=str)
+def test_attend_is_attention_over_the_filled_prefix(case):
+    """``attend`` over the first ``rows`` slots of a buffer (the rest NaN: never read) and the
+    new row equals MLX's attention over those rows and the new one, split into chunks or not."""
+    from velox.kernels import evict as ev
+    b, h, g, d, n, rows, dtype = case
+    dt = getattr(mx, dtype)
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+    arr = _normal(rng, dt)
+    q, kn, vn = arr(b, h * g, 1, d), arr(b, h, 1, d), arr(b, h, 1, d)
+    garbage = mx.arange(n)[None, None, :, None] >= rows
+    k, v = (mx.where(garbage, mx.nan, arr(b, h, n, d)).astype(dt) for _ in range(2))
+    out = ev.attend(q, k, v, kn, vn, rows=rows)
+    want = mx.fast.scaled_dot_product_attention(q, mx.concatenate([k[:, :, :rows], kn], axis=2),
+                                                mx.concatenate([v[:, :, :rows], vn], axis=2), scale=d ** -0.5)
+    tol = 2e-5 if dt == mx.float32 else 2e-2
+    assert out.dtype == dt and out.shape == want.shape
+    np.testing.assert_allclose(np.array(out.astype(mx.float32)), np.array(want.astype(mx.float32)),
+                               rtol=tol, atol=tol)
+
+
+@needs_cuda
 @pytest.mark.parametrize("case", [(1, 8, 4, 64, 2047, "float32", "mean", None),
                                   (1, 8, 4, 64, 2047, "bfloat16", "mean", "decay"),
                                   (2, 2, 10, 128, 700, "float32", "max", "max"),
@@ -324,7 +348,7 @@ def test_squeeze_kernel_follows_a_reallocated_budget():
 
 WEIGHTS_VARIANTS = [("weights", group, acc, noise) for group in ("mean", "max")
                     for acc in (None, "decay", "max", "vote_sum", "vote_max") for noise in (False, True)]
-ATTEND_VARIANTS = [("attend_part",)] + [("attend_combine", group, acc) for group in ("mean", "max")
+ATTEND_VARIANTS = [("attend_part",), ("attend_flash", True), ("attend_flash", False), ("attend_out",)] + [("attend_combine", group, acc) for group in ("mean", "max")
                                          for acc in (None, "decay", "max", "vote_sum", "vote_max")]
 COMPACT_VARIANTS = [("compact", select, carry) for select in ("fixed", "full", "split")
                     for carry in ("none", "full", "split", "profiles")]
@@ -337,7 +361,8 @@ ATTEND_SELECT_VARIANTS = [("attend_select", group, acc, by, carry) for group in 
 KERNEL_VARIANTS = (WEIGHTS_VARIANTS + ATTEND_VARIANTS + COMPACT_VARIANTS + MERGE_VARIANTS + SELECT_VARIANTS
                    + ATTEND_SELECT_VARIANTS)
 TEMPLATE = {"weights": {"HEAD_DIM": 128}, "attend_part": {"HEAD_DIM": 128, "GROUPS": 8, "UNROLL": 2},
-            "attend_combine": {"HEAD_DIM": 128},
+            "attend_combine": {"HEAD_DIM": 128}, "attend_out": {"HEAD_DIM": 128},
+            "attend_flash": {"HEAD_DIM": 128, "GROUPS": 8, "UNROLL": 2},
             "attend_select": dict(HEAD_DIM=128, N_SINK=3, RECENT=2, SHARED=1),
             "compact": dict(CHUNKS=2, FIXED_DROP=0, UNIT_HEADS=1, N_SINK=3, RECENT=2, CHUNK_SIZE=4),
             "merge_plan": dict(HEAD_DIM=128, N_SINK=3, RECENT=5, WINDOW=6, MERGE_GATE=1, MODE=0,

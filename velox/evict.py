@@ -883,6 +883,22 @@ def _cuda_update(mlx_update, plan: _Plan, decode_step) -> Callable:
     update.with_attention = with_attention
     if hasattr(mlx_update, "fill"):
         update.fill = mlx_update.fill
+
+        def fill_attention(state, filled, queries, keys, values, scale):
+            """The attention of a step into an empty slot (``filled = fill(state, keys,
+            values)``): ``queries [b, qh, 1, d]`` over ``state``'s filled slots and the new
+            row at ``scale``, in one pass of ``velox.kernels.evict.attend`` over ``filled``'s
+            buffers in place (no copy of the filled prefix); ``None`` where that kernel does
+            not take the shapes (the caller attends itself)."""
+            from .kernels.evict import attend, attend_supports
+            b, h, n, d = filled.keys.shape
+            if (queries.shape[2] != 1 or queries.shape[1] % h or keys.shape != (b, h, 1, d)
+                    or not attend_supports(d, queries.shape[1] // h)):
+                return None
+            return attend(queries, filled.keys, filled.values, keys, values, rows=n - empty_slots(state),
+                          scale=scale)
+
+        update.fill_attention = fill_attention
     return update
 
 
