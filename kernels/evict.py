@@ -29,8 +29,14 @@ runs ``attend_weights`` instead: the step's attention output and the scores from
 flash-decoding splits a cache (a block per chunk of a row's candidates, then a launch that
 combines the chunks), so a batch of one fills the GPU; then ``select``, the per-token rule's
 loser with the slot's row, the positions and the carried scores; the row is then written in
-place by MLX at the next step. ``compact`` serves the methods whose rows stay sorted
-(``contract.slots = "sorted"``: CaM's merge, ChunkKV's chunks), which move the kept rows anyway. MLX compiles each kernel at its first launch and caches it
+place by MLX at the next step. A step into an empty slot of amortized eviction (``slack``:
+TOVA, KNorm and StreamingLLM score nothing there) needs the attention alone: ``attend`` reads
+the filled prefix of the slot buffers in place (a custom kernel would copy a sliced view) and
+the new row in one pass, the keys and values of a row together with a running softmax per
+lane group (flash-decoding's form: no logits kept, no second pass over the rows), a block per
+(batch row, kv head) up to ``FLASH_MIN_CHUNK`` rows, beyond that chunks and a combining
+launch. ``compact`` serves the methods whose rows stay sorted (``contract.slots =
+"sorted"``: CaM's merge, ChunkKV's chunks), which move the kept rows anyway. MLX compiles each kernel at its first launch and caches it
 per template values and dtypes; ``weights`` takes head_dim as one, so each lane's loads of a
 key row unroll and issue together. ``velox.kernels.nvrtc`` compiles every variant's source
 without a GPU (a test does, for three dtypes).
@@ -68,10 +74,14 @@ SPLIT_BLOCKS = 256
 MIN_CHUNK = 1024
 # How attend (attention alone, no weights) splits a unit's candidates: chunks of at least
 # FLASH_MIN_CHUNK rows, enough for about FLASH_BLOCKS blocks; FLASH_UNROLL rows per lane group
-# loaded before any is used (host-side: a new value builds a new variant).
-FLASH_BLOCKS = 1024
-FLASH_MIN_CHUNK = 128
-FLASH_UNROLL = 2
+# loaded before any is used (host-side: a new value builds a new variant). On the H200
+# (Llama-3.2-1B's attention, 2049 candidates, bfloat16, us per launch in one graph) one block
+# per unit, no combine launch, beat every split at batch 1 and 8 (37 and 50-55 against 58-78
+# and 52-135) and was within the runs' noise of the best at 32 (92-115; MLX's attention over
+# the same prefix 79-93 at batch 1 and 8, 274-284 at 32; docs/results/speed/fill-kernel).
+FLASH_BLOCKS = 128
+FLASH_MIN_CHUNK = 4096
+FLASH_UNROLL = 1
 
 # Block-wide reductions (max, sum, argmin) through shared memory; every lane gets the result.
 _HEADER = """
