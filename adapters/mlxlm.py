@@ -150,8 +150,10 @@ class _Step:
     (``prefix`` tokens, with ``prefix_q`` their queries, ``None`` for the proxy), then the
     call's tokens. In deferred mode a step is pending until the wrapped attention completes
     it; ``keys is None`` then means the call's token joined the tail (the wrapper attends and
-    records its query), ``fused`` that the wrapper runs the compiled attention + update, and
-    ``new_only`` that ``update_and_fetch`` handed out only the call's tokens.
+    records its query), ``fused`` that the wrapper runs the compiled attention + update (or
+    the fill step), ``new_only`` that ``update_and_fetch`` handed out only the call's tokens,
+    and ``filled`` the state after a fill step (the token written into an empty slot by the
+    backend's ``fill``) when that was decided at the call.
     """
 
     keys: mx.array | None = None
@@ -160,6 +162,7 @@ class _Step:
     prefix_q: mx.array | None = None
     fused: bool = False
     new_only: bool = False
+    filled: Any = None
 
     @property
     def length(self) -> int:
@@ -524,7 +527,7 @@ class VeloxCache(_BaseCache):
             return evict.append_rows(k, tk), evict.append_rows(v, tv)
         step = self._take(keys, values)
         if defer:
-            step.fused = self._steady(step.keys)
+            step.fused = self._steady(step.keys) or self._fills(step)
             step.new_only = wrapper_attends or (step.fused and not self._route_unknown)
             self._pending = step
             if step.new_only:
@@ -567,7 +570,9 @@ class VeloxCache(_BaseCache):
             steady = d.get("_fast") is held  # decided for this state: a fused step keeps it so
             backend = m.backends[held.backend]
             fill = getattr(backend, "fill", None) if row is None else None
-            new = None if fill is None else fill(held, step.keys, step.values)
+            new = step.filled
+            if new is None and fill is not None:
+                new = fill(held, step.keys, step.values)
             if new is not None:  # a token into an empty slot (amortized eviction): no score,
                 # the row written in place and attention over the filled slots: the backend's
                 # kernel reading the buffers in place (cuda), else MLX's over a view of the
@@ -788,6 +793,20 @@ class VeloxCache(_BaseCache):
                     and contract.get("compilable", True) else None)
             self.__dict__["_steady_rows"] = rows
         return rows is not None and self._slot_count() == rows
+
+    def _fills(self, step: _Step) -> bool:
+        """Whether a single-token step of a state that is not at a steady size (a
+        prefill-bounded method's decode steps) goes into an empty slot by the backend's
+        ``fill``: then the fill step runs in :meth:`attention` (``step.filled``, the state
+        after it). Steady states (amortized eviction) decide it there; ``compile=False`` keeps
+        the plain path."""
+        st, m = self._state, self.method
+        if (not self.compile or step.prefix or step.keys.shape[2] != 1 or m.layer_update is not None
+                or not evict.empty_slots(st)):
+            return False
+        fill = getattr(m.backends[st.backend], "fill", None)
+        step.filled = None if fill is None else fill(st, step.keys, step.values)
+        return step.filled is not None
 
     def _stored_count(self) -> int:
         return 0 if self._state is None else int(self.method.positions(self._state).shape[2])

@@ -585,19 +585,31 @@ def test_attend_refuses_bad_arguments():
                   mx.zeros((1, 2, 1, 24)), mx.zeros((1, 2, 1, 24)))
 
 
-@pytest.mark.parametrize("key, params", [("tova", dict(budget=20, n_sink=2)),
-                                         ("streaming_llm", dict(n_sink=2, window_size=18))])
-def test_fill_attention_is_attention_over_the_filled_slots(key, params, emulated):
-    """The ``cuda`` backend's attention of a step into an empty slot (``fill_attention``, the
-    adapter's fill step): ``attend`` over the state's filled slots in place and the new row,
+def _declines_off_gpu(m, st) -> bool:
+    """Off an NVIDIA GPU ``fill_attention`` declines (the caller attends with MLX)."""
+    return all(m.backends[be].fill_attention(st, st, None, None, None, 1.0) is None
+               for be in m.backends if hasattr(m.backends[be], "fill_attention"))
+
+
+@pytest.mark.parametrize("key, params", [("tova", dict(budget=20, n_sink=2, slack=5)),
+                                         ("streaming_llm", dict(n_sink=2, window_size=18, slack=5)),
+                                         ("snapkv", dict(budget=20, n_sink=2, obs_window=4))])
+def test_fill_attention_is_attention_over_the_filled_slots(key, params, emulated, monkeypatch):
+    """The attention of a step into an empty slot on an NVIDIA GPU (``fill_attention``, the
+    adapter's fill step, ``mlx`` and ``cuda`` backends alike): ``attend`` over the state's
+    filled slots in place and the new row,
     equal to MLX's attention over ``kv_slots`` after the fill, through two selections' worth
-    of steps; ``None`` for a state without an empty slot (the fused step's)."""
+    of steps (amortized eviction) or a growth (SnapKV's decode); ``fill`` is ``None`` for a
+    state without an empty slot."""
     b, h, g, d = 2, 2, 3, 32
     rng = _rng("fill-attention", key)
     m = get_method(key)
-    st = m.init(b, h, d, backend="mlx", slack=5, **params)
+    st = m.init(b, h, d, backend="mlx", **params)
     st = m.update(st, _arr(rng, b, h, 25, d), _arr(rng, b, h, 25, d), queries=_arr(rng, b, h * g, 25, d))
-    backend = m.backends["cuda"]
+    assert _declines_off_gpu(m, st)
+    monkeypatch.setattr(evict, "_on_cuda", lambda: True)
+    backend = m.backends["mlx"]
+    assert "cuda" not in m.backends or m.backends["cuda"].fill_attention is backend.fill_attention
     fills = 0
     for _ in range(14):
         q, k, v = _arr(rng, b, h * g, 1, d), _arr(rng, b, h, 1, d), _arr(rng, b, h, 1, d)

@@ -365,6 +365,60 @@ def test_fill_is_the_update_into_an_empty_slot(key, params):
     assert seen >= 4
 
 
+@pytest.mark.parametrize("key", ["snapkv", "pyramidkv"])
+def test_prefill_bounded_decode_fills_grown_slots(key):
+    """A prefill-bounded method's decode step adds ``grow_by(n)`` empty slots when none is
+    left (one copy of the rows) and the next steps fill them in place (``fill``, the same
+    state as ``update``); what is kept is the append-only rule's (every decode token, in
+    order); a chunk step drops the empty slots first and keeps what it keeps from the
+    compacted state."""
+    from velox import evict
+    m = velox.get_method(key)
+    rng = np.random.default_rng(11)
+
+    def rows(s):
+        return mx.array(rng.standard_normal((1, 2, s, 8)).astype(np.float32))
+
+    st = m.init(1, 2, 8, budget=10, obs_window=4, backend="mlx")
+    st = m.update(st, rows(15), rows(15), queries=rows(15))
+    assert st.keys.shape[2] == 10 and st.empty == 0
+    k0, v0 = velox.get_kv(st)
+    p0 = np.array(m.positions(st))
+    added_k, added_v, growths, steps = [], [], [], 40
+    for _ in range(steps):
+        k, v = rows(1), rows(1)
+        got = m.backends["mlx"].fill(st, k, v)
+        new = m.update(st, k, v)
+        n = st.keys.shape[2]
+        if st.empty == 0:  # none empty: grown, the token in the first new slot
+            growths.append(n)
+            assert got is None and new.keys.shape[2] == n + evict.grow_by(n)
+            assert new.empty == evict.grow_by(n) - 1
+        else:
+            assert new.keys.shape[2] == n and new.empty == st.empty - 1
+            for a, b in zip(_row_fields(got), _row_fields(new)):
+                assert mx.array_equal(a, b).item()
+        pos = np.array(new.positions)
+        assert (pos[..., new.keys.shape[2] - new.empty:] == -1).all()
+        assert m.nbytes(new) == sum(a.nbytes for a in (new.keys, new.values, new.positions, new.next_pos))
+        added_k.append(k)
+        added_v.append(v)
+        st = new
+    assert growths == [10, 26, 42], growths  # 16 slots each time (a sixteenth is below GROW_MIN)
+    gk, gv = velox.get_kv(st)
+    assert mx.array_equal(gk, mx.concatenate([k0, *added_k], axis=2)).item()
+    assert mx.array_equal(gv, mx.concatenate([v0, *added_v], axis=2)).item()
+    assert np.array_equal(np.array(m.positions(st)),
+                          np.concatenate([p0, np.broadcast_to(np.arange(15, 15 + steps), (1, 2, steps))], 2))
+    assert evict.grow_by(4096) == 256 and evict.grow_by(100) == evict.GROW_MIN
+    chunk = rows(6), rows(6), rows(6)
+    after = m.update(st, *chunk[:2], queries=chunk[2])
+    want = m.update(evict.compacted(st), *chunk[:2], queries=chunk[2])
+    assert after.empty == 0 and after.keys.shape[2] == 10
+    for a, b in zip(_row_fields(after), _row_fields(want)):
+        assert mx.array_equal(a, b).item()
+
+
 def _row_fields(state):
     return [getattr(state, f) for f in ("keys", "values", "positions", "next_pos")]
 
@@ -428,6 +482,43 @@ def test_attention_over_slots_masks_empty_slots():
             np.testing.assert_allclose(np.array(out), np.array(want), rtol=1e-5, atol=1e-6)
             assert np.array_equal(np.array(velox.positions(new)),
                                   np.array(velox.positions(m.update(st, nk, nv, queries=q))))
+
+
+def test_adapter_fills_a_prefill_bounded_methods_grown_slots(tiny_llama):
+    """SnapKV through the adapter: a decode step that finds no empty slot grows the state
+    (``deferred``), the next ones until the slots are full are fill steps (the row written
+    in place, attention over the filled slots); logits and state as the plain path's
+    (``compile=False``)."""
+    from velox import evict
+    from velox.adapters.mlxlm import make_cache
+    prompt = [int(x) for x in np.random.default_rng(1).integers(0, 97, 40)]
+
+    def run(**kw):
+        caches = make_cache(tiny_llama, "snapkv", budget=16, obs_window=4, **kw)
+        tiny_llama(mx.array([prompt]), cache=caches)
+        outs, kinds, x = [], [], prompt[-1]
+        for _ in range(40):
+            logits = tiny_llama(mx.array([[x]]), cache=caches)[0, -1]
+            x = int(mx.argmax(logits).item())
+            outs.append(np.array(logits))
+            kinds.append(caches[0].last_step)
+        return outs, kinds, caches
+
+    fast, kinds, a = run()
+    want, n = [], 16
+    while len(want) < 40:  # a growth, then fills until the slots are full
+        want += ["deferred"] + ["fill"] * (evict.grow_by(n) - 1)
+        n += evict.grow_by(n)
+    assert kinds == want[:40], kinds
+    plain, plain_kinds, b = run(compile=False)
+    assert set(plain_kinds) == {"deferred"}
+    for x, y in zip(fast, plain):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+    for c, d in zip(a, b):
+        assert c.velox_state.empty == d.velox_state.empty
+        assert np.array_equal(np.array(c.positions()), np.array(d.positions()))
+        for x, y in zip(velox.get_kv(c.velox_state), velox.get_kv(d.velox_state)):
+            np.testing.assert_allclose(np.array(x), np.array(y), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("slack", [0, 5])

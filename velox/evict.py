@@ -23,6 +23,15 @@ row shares (no index, no score where the rule scores nothing between selections:
 (``kv_slots``: no mask). Such a state's slots are in increasing position. ``slack = 0`` is
 the per-token rule.
 
+Grown slots (a prefill-bounded method, ``contract.bound_phase = "prefill"``, whose state type
+is made with ``grows=True``: SnapKV, PyramidKV): its decode steps keep every token, so a
+decode step that finds no empty slot first adds :func:`grow_by` of them after the rows (a
+sixteenth, at least ``GROW_MIN``: one copy, as mlx-lm's ``KVCache`` grows its buffers by
+256), and the next steps fill them in place as amortized eviction's steps do
+(``update.fill``, attention over the filled prefix). What is kept is the append-only rule's;
+``nbytes`` counts the empty slots (they are held). A chunk step first drops the empty slots
+(a gather of the filled prefix), then keeps what it keeps.
+
 Tie rule (all backends): among equal scores the newer token is kept (the older goes).
 
 Non-finite rule (all backends, every selection): a non-finite score (NaN, or +-inf from an
@@ -266,6 +275,18 @@ def keep_rows(stored: tuple, new: tuple, idx: Int[Array, "b h k"] | None, pad: i
 # --- slots ----------------------------------------------------------------------------------
 
 EMPTY = -1  # the position of an empty slot
+# The empty slots a prefill-bounded method's decode step adds when none is left (a state
+# type made with grows=True; see the module): a sixteenth of its slots, at least GROW_MIN,
+# so the held but empty slots stay within 1/16 of the rows (or GROW_MIN) and the copy that
+# grows them costs about 16 rows a step.
+GROW_MIN = 16
+GROW_FRACTION = 16
+
+
+def grow_by(n: int) -> int:
+    """The empty slots a decode step adds to a prefill-bounded state of ``n`` slots, none
+    empty."""
+    return max(GROW_MIN, n // GROW_FRACTION)
 
 
 def empty_slots(state) -> int:
@@ -507,9 +528,33 @@ def _sorts_chunks(plan: _Plan, state, n: int, s: int) -> bool:
     more than its capacity (a budget lowered since: SqueezeAttention's reallocation), which
     keeps ``capacity`` in one gather (a prefill-bounded method's slots are always sorted: its
     decode steps append)."""
-    if not plan.slots or n == 0 or plan.prefill_only:
+    if not plan.slots or n == 0:
         return False
+    if plan.prefill_only:  # sorted already: a chunk step drops the empty slots a decode grew
+        return s > 1 and empty_slots(state) > 0
     return s > 1 or n - empty_slots(state) > plan.capacity(state) + plan.slack(state)
+
+
+def _grows(plan: _Plan, state, seen, s: int) -> bool:
+    """Whether a decode step of a prefill-bounded method first adds empty slots: a
+    state type that grows (``empty``), none empty, plain rows (not a composition's codes),
+    not ragged."""
+    return (plan.prefill_only and plan.slots and s == 1 and hasattr(state, "empty")
+            and state.empty == 0 and not getattr(state, "ragged", False)
+            and isinstance(state.keys, mx.array) and isinstance(seen.keys, mx.array))
+
+
+def _grown(state, carry: tuple[str, ...]):
+    """``state`` with :func:`grow_by` empty slots after its rows (zero rows, position
+    ``EMPTY``, zero carried scores): one copy of the rows per growth, as mlx-lm's ``KVCache``
+    grows its buffers."""
+    grow = grow_by(state.keys.shape[2])
+
+    def pad(a, fill):
+        extra = mx.full(a.shape[:2] + (grow,) + a.shape[3:], fill, a.dtype)
+        return mx.concatenate([a, extra], axis=2)
+    fields = {name: pad(getattr(state, name), 0) for name in ("keys", "values", *carry)}
+    return state._replace(positions=pad(state.positions, EMPTY), empty=grow, **fields)
 
 
 def score_and_keep(score: Callable | None, reference: Callable | None, *,
@@ -716,6 +761,9 @@ def _mlx_backend(score, carry, fields, plan: _Plan, logits_only: bool = False) -
         if _sorts_chunks(plan, state, n, s):
             state, seen = _compacted_pair(state, seen, carry)
             n = state.keys.shape[2]
+        if _grows(plan, state, seen, s):
+            state = seen = _grown(state, carry)
+            n = state.keys.shape[2]
         empty = empty_slots(state)
         evicting = _evicting(plan, state, n - empty, s)
         scored = Scored(None, {})
@@ -773,7 +821,35 @@ def _mlx_backend(score, carry, fields, plan: _Plan, logits_only: bool = False) -
     update.ragged = ragged(update)  # valid counts per row (velox.ragged)
     if not (carry or fields):  # the rule scores nothing between selections
         update.fill = fill
+        update.fill_attention = fill_attention
     return update
+
+
+def fill_attention(state, filled, queries, keys, values, scale):
+    """The attention of a step into an empty slot (``filled = fill(state, keys, values)``) on
+    an NVIDIA GPU: ``queries [b, qh, 1, d]`` over ``state``'s filled slots and the new row at
+    ``scale``, in one pass of ``velox.kernels.evict.attend`` over ``filled``'s buffers in
+    place (no copy of the filled prefix); ``None`` on another device or where the kernel
+    does not take the shapes (the caller attends with MLX)."""
+    if not _on_cuda():
+        return None
+    from .kernels.evict import attend, attend_supports
+    b, h, n, d = filled.keys.shape
+    if (queries.shape[2] != 1 or queries.shape[1] % h or keys.shape != (b, h, 1, d)
+            or not attend_supports(d, queries.shape[1] // h)):
+        return None
+    return attend(queries, filled.keys, filled.values, keys, values, rows=n - empty_slots(state), scale=scale)
+
+
+_CUDA: list[bool] = []
+
+
+def _on_cuda() -> bool:
+    """Whether MLX computes on an NVIDIA GPU now (the machine asked once)."""
+    if not _CUDA:
+        from .backend import device_supports
+        _CUDA.append(device_supports("cuda"))
+    return _CUDA[0] and mx.default_device() == mx.gpu
 
 
 def _fillable(plan: _Plan, state, keys) -> bool:
@@ -781,7 +857,7 @@ def _fillable(plan: _Plan, state, keys) -> bool:
     eviction between selections)."""
     return (keys.shape[2] == 1 and plan.slots and empty_slots(state) > 0
             and not getattr(state, "ragged", False) and isinstance(state.keys, mx.array)
-            and state.keys.shape[2] == plan.capacity(state) + plan.slack(state))
+            and (plan.prefill_only or state.keys.shape[2] == plan.capacity(state) + plan.slack(state)))
 
 
 def _reference_backend(reference, carry, fields, plan: _Plan, logits_only: bool = False) -> Callable:
@@ -793,6 +869,9 @@ def _reference_backend(reference, carry, fields, plan: _Plan, logits_only: bool 
         if _sorts_chunks(plan, state, n, s):
             if not (isinstance(seen.keys, CodedKeys) or isinstance(state.keys, CodedKeys)):
                 state = seen = ref.compacted(state, carry)
+            n = state.keys.shape[2]
+        if _grows(plan, state, seen, s):
+            state = seen = _grown(state, carry)
             n = state.keys.shape[2]
         coded = seen.keys.numpy() if isinstance(seen.keys, CodedKeys) else None
         c = ref.candidates(state, keys, values, queries)
@@ -883,21 +962,6 @@ def _cuda_update(mlx_update, plan: _Plan, decode_step) -> Callable:
     update.with_attention = with_attention
     if hasattr(mlx_update, "fill"):
         update.fill = mlx_update.fill
-
-        def fill_attention(state, filled, queries, keys, values, scale):
-            """The attention of a step into an empty slot (``filled = fill(state, keys,
-            values)``): ``queries [b, qh, 1, d]`` over ``state``'s filled slots and the new
-            row at ``scale``, in one pass of ``velox.kernels.evict.attend`` over ``filled``'s
-            buffers in place (no copy of the filled prefix); ``None`` where that kernel does
-            not take the shapes (the caller attends itself)."""
-            from .kernels.evict import attend, attend_supports
-            b, h, n, d = filled.keys.shape
-            if (queries.shape[2] != 1 or queries.shape[1] % h or keys.shape != (b, h, 1, d)
-                    or not attend_supports(d, queries.shape[1] // h)):
-                return None
-            return attend(queries, filled.keys, filled.values, keys, values, rows=n - empty_slots(state),
-                          scale=scale)
-
         update.fill_attention = fill_attention
     return update
 
@@ -1030,19 +1094,20 @@ def _kernel_step(score, kernel, carry, fields, plan: _Plan) -> Callable:
     return update
 
 
-def state_type(name: str, init: Callable, doc: str, **carried: Any) -> type:
+def state_type(name: str, init: Callable, doc: str, *, grows: bool = False, **carried: Any) -> type:
     """The state record of an eviction method, from its ``init``: ``keys``, ``values``
     ``[b, h, n, d]``, ``positions [b, h, n]``, the ``carried`` per-token arrays (``name=
     annotation``, in order), ``next_pos [b, h]``, then every parameter of ``init``'s
     signature as a static field (its annotation), ``empty`` (the empty slots, an int) when
-    ``init`` has a ``slack`` parameter, ``ragged`` (whether its batch rows hold different
+    ``init`` has a ``slack`` parameter or the state ``grows`` (a prefill-bounded method whose
+    decode steps fill slots it adds as it needs them, see the module), ``ragged`` (whether its batch rows hold different
     numbers of tokens, ``velox.ragged``; False) and ``backend``. The parameters are written once, in
     the signature. Rows live in slots (see the module): ``positions`` says which token each
     holds."""
     fields = [("keys", Float[Array, "b h n d"]), ("values", Float[Array, "b h n d"]),
               ("positions", Int[Array, "b h n"]), *carried.items(), ("next_pos", Int[Array, "b h"])]
     params = param_fields(init)
-    slots = [("empty", int)] if any(p == "slack" for p, _ in params) else []
+    slots = [("empty", int)] if grows or any(p == "slack" for p, _ in params) else []
     record = NamedTuple(name, [*fields, *params, *slots, ("ragged", bool), ("backend", str)])
     record.__doc__ = doc
     record.__module__ = init.__module__

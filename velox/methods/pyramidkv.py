@@ -78,7 +78,7 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
 
 PyramidKVState = State = evict.state_type(
     "PyramidKVState", init,
-    "Kept rows and their absolute positions (SnapKV's state, with this layer's budget).")
+    "Kept rows and their absolute positions (SnapKV's state, with this layer's budget).", grows=True)
 
 
 # Within a layer the rule is SnapKV's, with the layer's own budget.

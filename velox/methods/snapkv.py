@@ -3,7 +3,9 @@
 A chunk of ``s > 1`` tokens is prefill: the last ``min(obs_window, s)`` queries vote (summed
 attention), votes are pooled over neighbouring positions (``kernel_size``, ``pooling``), and
 the union of stored and new tokens is cut to ``budget``: sinks, the ``obs_window`` newest
-tokens and the best-voted rest. A chunk of one token is decode: appended, never evicted.
+tokens and the best-voted rest. A chunk of one token is decode: appended, never evicted (into
+empty slots added as needed, ``velox.evict.grow_by`` at a time, written in place; see
+``velox.evict``).
 
 The votes (:func:`votes`, and :func:`votes_reference` for one head in NumPy) are the score of
 PyramidKV's layers and of RocketKV's first stage as well. Backends: ``reference`` and ``mlx``.
@@ -40,7 +42,7 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
 
 
 SnapKVState = State = evict.state_type(
-    "SnapKVState", init, "Kept rows and their absolute positions.")
+    "SnapKVState", init, "Kept rows and their absolute positions.", grows=True)
 
 
 def _pool_mlx(x: mx.array, kernel: int, pooling: str) -> mx.array:
