@@ -526,8 +526,9 @@ def _sorts_chunks(plan: _Plan, state, n: int, s: int) -> bool:
     """Whether this update first gathers the filled slots in increasing position: a
     multi-token step of a slot method over stored rows, or a decode step of a state holding
     more than its capacity (a budget lowered since: SqueezeAttention's reallocation), which
-    keeps ``capacity`` in one gather (a prefill-bounded method's slots are always sorted: its
-    decode steps append)."""
+    keeps ``capacity`` in one gather (a prefill-bounded method's filled slots are always
+    sorted, its decode steps appending; a chunk step drops the empty slots its decode steps
+    grew)."""
     if not plan.slots or n == 0:
         return False
     if plan.prefill_only:  # sorted already: a chunk step drops the empty slots a decode grew
@@ -1100,9 +1101,9 @@ def state_type(name: str, init: Callable, doc: str, *, grows: bool = False, **ca
     annotation``, in order), ``next_pos [b, h]``, then every parameter of ``init``'s
     signature as a static field (its annotation), ``empty`` (the empty slots, an int) when
     ``init`` has a ``slack`` parameter or the state ``grows`` (a prefill-bounded method whose
-    decode steps fill slots it adds as it needs them, see the module), ``ragged`` (whether its batch rows hold different
-    numbers of tokens, ``velox.ragged``; False) and ``backend``. The parameters are written once, in
-    the signature. Rows live in slots (see the module): ``positions`` says which token each
+    decode steps fill slots it adds as it needs them, see the module), ``ragged`` (whether
+    its batch rows hold different numbers of tokens, ``velox.ragged``; False) and
+    ``backend``. The parameters are written once, in the signature. Rows live in slots (see the module): ``positions`` says which token each
     holds."""
     fields = [("keys", Float[Array, "b h n d"]), ("values", Float[Array, "b h n d"]),
               ("positions", Int[Array, "b h n"]), *carried.items(), ("next_pos", Int[Array, "b h"])]
