@@ -301,3 +301,30 @@ def test_empty_slots_before_filled_ones_are_refused(tiny_llama, tmp_path):
 
     _refused(_rewrite(src, tmp_path / "x.safetensors", _layer(0, swap)),
              "layer 0: the empty slots must be the last")
+
+
+def test_a_snapkv_file_from_before_grown_slots_loads(tiny_llama, tmp_path):
+    """SnapKV's state holds ``empty`` since its decode steps fill grown slots; a file saved
+    before (no ``empty``, every slot filled) loads and decodes as the caches that were saved,
+    and a slot at position -1 in such a file is refused."""
+    caches = make_cache(tiny_llama, "snapkv", budget=24, obs_window=4)
+    tiny_llama(mx.array([PROMPT]), cache=caches)  # prefill only: no slot empty yet
+    assert caches[0].velox_state.empty == 0
+    src = tmp_path / "snap.safetensors"
+    save_cache(src, caches)
+
+    def legacy(entry, arrays):
+        del entry["state"]["empty"]
+
+    old = _rewrite(src, tmp_path / "old.safetensors", _layer(0, legacy))
+    back, _ = load_cache(old)
+    assert back[0].velox_state.empty == 0
+    assert greedy(tiny_llama, back, 3, NEXT) == greedy(tiny_llama, caches, 3, NEXT)
+
+    def hole(entry, arrays):
+        del entry["state"]["empty"]
+        p = np.array(arrays["0.positions"])
+        p[..., -1] = -1
+        arrays["0.positions"] = mx.array(p)
+
+    _refused(_rewrite(src, tmp_path / "hole.safetensors", _layer(0, hole)), "layer 0: each row must hold empty=0 empty slots")
