@@ -365,8 +365,9 @@ def test_fill_is_the_update_into_an_empty_slot(key, params):
     assert seen >= 4
 
 
-@pytest.mark.parametrize("key", ["snapkv", "pyramidkv"])
-def test_prefill_bounded_decode_fills_grown_slots(key):
+@pytest.mark.parametrize("key, params", [("snapkv", dict(obs_window=4)), ("pyramidkv", dict(obs_window=4)),
+                                         ("nestedkv", dict(window=4))])
+def test_prefill_bounded_decode_fills_grown_slots(key, params):
     """A prefill-bounded method's decode step adds ``grow_by(n)`` empty slots when none is
     left (one copy of the rows) and the next steps fill them in place (``fill``, the same
     state as ``update``); what is kept is the append-only rule's (every decode token, in
@@ -379,7 +380,7 @@ def test_prefill_bounded_decode_fills_grown_slots(key):
     def rows(s):
         return mx.array(rng.standard_normal((1, 2, s, 8)).astype(np.float32))
 
-    st = m.init(1, 2, 8, budget=10, obs_window=4, backend="mlx")
+    st = m.init(1, 2, 8, budget=10, backend="mlx", **params)
     st = m.update(st, rows(15), rows(15), queries=rows(15))
     assert st.keys.shape[2] == 10 and st.empty == 0
     k0, v0 = velox.get_kv(st)

@@ -24,7 +24,7 @@ row shares (no index, no score where the rule scores nothing between selections:
 the per-token rule.
 
 Grown slots (a prefill-bounded method, ``contract.bound_phase = "prefill"``, whose state type
-is made with ``grows=True``: SnapKV, PyramidKV): its decode steps keep every token, so a
+is made with ``grows=True``: SnapKV, PyramidKV, NestedKV): its decode steps keep every token, so a
 decode step that finds no empty slot first adds :func:`grow_by` of them after the rows (a
 sixteenth, at least ``GROW_MIN``: one copy, as mlx-lm's ``KVCache`` grows its buffers by
 256), and the next steps fill them in place as amortized eviction's steps do

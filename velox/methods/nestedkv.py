@@ -14,7 +14,8 @@ Score of the ``N`` candidates of a kv head (stored + new, in slot order), from t
    and mean-centred; ``g(i) = sigmoid(kappa * (s(i) - tau))``; score ``(1 - g) blend + g max_x a_x``.
 
 A chunk of ``s > 1`` tokens (prefill) keeps sinks and the ``budget`` best of stored + new; a
-single token (decode) is appended, never scored. Backends: ``reference`` and ``mlx``.
+single token (decode) is appended, never scored (into empty slots added as needed,
+``velox.evict.grow_by`` at a time; see ``velox.evict``). Backends: ``reference`` and ``mlx``.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
 
 
 NestedKVState = State = evict.state_type(
-    "NestedKVState", init, "Kept rows and their absolute positions.")
+    "NestedKVState", init, "Kept rows and their absolute positions.", grows=True)
 
 
 def block_size(n: int) -> int:
