@@ -289,26 +289,22 @@ _ACCUMULATE = {
         scores[bh * N + t] = a;""",
 }
 
-# attend_weights, split over the candidates (flash-decoding): the first kernel runs a block
-# per chunk of CH candidates of a (batch row, kv head). In passes of up to GROUPS query heads:
-# the scaled float32 logits (a group of lanes per candidate, 8 elements of the key row per
-# lane in 16-byte loads, so a warp takes several rows at once; the key row loaded once for
-# the pass's heads), written to lg; per head the chunk's maximum pm and sum ps of
-# exp(logit - pm), and the chunk's unnormalised output po = sum exp(logit - pm) * value (the
-# value rows loaded as the keys, each lane summing its 8 elements over its rows, the lane
-# groups of a warp added by shuffles, the warps through shared memory).
-_ATTEND_PART = """
+# The start of attend_weights' first kernel and of attend's: the lane layout (lpr lanes per
+# key row, 8 elements each: a power of two, so rows stay in aligned lane groups; rpw rows per
+# warp at a time), the block's unit bh (batch row bi, kv head hk) and chunk [c0, c1) of its
+# N = n + 1 candidates (STORED: the n stored rows, of buffers of R rows), and the shared array
+# of the query heads a pass takes.
+_ATTEND_UNIT = """
     const unsigned int tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
     constexpr int nw = THREADS / 32;
-    // the logits: lpr lanes per key row, 8 elements each (a power of two: rows stay in
-    // aligned lane groups), rpw rows per warp at a time
     static_assert(HEAD_DIM <= 256, "head_dim up to 256");
     constexpr int lpr = HEAD_DIM <= 8 ? 1 : HEAD_DIM <= 16 ? 2 : HEAD_DIM <= 32 ? 4 : HEAD_DIM <= 64 ? 8
                       : HEAD_DIM <= 128 ? 16 : 32;
     constexpr int rpw = 32 / lpr;
     const int li = lane % lpr, ri = lane / lpr;
     const int H = K_shape[1];
-    const int n = K_shape[2];
+    const int R = K_shape[2];
+    const int n = STORED;
     const int N = n + 1;
     const int QH = q_shape[1];
     const int G = QH / H;
@@ -321,6 +317,38 @@ _ATTEND_PART = """
     const float scale = params[0];
     const float inf = __int_as_float(0x7f800000);
     __shared__ float qs[GROUPS * HEAD_DIM];
+"""
+
+# The two attend kernels' logits of a key row: this lane's 8 elements kr (at li * 8) against
+# the first gp of the G query rows in shared memory (D elements each), summed over the row's L
+# lanes (every lane of the row's group gets them).
+_ATTEND_HEADER = """
+template <int D, int G, int L>
+__device__ inline void velox_row_logits(const float* qs, const float* kr, int li, int gp, float* acc) {
+    #pragma unroll
+    for (int j = 0; j < G; ++j) {
+        float a = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if (li * 8 + i < D && j < gp) a += qs[j * D + li * 8 + i] * kr[i];
+        acc[j] = a;
+    }
+    for (int off = L / 2; off > 0; off >>= 1) {
+        #pragma unroll
+        for (int j = 0; j < G; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], off);
+    }
+}
+"""
+
+# attend_weights, split over the candidates (flash-decoding): the first kernel runs a block
+# per chunk of CH candidates of a (batch row, kv head). In passes of up to GROUPS query heads:
+# the scaled float32 logits (a group of lanes per candidate, 8 elements of the key row per
+# lane in 16-byte loads, so a warp takes several rows at once; the key row loaded once for
+# the pass's heads), written to lg; per head the chunk's maximum pm and sum ps of
+# exp(logit - pm), and the chunk's unnormalised output po = sum exp(logit - pm) * value (the
+# value rows loaded as the keys, each lane summing its 8 elements over its rows, the lane
+# groups of a warp added by shuffles, the warps through shared memory).
+_ATTEND_PART = _ATTEND_UNIT.replace("STORED", "R") + """
     __shared__ float pc[GROUPS * CHUNK_MAX];
     __shared__ float red[nw * HEAD_DIM];
     float* l = lg + bh * G * N;
@@ -342,18 +370,7 @@ _ATTEND_PART = """
             for (int u = 0; u < UNROLL; ++u) {
                 const int t = t0 + u * nw * rpw + ri;
                 float acc[GROUPS];
-                #pragma unroll
-                for (int j = 0; j < GROUPS; ++j) {
-                    float a = 0.0f;
-                    #pragma unroll
-                    for (int i = 0; i < 8; ++i)
-                        if (li * 8 + i < HEAD_DIM && j < gp) a += qs[j * HEAD_DIM + li * 8 + i] * kr[u][i];
-                    acc[j] = a;
-                }
-                for (int off = lpr / 2; off > 0; off >>= 1) {
-                    #pragma unroll
-                    for (int j = 0; j < GROUPS; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], off);
-                }
+                velox_row_logits<HEAD_DIM, GROUPS, lpr>(qs, kr[u], li, gp, acc);
                 if (t < c1 && li == 0) {
                     for (int j = 0; j < gp; ++j) {
                         l[(size_t)(j0 + j) * N + t] = acc[j];
@@ -579,29 +596,7 @@ _ATTEND_SELECT = """
 # values of UNROLL rows loaded before any is used (one pass over the rows, as flash-decoding);
 # the lane groups of a warp then merge by shuffles, the warps through shared memory. OUTPUT: the
 # normalised output (one chunk) or the chunk's maximum, sum and unnormalised output (pm, ps, po).
-_ATTEND_FLASH = """
-    const unsigned int tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
-    constexpr int nw = THREADS / 32;
-    static_assert(HEAD_DIM <= 256, "head_dim up to 256");
-    constexpr int lpr = HEAD_DIM <= 8 ? 1 : HEAD_DIM <= 16 ? 2 : HEAD_DIM <= 32 ? 4 : HEAD_DIM <= 64 ? 8
-                      : HEAD_DIM <= 128 ? 16 : 32;
-    constexpr int rpw = 32 / lpr;
-    const int li = lane % lpr, ri = lane / lpr;
-    const int H = K_shape[1];
-    const int R = K_shape[2];
-    const int n = cfg[1];
-    const int N = n + 1;
-    const int QH = q_shape[1];
-    const int G = QH / H;
-    const int CH = cfg[0];
-    const int S = (N + CH - 1) / CH;
-    const size_t bh = blockIdx.x / S;
-    const int s = blockIdx.x % S;
-    const size_t bi = bh / H, hk = bh % H;
-    const int c0 = s * CH, c1 = c0 + CH < N ? c0 + CH : N;
-    const float scale = params[0];
-    const float inf = __int_as_float(0x7f800000);
-    __shared__ float qs[GROUPS * HEAD_DIM];
+_ATTEND_FLASH = _ATTEND_UNIT.replace("STORED", "cfg[1]") + """
     __shared__ float wm[nw * GROUPS];
     __shared__ float wl[nw * GROUPS];
     __shared__ float red[nw * HEAD_DIM];
@@ -634,18 +629,7 @@ _ATTEND_FLASH = """
             for (int u = 0; u < UNROLL; ++u) {
                 const int t = t0 + u * nw * rpw + ri;
                 float x[GROUPS];
-                #pragma unroll
-                for (int j = 0; j < GROUPS; ++j) {
-                    float a = 0.0f;
-                    #pragma unroll
-                    for (int i = 0; i < 8; ++i)
-                        if (li * 8 + i < HEAD_DIM && j < gp) a += qs[j * HEAD_DIM + li * 8 + i] * kr[u][i];
-                    x[j] = a;
-                }
-                for (int off = lpr / 2; off > 0; off >>= 1) {
-                    #pragma unroll
-                    for (int j = 0; j < GROUPS; ++j) x[j] += __shfl_xor_sync(0xffffffffu, x[j], off);
-                }
+                velox_row_logits<HEAD_DIM, GROUPS, lpr>(qs, kr[u], li, gp, x);
                 if (t < c1) {
                     #pragma unroll
                     for (int j = 0; j < GROUPS; ++j) {
@@ -963,7 +947,7 @@ def _attend_part_spec() -> dict:
                 output_names=["lg", "pm", "ps", "po"],
                 source=_ATTEND_PART.replace("THREADS", str(ATTEND_THREADS))
                                    .replace("CHUNK_MAX", str(CHUNK_MAX)),
-                header=_HEADER)
+                header=_HEADER + _ATTEND_HEADER)
 
 
 def _attend_combine_spec(group: str = "mean", accumulate: str | None = None) -> dict:
@@ -991,7 +975,7 @@ def _attend_flash_spec(direct: bool = False) -> dict:
                 output_names=["o"] if direct else ["pm", "ps", "po"],
                 source=_ATTEND_FLASH.replace("OUTPUT", _FLASH_OUTPUT[bool(direct)])
                                     .replace("THREADS", str(ATTEND_THREADS)),
-                header=_HEADER)
+                header=_HEADER + _ATTEND_HEADER)
 
 
 def _attend_out_spec() -> dict:
