@@ -1305,8 +1305,14 @@ def split_chunk(rows: int, units: int) -> int:
     candidates of each of ``units`` (batch row, kv head) pairs: about ``SPLIT_BLOCKS`` blocks
     in all, ``MIN_CHUNK`` to ``CHUNK_MAX`` rows each (fewer only where a unit has fewer), then
     evened out: as many chunks, of equal rows (within one)."""
-    want = max(1, -(-SPLIT_BLOCKS // max(units, 1)))  # chunks per unit
-    chunk = max(1, min(rows, CHUNK_MAX, max(MIN_CHUNK, -(-rows // want))))
+    return _even_chunk(rows, units, SPLIT_BLOCKS, MIN_CHUNK, CHUNK_MAX)
+
+
+def _even_chunk(rows: int, units: int, blocks: int, least: int, most: int) -> int:
+    """Rows per chunk for about ``blocks`` blocks over ``units`` units of ``rows`` each,
+    ``least`` to ``most`` rows a chunk (fewer only where a unit has fewer), then evened out."""
+    want = max(1, -(-blocks // max(units, 1)))  # chunks per unit
+    chunk = max(1, min(rows, most, max(least, -(-rows // want))))
     return -(-rows // -(-rows // chunk))  # as many chunks, of equal rows (no near-empty last one)
 
 
@@ -1350,9 +1356,7 @@ def flash_chunk(rows: int, units: int) -> int:
     """The candidates per block of :func:`attend`'s first kernel, for ``rows`` candidates of
     each of ``units`` (batch row, kv head) pairs: about ``FLASH_BLOCKS`` blocks in all, at
     least ``FLASH_MIN_CHUNK`` rows each (fewer only where a unit has fewer), evened out."""
-    want = max(1, -(-FLASH_BLOCKS // max(units, 1)))
-    chunk = max(1, min(rows, max(FLASH_MIN_CHUNK, -(-rows // want))))
-    return -(-rows // -(-rows // chunk))
+    return _even_chunk(rows, units, FLASH_BLOCKS, FLASH_MIN_CHUNK, rows)
 
 
 @lru_cache(maxsize=None)

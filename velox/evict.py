@@ -57,6 +57,7 @@ import numpy as np
 
 from ._typing import Array, Bool, Float, Int, Shaped
 from .attention import CodedKeys
+from .backend import device_supports
 from .ordering import order_key
 from .ragged import ragged
 from .registry import dims_of
@@ -842,15 +843,9 @@ def fill_attention(state, filled, queries, keys, values, scale):
     return attend(queries, filled.keys, filled.values, keys, values, rows=n - empty_slots(state), scale=scale)
 
 
-_CUDA: list[bool] = []
-
-
 def _on_cuda() -> bool:
-    """Whether MLX computes on an NVIDIA GPU now (the machine asked once)."""
-    if not _CUDA:
-        from .backend import device_supports
-        _CUDA.append(device_supports("cuda"))
-    return _CUDA[0] and mx.default_device() == mx.gpu
+    """Whether MLX computes on an NVIDIA GPU now."""
+    return mx.default_device() == mx.gpu and device_supports("cuda")
 
 
 def _fillable(plan: _Plan, state, keys) -> bool:
@@ -963,7 +958,7 @@ def _cuda_update(mlx_update, plan: _Plan, decode_step) -> Callable:
     update.with_attention = with_attention
     if hasattr(mlx_update, "fill"):
         update.fill = mlx_update.fill
-        update.fill_attention = fill_attention
+        update.fill_attention = mlx_update.fill_attention
     return update
 
 
