@@ -1562,8 +1562,9 @@ def _load_layer(where: str, i: int, entry: Any, arrays: dict[str, mx.array], use
     desc = _with_backend(desc, run_on)
     if (isinstance(desc, dict) and "empty" not in desc and "empty" in getattr(m.state_type, "_fields", ())
             and "slack" not in m.spec.params):
-        # saved before the method's state held empty slots (SnapKV's, PyramidKV's and NestedKV's grown
-        # decode slots): every slot filled, which _check_state checks against the positions
+        # saved before the method's state held empty slots (the grown decode slots of SnapKV,
+        # PyramidKV and NestedKV): every slot filled, which _check_state checks against the
+        # positions
         desc = {**desc, "empty": 0}
     st = _build(where, m.state_type, desc, arrays, used)
     tk = tv = tq = None
