@@ -813,9 +813,10 @@ def _mlx_backend(score, carry, fields, plan: _Plan, logits_only: bool = False) -
             return None
         i = state.keys.shape[2] - state.empty  # _place's slot and values, written directly
         nxt = state.next_pos
+        positions = mx.array(state.positions)  # a new handle: the state's array is not changed
+        positions[:, :, i] = nxt
         return state._replace(keys=write_slot(state.keys, keys, i), values=write_slot(state.values, values, i),
-                              positions=write_slot(state.positions, nxt[:, :, None], i),
-                              next_pos=nxt + 1, empty=state.empty - 1)
+                              positions=positions, next_pos=nxt + 1, empty=state.empty - 1)
 
     update.logits_only = logits_only
     update.slots = plan.slots
