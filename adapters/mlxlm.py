@@ -582,13 +582,13 @@ class VeloxCache(_BaseCache):
                 if out is None:
                     k, v = evict.filled_rows(new.keys, new.values, new.empty)
                     out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
-                d["_held"] = d["_fast"] = new  # (the _state setter's work; row is None here)
+                self._state = new
                 self.last_step = "fill"
-                if not steady:
+                if steady:
+                    d["_fast"] = new
+                else:
                     self._note_fast()
-                # fill writes keys, values, positions and next_pos; the output reads the
-                # first two already, so it is made to depend on the other two alone
-                return mx.depends(out, [new.positions, new.next_pos])
+                return _with_state(out, self._new_arrays())
             if row is None:
                 fused = _compiled(m, "fused", held.backend)
                 out, new, row = fused(held, queries, step.keys, step.values, scale)
