@@ -139,12 +139,12 @@ def _clone(c: VeloxCache, memo: dict | None = None) -> VeloxCache:
 def _shell(c: VeloxCache) -> VeloxCache:
     """A copy of ``c``'s settings with no state (its arrays are not copied)."""
     d = c.__dict__
-    held, row = d.get("_held"), d.get("_row")
-    d["_held"] = d["_row"] = None
+    held, row, fast = d.get("_held"), d.get("_row"), d.get("_fast")
+    d["_held"] = d["_row"] = d["_fast"] = None
     try:
         return _clone(c)
     finally:
-        d["_held"], d["_row"] = held, row
+        d["_held"], d["_row"], d["_fast"] = held, row, fast
 
 
 def _joinable(rows: list) -> list | None:

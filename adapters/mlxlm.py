@@ -259,7 +259,7 @@ class VeloxCache(_BaseCache):
         # Loaded without its model: the first forward confirms the deferred mode.
         self._route_unknown = False
         self._state: tuple | None = None
-        self._fast: tuple | None = None  # the state a fused step left, while the fast path holds
+        self._fast: tuple | None = None  # the state held, while the fast path holds for it
         self._pending: _Step | None = None
         self._offset = 0
         # Append mode: decoded tokens not yet handed to the method, and their queries (None
@@ -275,23 +275,34 @@ class VeloxCache(_BaseCache):
     def _state(self) -> tuple | None:
         """The method's state, with a decode step's row written into its slot if one is
         pending (:func:`_split_step`): the write is built here, before anything reads the
-        rows, so MLX does it in place."""
-        row = self.__dict__.get("_row")
+        rows, so MLX does it in place. The written state keeps the fast path (``_fast``):
+        the same slots, one row's values changed."""
+        d = self.__dict__
+        row = d.get("_row")
         if row is not None:
-            self.__dict__["_row"] = None
-            self.__dict__["_held"] = _write_row(self.__dict__["_held"], row)
-        return self.__dict__.get("_held")
+            held = d["_held"]
+            d["_row"] = None
+            d["_held"] = _write_row(held, row)
+            if d.get("_fast") is held:
+                d["_fast"] = d["_held"]
+        return d.get("_held")
 
     @_state.setter
     def _state(self, value: tuple | None) -> None:
-        self.__dict__["_held"], self.__dict__["_row"] = value, None
+        d = self.__dict__
+        d["_held"], d["_row"] = value, None
+        if d.get("_fast") is not value:  # another state: the fast path ends (and lets go of it)
+            d["_fast"] = None
 
     def _note_fast(self) -> None:
         """After a fused decode step: whether the next single-token step may skip
-        :meth:`update_and_fetch`'s checks (``_fast`` names the state it was decided for, so
-        any other change of the state ends it). It may where nothing but the fused step
-        can run next: no rollback journal, no append tail, the wrapper routing attention,
-        a method without a model-level record, and the state still at its steady size."""
+        :meth:`update_and_fetch`'s checks. ``_fast`` is ``None`` or the very state held
+        (``_held``) it was decided for: replacing the state ends it (the setter), writing a
+        pending row keeps it (the getter), so it never holds a state the cache has left
+        behind (whose arrays would stay alive, and which would stop MLX from writing the row
+        in place). It may where nothing but the fused step can run next: no rollback
+        journal, no append tail, the wrapper routing attention, a method without a
+        model-level record, and the state still at its steady size."""
         m = self.method
         ok = (not self.rollback and self.decode == "evict" and self._tail is None
               and not self._route_unknown and m.layer_update is None
@@ -385,7 +396,7 @@ class VeloxCache(_BaseCache):
             e = self._journal[k]
             if e.offset == self._offset - n:
                 del self._journal[k:]
-                self.__dict__["_held"], self.__dict__["_row"] = e.held, e.row
+                self.__dict__.update(_held=e.held, _row=e.row, _fast=None)
                 self._offset, self._tail, self._tail_q = e.offset, e.tail, e.tail_q
                 self._pending = None
                 return n
