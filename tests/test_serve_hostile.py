@@ -483,7 +483,9 @@ def test_after_all_of_it_the_server_answers_as_before(server):
 @pytest.mark.model
 @pytest.mark.parametrize("flags, message", [
     (["--backend", "cuda"], "backend 'cuda' is not available"),
-    (["--max-tokens", "100", "--max-tokens-cap", "50"], "--max-tokens 100"),
+    # (found once the model has loaded, as its INFO line says: quiet that)
+    (["--max-tokens", "100", "--max-tokens-cap", "50", "--log-level", "WARNING"],
+     "--max-tokens 100"),
 ])
 def test_a_server_that_could_not_serve_exits_2_at_start_up(flags, message):
     from velox.backend import device_supports
