@@ -524,6 +524,14 @@ def check_request(body: Any, kind: str, limits: Limits) -> dict[str, Any]:
         raise RequestError(400, None, f"the request body must be a JSON object, got "
                                       f"{_kind(body)}")
     body = {k: v for k, v in body.items() if v is not None}
+    for key, value in body.items():  # JSON's \ud800 escapes decode to text no tokenizer takes
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise _bad(key, "holds a lone surrogate (an escape such as \\ud800 that is not "
+                            "a character)") from None
+        except (ValueError, RecursionError):
+            raise _bad(key, "is nested too deeply") from None
     vocab, context = limits.vocab_size, limits.context or DEFAULT_CONTEXT
 
     if kind == "chat":

@@ -99,6 +99,9 @@ CHAT = [{"role": "user", "content": "hi"}]
     ({"messages": CHAT, "draft_model": "other"}, 404, "draft_model"),
     ({"messages": CHAT, "adapters": "/tmp/x"}, 404, "adapters"),
     ({"messages": CHAT, "num_draft_tokens": -1}, 400, "num_draft_tokens"),
+    # a stop word no tokenizer takes would raise in the generation thread, outside any try
+    ({"messages": CHAT, "stop": ["\ud800"]}, 400, "stop"),
+    ({"messages": [{"role": "user", "content": "a\udfff"}]}, 400, "messages"),
 ])
 def test_a_bad_chat_request_is_refused_naming_the_field(body, status, param):
     with pytest.raises(RequestError) as info:
@@ -352,6 +355,7 @@ def test_malformed_bodies_are_refused(server):
     ({"xtc_probability": 0.5, "xtc_threshold": 0.9, "temperature": 1.0}, 400, "xtc_threshold"),
     ({"stop": ""}, 400, "stop"),
     ({"chat_template_kwargs": {"return_dict": True}}, 400, "chat_template_kwargs"),
+    ({"stop": ["\ud800"]}, 400, "stop"),
     ({"messages": [{"role": "user"}, 7]}, 400, "messages[1]"),
     ({"method": "snapkv"}, 400, "method"),
     ({"model": "some/other-model"}, 404, "model"),
