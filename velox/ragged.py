@@ -71,11 +71,28 @@ def is_ragged(state) -> bool:
 
 
 def check_valid(valid, batch: int, s: int, key: str) -> np.ndarray:
-    """``valid`` as an int64 NumPy array ``[batch]`` of counts in ``0..s``, or ValueError."""
-    v = np.asarray(valid.astype(mx.int64) if isinstance(valid, mx.array) else valid)
-    if v.shape != (batch,) or not np.issubdtype(v.dtype, np.integer):
-        raise ValueError(f"{key}: valid must be an int array [batch={batch}] of real tokens per row; "
-                         f"got shape {v.shape}, dtype {v.dtype}")
+    """``valid`` as an int64 NumPy array ``[batch]`` of counts in ``0..s``, or ValueError.
+
+    ``valid`` is an integer array (MLX or NumPy, any integer dtype) or a sequence of Python
+    or NumPy ints; a float or bool array (or a float or bool among the ints) is refused, not
+    rounded or cast (``True`` is not a count)."""
+    if isinstance(valid, mx.array):
+        got = f"an array of dtype {str(valid.dtype).replace('mlx.core.', '')}"
+        v = np.asarray(valid) if mx.issubdtype(valid.dtype, mx.integer) else None
+    elif isinstance(valid, (list, tuple)) and any(
+            isinstance(x, (bool, np.bool_, float, np.floating)) for x in valid):
+        got, v = f"a {type(valid).__name__} of {', '.join(sorted({type(x).__name__ for x in valid}))}", None
+    else:
+        v = np.asarray(valid)
+        got = f"dtype {v.dtype}"
+        v = v if np.issubdtype(v.dtype, np.integer) else None
+    if v is None:
+        raise ValueError(f"{key}: valid must be an integer array [batch={batch}] (or a list of "
+                         f"Python ints) of real tokens per row; got {got} (floats and bools are "
+                         f"not counts)")
+    if v.shape != (batch,):
+        raise ValueError(f"{key}: valid must be an integer array [batch={batch}] of real tokens per "
+                         f"row; got shape {v.shape}, dtype {v.dtype}")
     if (v < 0).any() or (v > s).any():
         raise ValueError(f"{key}: valid counts {v.tolist()} must lie in 0..{s} (the update's new tokens)")
     return v.astype(np.int64)

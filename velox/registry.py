@@ -242,8 +242,11 @@ def register(key: str, state_type: type, init: Callable, backends: Any = None, *
             m.attend_update = _attend_update(m, attend_update)
         elif attend_update is not None:
             raise ValueError(f"{key}: attend_update needs attend")
+        if m.attend is not None:
+            m.attend = _heads_checked(m.attend)
         if not m.spec.contract.get("ragged", False):
             _take_row_states(m)
+        _own_states_only(m)
         if spec is None and key in spec_keys():
             _document(m, init.__module__)
     except Exception:
@@ -258,21 +261,106 @@ def _take_row_states(m: Method) -> None:
     and ``attend`` (the update handles them itself, :func:`_dispatching_update`)."""
     from . import ragged as rg
 
-    def either(plain: Callable, rows: Callable) -> Callable:
+    own = m.state_type
+
+    def either(name: str, plain: Callable, rows: Callable) -> Callable:
         @functools.wraps(plain)
         def fn(state, *args, **kwargs):
-            if isinstance(state, rg.RowStates):
+            if type(state) is not own and _foreign(m, name, state, rows=True):
                 return rows(plain, state, *args, **kwargs)
             return plain(state, *args, **kwargs)
+        fn._checks_state = True
         return fn
 
-    m.get_kv = either(m.get_kv, rg.rows_kv)
-    m.positions = either(m.positions, rg.rows_positions)
-    m.kv_slots = either(m.kv_slots, rg.rows_kv_slots)
-    m.nbytes = either(m.nbytes, lambda f, rs: sum(f(r) for r in rs.rows))
-    m.dims = either(m.dims or _keys_dims, lambda f, rs: (len(rs.rows), *f(rs.rows[0])[1:]))
+    m.get_kv = either("get_kv", m.get_kv, rg.rows_kv)
+    m.positions = either("positions", m.positions, rg.rows_positions)
+    m.kv_slots = either("kv_slots", m.kv_slots, rg.rows_kv_slots)
+    m.nbytes = either("nbytes", m.nbytes, lambda f, rs: sum(f(r) for r in rs.rows))
+    m.dims = either("dims", m.dims or _keys_dims, lambda f, rs: (len(rs.rows), *f(rs.rows[0])[1:]))
     if m.attend is not None:
-        m.attend = either(m.attend, rg.rows_attend)
+        m.attend = either("attend", m.attend, rg.rows_attend)
+
+
+def _foreign(m: Method, name: str, state: Any, rows: bool = False) -> bool:
+    """Called where ``type(state)`` is not ``m``'s state type: True for ragged rows of ``m``
+    (``velox.ragged.RowStates`` of ``m``'s states, where ``rows``: the caller takes them),
+    False for an instance of a subclass of ``m``'s state type; anything else (another
+    method's state, a composition's, a plain tuple) raises ``TypeError`` naming the function
+    and the state type it takes."""
+    from .ragged import RowStates
+
+    own = m.state_type
+    if isinstance(state, own):
+        return False
+    if rows and isinstance(state, RowStates) and state.rows and all(isinstance(r, own) for r in state.rows):
+        return True
+    what = type(state).__name__
+    if isinstance(state, RowStates):
+        inner = sorted({type(r).__name__ for r in state.rows}) or ["none"]
+        what = f"RowStates of {', '.join(inner)}"
+    owner = _BY_STATE.get(type(state))
+    if owner is None and isinstance(state, RowStates) and state.rows:
+        owner = _BY_STATE.get(type(state.rows[0]))
+    if owner is not None and owner is not m:
+        hint = (f"; it is the state of {owner.key!r}: use that method's functions, or velox.{name} "
+                f"which dispatches on the state")
+    elif owner is m:  # RowStates of a method that holds ragged rows in one state
+        hint = f"; {m.key} holds ragged rows in one state (update's valid=, velox.ragged)"
+    else:
+        hint = ""
+    rows_ok = " or velox.ragged.RowStates of them" if rows else ""
+    raise TypeError(f"{m.key}.{name}: state must be a {own.__name__} (made by {m.key}'s init)"
+                    f"{rows_ok}, got {what}{hint}")
+
+
+_STATE_FIRST = ("update", "get_kv", "nbytes", "positions", "kv_slots", "dims", "error_bound",
+                "attend", "attend_update", "calibrate")
+
+
+def _checked(m: Method, name: str, fn: Callable, at: int = 0) -> Callable:
+    """``fn`` refusing (:func:`_foreign`) a state, its argument ``at``, that is not ``m``'s."""
+    own = m.state_type
+
+    if at == 0:
+        @functools.wraps(fn)
+        def checked(state, *args, **kwargs):
+            if type(state) is not own:
+                _foreign(m, name, state)
+            return fn(state, *args, **kwargs)
+    else:
+        @functools.wraps(fn)
+        def checked(*args, **kwargs):
+            state = args[at] if len(args) > at else kwargs.get("state")
+            if type(state) is not own:
+                _foreign(m, name, state)
+            return fn(*args, **kwargs)
+    checked._checks_state = True
+    return checked
+
+
+def _heads_checked(attend: Callable) -> Callable:
+    """``attend`` refusing queries whose head count is not a positive multiple of the kv
+    heads (``velox.validate.check_query_heads``) before it runs."""
+    from .validate import check_query_heads
+
+    @functools.wraps(attend)
+    def checked(state, queries, keys, values, **kwargs):
+        check_query_heads(queries, keys)
+        return attend(state, queries, keys, values, **kwargs)
+    return checked
+
+
+def _own_states_only(m: Method) -> None:
+    """Make every function of ``m`` that takes a state refuse another method's: a
+    ``TypeError`` at the call, before anything runs (one type comparison on the way in; the
+    type of a state traced by ``mx.compile`` is its record's). Functions that check already
+    (the generated update, those taking ragged rows) are left as they are."""
+    for name in _STATE_FIRST:
+        fn = getattr(m, name)
+        if fn is not None and not getattr(fn, "_checks_state", False):
+            setattr(m, name, _checked(m, name, fn))
+    if m.layer_update is not None and not getattr(m.layer_update, "_checks_state", False):
+        m.layer_update = _checked(m, "layer_update", m.layer_update, at=2)
 
 
 def _checked_init(key: str, body: Callable) -> Callable:
@@ -313,8 +401,12 @@ def _dispatching_update(m: Method, module: str) -> Callable:
     def dims(state):  # read at the call: _take_row_states wraps m.dims for RowStates
         return (m.dims or _keys_dims)(state)
 
+    own = m.state_type
+
     def update(state: State, keys: mx.array, values: mx.array, *,
                queries: mx.array | None = None, valid: Any = None) -> State:
+        if type(state) is not own:
+            _foreign(m, "update", state, rows=not ragged)
         b, h, d, dtype = dims(state)
         check_update(keys, values, queries, batch=b, heads=h, head_dim=d, dtype=dtype)
         s = keys.shape[2]
@@ -329,6 +421,7 @@ def _dispatching_update(m: Method, module: str) -> Callable:
         return backends[state.backend](state, keys, values, queries)
 
     update.__module__, update.__qualname__ = module, "update"
+    update._checks_state = True
     rows = ("a state of ragged rows (``velox.ragged``): row ``i`` takes its first ``valid[i]`` "
             "tokens and evolves as that row alone" if ragged else
             "unequal counts make ragged rows, one batch-of-one state per row "
@@ -347,8 +440,12 @@ def _attend_update(m: Method, fast: Callable | None) -> Callable:
     from .ragged import RowStates
     from .validate import check_update
 
+    own = m.state_type
+
     def attend_update(state: State, queries: mx.array, keys: mx.array, values: mx.array, *,
                       scale: float, mask: Any = None) -> tuple[mx.array, State]:
+        if type(state) is not own:
+            _foreign(m, "attend_update", state, rows=not m.spec.contract.get("ragged", False))
         if fast is not None and not isinstance(state, RowStates):
             b, h, d, dtype = (m.dims or _keys_dims)(state)
             check_update(keys, values, queries, batch=b, heads=h, head_dim=d, dtype=dtype)
@@ -359,6 +456,7 @@ def _attend_update(m: Method, fast: Callable | None) -> Callable:
                 m.update(state, keys, values, queries=queries))
 
     attend_update.__qualname__ = "attend_update"
+    attend_update._checks_state = True
     attend_update.__doc__ = (f"{m.key}'s attention over its state plus ``s`` new tokens and the "
                              f"state that absorbs them: ``(attend(state, queries, keys, values, "
                              f"scale=scale, mask=mask), update(state, keys, values, queries="

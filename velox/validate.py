@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-__all__ = ["check_update", "check_dims", "is_floating"]
+__all__ = ["check_update", "check_dims", "check_query_heads", "is_floating"]
 
 _FLOATS = (mx.float16, mx.bfloat16, mx.float32, mx.float64)
 
@@ -63,5 +63,18 @@ def check_update(keys: mx.array, values: mx.array, queries: mx.array | None, *,
     if qb != b or qs != s or qd != d:
         raise ValueError(
             f"queries shape {tuple(queries.shape)} must be [b={b}, q, s={s}, d={d}]")
-    if hq % h:
-        raise ValueError(f"queries have {hq} heads, not a multiple of the {h} kv heads")
+    if hq == 0 or hq % h:
+        raise ValueError(f"queries have {hq} heads, not a positive multiple of the {h} kv heads")
+
+
+def check_query_heads(queries: mx.array, keys: mx.array) -> None:
+    """Check the queries an ``attend`` takes: rank 4 ``[b, q, s, d]`` with ``q`` a positive
+    multiple of the kv heads of ``keys [b, h, s, d]`` (shape reads only: no evaluation)."""
+    if not isinstance(queries, mx.array) or queries.ndim != 4:
+        got = tuple(queries.shape) if isinstance(queries, mx.array) else type(queries).__name__
+        raise ValueError(f"queries must be an mx.array of rank 4 [b, q, s, d], got {got}")
+    if not isinstance(keys, mx.array) or keys.ndim != 4:
+        _check_array("keys", keys)  # raises: not an array of rank 4
+    hq, h = queries.shape[1], keys.shape[1]
+    if hq == 0 or hq % h:
+        raise ValueError(f"queries have {hq} heads, not a positive multiple of the {h} kv heads")

@@ -1,0 +1,160 @@
+"""Input the API must refuse at the call that receives it, with a message naming the argument:
+another method's state, queries without heads, ``valid`` counts that are not integers,
+parameters beyond their natural range, a budget given twice on the command line."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import velox
+from velox.ragged import RowStates
+from velox.registry import get_method, method_keys
+
+KEYS = method_keys()
+D = 32  # every method takes head_dim 32 at its defaults
+
+
+def _state(key):
+    return get_method(key).init(1, 2, D)
+
+
+def _rows(n=3):
+    return mx.zeros((1, 2, n, D))
+
+
+# --- a state belongs to one method ------------------------------------------------------
+
+def _calls(m, state):
+    """Every function of ``m`` that takes a state, called on ``state``."""
+    k = _rows()
+    q = mx.zeros((1, 2, 3, D))
+    out = [("update", lambda: m.update(state, k, k)), ("get_kv", lambda: m.get_kv(state)),
+           ("nbytes", lambda: m.nbytes(state)), ("positions", lambda: m.positions(state)),
+           ("kv_slots", lambda: m.kv_slots(state))]
+    if m.error_bound is not None:
+        out.append(("error_bound", lambda: m.error_bound(state)))
+    if m.attend is not None:
+        out.append(("attend", lambda: m.attend(state, q, k, k, scale=0.1)))
+        out.append(("attend_update", lambda: m.attend_update(state, q, k, k, scale=0.1)))
+    return out
+
+
+def test_every_method_refuses_every_other_methods_state():
+    states = {key: _state(key) for key in KEYS}
+    accepted = []
+    for key in KEYS:
+        m = get_method(key)
+        for other in KEYS:
+            if other == key:
+                continue
+            for name, call in _calls(m, states[other]):
+                try:
+                    call()
+                except TypeError as e:
+                    msg = str(e)
+                    assert f"{key}.{name}" in msg and m.state_type.__name__ in msg, msg
+                    assert type(states[other]).__name__ in msg and repr(other) in msg, msg
+                else:
+                    accepted.append((key, name, other))
+    assert not accepted, f"{len(accepted)} calls took another method's state: {accepted[:10]}"
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_own_state_still_taken(key):
+    m = get_method(key)
+    state = _state(key)
+    for name, call in _calls(m, state):
+        if name == "update":
+            state = call()
+            assert type(state) is m.state_type
+        else:
+            call()
+    assert velox.nbytes(state) == m.nbytes(state)
+
+
+def test_module_functions_and_plain_tuples_refused():
+    tova, kivi = velox.tova.init(1, 2, D, budget=8), velox.kivi.init(1, 2, D)
+    k = _rows(1)
+    with pytest.raises(TypeError, match=r"tova\.update: state must be a TovaState.*KiviState"):
+        velox.tova.update(kivi, k, k)
+    with pytest.raises(TypeError, match=r"kivi\.get_kv: state must be a KiviState.*TovaState"):
+        velox.kivi.get_kv(tova)
+    with pytest.raises(TypeError, match=r"tova\.nbytes.*got tuple"):
+        velox.tova.nbytes(tuple(tova))
+    with pytest.raises(TypeError, match=r"tova\+affine\.get_kv.*TovaState"):
+        get_method("tova+affine").get_kv(tova)
+    # the generic functions dispatch on the state and take either
+    velox.update(kivi, k, k), velox.update(tova, k, k)
+
+
+def test_ragged_rows_of_the_method_only():
+    kivi, tova = velox.kivi.init(1, 2, D), velox.tova.init(1, 2, D, budget=8)
+    rows = RowStates((kivi, kivi))
+    assert velox.kivi.nbytes(rows) == 2 * velox.kivi.nbytes(kivi)
+    with pytest.raises(TypeError, match=r"kivi\.nbytes.*RowStates of TovaState"):
+        velox.kivi.nbytes(RowStates((tova,)))
+    with pytest.raises(TypeError, match="holds ragged rows in one state"):
+        velox.tova.get_kv(RowStates((tova,)))  # TOVA holds ragged rows in one state of slots
+
+
+def test_compiled_update_checks_the_state_too():
+    k = _rows(1)
+    step = mx.compile(lambda s, k, v: velox.tova.update(s, k, v))
+    state = step(velox.tova.init(1, 2, D, budget=8), k, k)
+    assert type(state) is velox.tova.State
+    with pytest.raises(TypeError, match="TovaState"):
+        step(velox.h2o.init(1, 2, D, budget=32), k, k)
+
+
+# --- queries have heads ------------------------------------------------------------------
+
+@pytest.mark.parametrize("key", KEYS)
+def test_queries_need_a_positive_multiple_of_the_kv_heads(key, no_shape_checks):
+    m = get_method(key)
+    state = _state(key)
+    k = _rows()
+    for hq in (0, 3):
+        q = mx.zeros((1, hq, 3, D))
+        with pytest.raises(ValueError, match=f"queries have {hq} heads, not a positive multiple of the 2 kv heads"):
+            m.update(state, k, k, queries=q)
+        if m.attend is not None:
+            with pytest.raises(ValueError, match=f"queries have {hq} heads"):
+                m.attend(state, q, k, k, scale=0.1)
+            with pytest.raises(ValueError, match=f"queries have {hq} heads"):
+                m.attend_update(state, q, k, k, scale=0.1)
+    if m.attend is not None:
+        with pytest.raises(ValueError, match=r"queries must be an mx.array of rank 4"):
+            m.attend(state, mx.zeros((2, 3, D)), k, k, scale=0.1)
+
+
+# --- valid counts are integers ------------------------------------------------------------
+
+BAD_VALID = [
+    (mx.array([2.7, 3.0]), "an array of dtype float32"),
+    (mx.array([True, True]), "an array of dtype bool"),
+    (mx.array([3, 1], mx.float16), "an array of dtype float16"),
+    (np.array([2.0, 3.0]), "dtype float64"),
+    (np.array([True, False]), "dtype bool"),
+    ([1, True], "a list of bool, int"),
+    ([2.0, 3], "a list of float, int"),
+    ((3, 1.5), "a tuple of float, int"),
+]
+
+
+@pytest.mark.parametrize("key", ["tova", "kivi", "streaming_llm", "turboquant_mse"])
+@pytest.mark.parametrize("valid,got", BAD_VALID, ids=[repr(g) for _, g in BAD_VALID])
+def test_valid_must_hold_integers(key, valid, got):
+    """A ragged method (slots) and one held as one state per row refuse the same way."""
+    state = velox.init(key, 2, 2, D)
+    k = mx.zeros((2, 2, 3, D))
+    with pytest.raises(ValueError, match=rf"{key}: valid must be an integer array \[batch=2\].*got {got}"):
+        velox.update(state, k, k, valid=valid)
+
+
+@pytest.mark.parametrize("valid", [mx.array([3, 1]), mx.array([3, 1], mx.uint8), np.array([3, 1], np.int16),
+                                   [3, 1], (3, np.int64(1))])
+def test_integer_valid_taken(valid):
+    k = mx.zeros((2, 2, 3, D))
+    for key in ("tova", "kivi"):
+        state = velox.update(velox.init(key, 2, 2, D), k, k, valid=valid)
+        assert velox.positions(state).shape[2] == 3
