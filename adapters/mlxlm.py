@@ -87,7 +87,7 @@ from velox.spec import validate_params
 
 __all__ = ["VeloxCache", "Mode", "make_cache", "save_cache", "load_cache", "cache_nbytes",
            "cache_fp16_bytes", "install_query_capture", "uninstall_query_capture",
-           "query_capture", "tap_queries", "reconstruction_prefill"]
+           "query_capture", "tap_queries", "reconstruction_prefill", "ROLLBACK_MAX"]
 
 
 # --- shared model-level record for cross-layer methods --------------------------------
@@ -192,9 +192,20 @@ class _Entry(NamedTuple):
     tail_q: mx.array | None
 
 
+# The most steps a cache journals (``rollback=``). Speculative decoding trims at most
+# ``num_draft_tokens`` (mlx-lm's default 2) and drafts rarely exceed a few tens of tokens,
+# while the journal's cost grows with its depth: in decode="evict" every entry holds a whole
+# state (up to ``rollback + 1`` states live), and a call of 2 to ``rollback + 1`` tokens runs
+# as one-token steps.
+ROLLBACK_MAX = 64
+
+
 def _check_rollback(rollback: Any) -> None:
-    if isinstance(rollback, bool) or not isinstance(rollback, int) or rollback < 0:
-        raise ValueError(f"rollback={rollback!r} must be an integer >= 0 (the steps trim can undo)")
+    if isinstance(rollback, bool) or not isinstance(rollback, int) or not 0 <= rollback <= ROLLBACK_MAX:
+        raise ValueError(
+            f"rollback={rollback!r} must be an integer from 0 to ROLLBACK_MAX={ROLLBACK_MAX} (the "
+            "steps trim can undo; the journal holds up to that many states, and calls of up to "
+            "rollback + 1 tokens run as one-token steps)")
 
 
 class _BatchMerge:
@@ -1228,10 +1239,12 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
             data-oblivious fallback.
         rollback: the steps ``trim`` can undo exactly (a journal of the cache's fields before
             each of its last ``rollback`` steps; 0, the default, keeps none and ``trim``
-            removes nothing). With ``rollback=d``, a call of 2 to ``d + 1`` tokens on a cache
-            holding tokens (speculative decoding's verify call) runs as one-token steps, so
-            ``draft_model=`` with ``num_draft_tokens <= d`` gives the greedy tokens of the run
-            without a draft. Refused for cross-layer methods.
+            removes nothing), at most :data:`ROLLBACK_MAX` (64). With ``rollback=d``, a call
+            of 2 to ``d + 1`` tokens on a cache holding tokens (speculative decoding's verify
+            call) runs as one-token steps, so ``draft_model=`` with ``num_draft_tokens <= d``
+            gives the greedy tokens of the run without a draft. The journal costs up to ``d``
+            states beyond the cache's own in ``decode="evict"`` (each step makes a new
+            state), hence the bound. Refused for cross-layer methods.
         **params: the method's parameters; a list gives one value per attention layer.
             Methods with a schedule (``layer_params``) derive per-layer values themselves.
     Returns:

@@ -215,10 +215,49 @@ def test_cross_layer_methods_refuse_rollback(tiny_llama, key):
     assert not make_cache(tiny_llama, key)[0].is_trimmable()
 
 
-@pytest.mark.parametrize("bad", [-1, True])
-def test_rollback_must_be_a_count(tiny_llama, bad):
-    with pytest.raises(ValueError, match="rollback="):
+@pytest.mark.parametrize("bad", [-1, True, 2.0, mlxlm.ROLLBACK_MAX + 1, 10**6])
+def test_rollback_must_be_a_count_up_to_its_maximum(tiny_llama, bad, no_shape_checks):
+    with pytest.raises(ValueError, match=f"rollback={bad!r} must be an integer from 0 to "
+                                         f"ROLLBACK_MAX={mlxlm.ROLLBACK_MAX}"):
         make_cache(tiny_llama, "tova", rollback=bad)
+    with pytest.raises(ValueError, match="ROLLBACK_MAX"):
+        VeloxCache("tova", rollback=bad)
+
+
+def test_the_deepest_rollback_is_bounded_in_memory(tiny_llama):
+    """At ROLLBACK_MAX the journal keeps that many entries, each at most a state and a
+    pending row beyond the cache's own, however long the decode."""
+    assert mlxlm.ROLLBACK_MAX == 64
+    deep, plain = (make_cache(tiny_llama, "tova", budget=24, rollback=r) for r in (mlxlm.ROLLBACK_MAX, 0))
+    sizes = []
+    for caches in (deep, plain):
+        tiny_llama(mx.array([list(range(1, 41))]), cache=caches)
+        for t in range(2 * mlxlm.ROLLBACK_MAX + 16):
+            tiny_llama(mx.array([[t % 90 + 1]]), cache=caches)
+            if caches is deep and t >= 2 * mlxlm.ROLLBACK_MAX:
+                sizes.append(mlxlm.cache_nbytes(deep))
+    assert all(len(c._journal) == mlxlm.ROLLBACK_MAX for c in deep)
+    assert deep[0].trimmable_tokens() == mlxlm.ROLLBACK_MAX
+    row = 2 * (3 * 2 * H * D * 4)  # a pending row's keys and values in 3 layers (and its slots)
+    assert max(sizes) <= (mlxlm.ROLLBACK_MAX + 1) * (mlxlm.cache_nbytes(plain) + row)
+
+
+def test_load_cache_refuses_a_depth_beyond_the_maximum(tmp_path):
+    import json
+
+    x = tokens(6, 30)
+    c = build("tova", "evict", 2)
+    call(c, *piece(x, 0, 20))
+    save_cache(tmp_path / "c.safetensors", [c])
+    arrays, raw = mx.load(str(tmp_path / "c.safetensors"), return_metadata=True)
+    layers = json.loads(raw["0.layers"])
+    layers[0]["rollback"] = 10**6
+    raw["0.layers"] = json.dumps(layers)
+    raw["0.sha256"] = mlxlm._checksum(arrays)  # a consistent file: the depth is what is refused
+    mx.save_safetensors(str(tmp_path / "deep.safetensors"), arrays, metadata=raw)
+    with pytest.raises(ValueError, match="layer 0: rollback=1000000 must be an integer from 0 to "
+                                         "ROLLBACK_MAX=64"):
+        load_cache(tmp_path / "deep.safetensors")
 
 
 def test_save_and_load_carry_the_depth_not_the_journal(tmp_path):
