@@ -53,8 +53,9 @@ Protocol facts this class honours:
   tokens, which attention reads after the stored tokens; the step that fills the tail hands
   it to the method as one chunk (with the tail's real queries), after its attention. A
   multi-token call takes the tail with it the same way: one update of tail + chunk.
-* ``save_cache`` / ``load_cache``: one checksummed ``.safetensors`` file; a loaded cache is
-  checked against its method and decodes as the saved one would have.
+* ``save_cache`` / ``load_cache``: one ``.safetensors`` file whose checksum covers its
+  metadata and arrays; a loaded cache is checked against its method (and a given model's
+  dims) and decodes as the saved one would have.
 * Compiled steps (a steady decode update, the fused attention + update) live in one bounded
   cache keyed by method, kind of step and backend (``_compiled``).
 """
@@ -133,6 +134,11 @@ def _choose_mode(m: Method, *, real_queries: bool, routed: bool, model: str | No
 
 DECODE_MODES = ("evict", "append")
 DECODE_CAP = 64  # append mode: decoded tokens held uncompressed before the method absorbs them
+
+
+def _check_flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be True or False")
 
 
 def _check_decode(decode: Any, decode_cap: Any) -> None:
@@ -242,6 +248,12 @@ class VeloxCache(_BaseCache):
                  artifact: dict[str, Any] | None = None, rollback: int = 0):
         _check_decode(decode, decode_cap)
         _check_rollback(rollback)
+        _check_flag("compile", compile)
+        _check_flag("real_queries", real_queries)
+        if not isinstance(backend, str):
+            raise ValueError(f"backend={backend!r} must be a backend name (a str)")
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+            raise ValueError(f"layer={layer!r} must be an integer >= 0")
         self.decode = decode
         self.decode_cap = decode_cap
         self.method = get_method(method)
@@ -1219,13 +1231,18 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
                artifacts: str | Path | None = None, rollback: int = 0, **params: Any) -> list:
     """One cache per layer of ``model``: velox caches where the model keeps a plain KV cache.
 
+    Every argument is checked here, before any cache exists (a ``ValueError`` names it), so
+    what :func:`save_cache` writes of these caches :func:`load_cache` accepts.
+
     Args:
         model: an mlx-lm model.
         method: a registered method key (``velox.method_keys()``).
-        backend: ``auto`` or a backend name, resolved per layer at the first token.
-        real_queries: score with the model's real queries (deferred mode: wraps mlx-lm's
-            attention for velox caches); ``False`` uses the key-as-query proxy.
-        compile: compile single-token updates once the cache is full.
+        backend: ``auto`` or a backend name the method has and this machine runs (checked
+            here; ``auto`` is resolved per layer at the first token).
+        real_queries: ``True`` or ``False``: score with the model's real queries (deferred
+            mode: wraps mlx-lm's attention for velox caches); ``False`` uses the key-as-query
+            proxy.
+        compile: ``True`` or ``False``: compile single-token updates once the cache is full.
         decode: ``"evict"``: every call runs the method's update, decode steps included.
             ``"append"``: multi-token calls are compressed as in ``"evict"``; single-token
             steps join an uncompressed tail that attention reads, and the step that fills it
@@ -1256,7 +1273,16 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
     """
     _check_decode(decode, decode_cap)
     _check_rollback(rollback)
+    _check_flag("real_queries", real_queries)
+    _check_flag("compile", compile)
+    if not isinstance(method, str):
+        raise ValueError(f"method={method!r} must be a method key (a str)")
     m = get_method(method)
+    if not isinstance(backend, str):
+        raise ValueError(f"backend={backend!r} must be a backend name (a str)")
+    resolve_backend(backend, m.key, m.backends)  # an unknown or unavailable backend, now
+    if artifacts is not None and not isinstance(artifacts, (str, Path)):
+        raise ValueError(f"artifacts={artifacts!r} must be a path (str or pathlib.Path) or None")
     base = default_layout(model)
     slots = [i for i, c in enumerate(base) if type(c) is KVCache]
     n = len(slots)
@@ -1338,8 +1364,15 @@ def _dims(c: VeloxCache) -> tuple[int, int, int, mx.Dtype]:
 
 # --- save / load ----------------------------------------------------------------------
 
-_FORMAT = "velox-prompt-cache-2"
+# File formats (``0.format``; ``format`` in version 1). Version 3's ``0.sha256`` covers the
+# whole file: every metadata entry (layers, layer_params, record, user, format, and the names
+# the layers give their arrays) and every array under its name. Version 2's covered the array
+# data only, version 1 had none: both still load, with a UserWarning, after every other check.
+_VERSION = 3
+_FORMAT = f"velox-prompt-cache-{_VERSION}"
+_FORMAT_V2 = "velox-prompt-cache-2"  # a checksum of the array data only; loads with a warning
 _FORMAT_V1 = "velox-prompt-cache-1"  # written before the checksum; loads with a warning
+_DIGEST = "0.sha256"
 _MARKER = "__velox__"
 _LOAD_WITH = "a velox prompt cache: load it with velox.adapters.mlxlm.load_cache(path)"
 
@@ -1366,8 +1399,31 @@ def _array_bytes(x: mx.array) -> bytes:
     return np.ascontiguousarray(np.array(x)).tobytes()
 
 
+def _digest(arrays: dict[str, mx.array], meta: dict[str, str]) -> str:
+    """The SHA-256 of a version-3 file: every metadata entry but the digest itself (key and
+    text, in sorted key order), then every array (name, dtype, shape, bytes, in sorted name
+    order), each part preceded by its length so that no two files share an encoding."""
+    h = hashlib.sha256()
+
+    def put(b: bytes) -> None:
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+
+    for key in sorted(meta):
+        if key != _DIGEST:
+            put(key.encode())
+            put(str(meta[key]).encode())
+    for name in sorted(arrays):
+        x = arrays[name]
+        put(name.encode())
+        put(f"{x.dtype}|{tuple(x.shape)}".encode())
+        put(_array_bytes(x))
+    return h.hexdigest()
+
+
 def _checksum(arrays: dict[str, mx.array]) -> str:
-    """SHA-256 over every array (name, dtype, shape, bytes), in sorted name order."""
+    """The SHA-256 of a version-2 file: every array (name, dtype, shape, bytes), in sorted
+    name order; its metadata is not covered."""
     h = hashlib.sha256()
     for name in sorted(arrays):
         x = arrays[name]
@@ -1384,15 +1440,37 @@ def _save_tail(c: VeloxCache, i: int, arrays: dict[str, mx.array]) -> dict[str, 
     return {k: None if x is None else _split(x, f"tail.{i}.{k}", arrays) for k, x in parts.items()}
 
 
+def _save_dims(c: VeloxCache) -> dict[str, Any] | None:
+    """What a layer's state says of the model it ran in (``None`` before its first token):
+    checked by :func:`load_cache` against the state and against a given model."""
+    if c.velox_state is None:
+        return None
+    b, h, d, dtype = _dims(c)
+    return {"batch": int(b), "kv_heads": int(h), "head_dim": int(d), "dtype": _dtype_name(dtype)}
+
+
+def _save_artifact(c: VeloxCache, i: int, arrays: dict[str, mx.array]) -> dict[str, Any] | None:
+    """The cache's calibration artifact (its layer's arrays): a loaded cache installs it at
+    its first token as this one would, and a state calibrated with it is checked against a
+    fresh state calibrated the same way."""
+    if c.artifact is None:
+        return None
+    return {k: _split(mx.array(np.asarray(v)), f"artifact.{i}.{k}", arrays)
+            for k, v in c.artifact.items()}
+
+
 def save_cache(path: str | Path, caches: list, metadata: dict[str, str] | None = None) -> None:
     """Save velox caches (every array and static field) to one ``.safetensors`` file.
 
-    The file carries a SHA-256 of its array data, checked by :func:`load_cache`, and is laid
-    out so that mlx-lm's ``load_prompt_cache`` refuses it with a message naming
-    :func:`load_cache`. Each layer's entry records its mode (``"proxy"``, ``"deferred"``);
-    append mode's tail (keys, values, queries) is saved with its layer. A step still pending
-    because its forward never reached the attention wrapper is absorbed first, with the
-    key-as-query proxy, as the cache's next call would.
+    The file carries a SHA-256 of everything :func:`load_cache` reads (the metadata, and the
+    array data under their names), checked at load, and is laid out so that mlx-lm's
+    ``load_prompt_cache`` refuses it with a message naming :func:`load_cache`. Each layer's
+    entry records its mode (``"proxy"``, ``"deferred"``), its rollback depth, the dims of its
+    state (batch, kv heads, head dim, dtype: what ``load_cache(path, model)`` compares with
+    the model) and its layer's calibration artifact (``make_cache(..., artifacts=)``); append
+    mode's tail (keys, values, queries) is saved with its layer. A step still pending because
+    its forward never reached the attention wrapper is absorbed first, with the key-as-query
+    proxy, as the cache's next call would.
     """
     arrays: dict[str, mx.array] = {}
     layers = []
@@ -1407,24 +1485,25 @@ def save_cache(path: str | Path, caches: list, metadata: dict[str, str] | None =
                  "real_queries": c.real_queries, "mode": c.mode.value,
                  "state": None if st is None else _save_record(st, str(i), arrays),
                  "decode": c.decode, "decode_cap": c.decode_cap, "tail": _save_tail(c, i, arrays),
-                 "rollback": c.rollback}
+                 "rollback": c.rollback, "dims": _save_dims(c),
+                 "artifact": _save_artifact(c, i, arrays)}
         layers.append(entry)
         if c._model is not None and shared is None:
             shared = c._model
     record = None
     if shared is not None and shared.record is not None:
         record = _save_record(shared.record, "record", arrays)
-    arrays[_MARKER] = mx.array([2], dtype=mx.uint8)
+    arrays[_MARKER] = mx.array([_VERSION], dtype=mx.uint8)
     mx.eval(arrays)
     fields = {"format": _FORMAT, "layers": json.dumps(layers),
               "layer_params": json.dumps(shared.layer_params if shared else None),
-              "record": json.dumps(record), "user": json.dumps(metadata or {}),
-              "sha256": _checksum(arrays)}
+              "record": json.dumps(record), "user": json.dumps(metadata or {})}
     # mlx-lm's load_prompt_cache reads [metadata, class names, scalars]; its scalar loop
     # raises "Unknown type <_LOAD_WITH>" on the marker before it looks up any class.
     meta = {f"0.{k}": v for k, v in fields.items()}
     meta.update({f"1.{i}": "VeloxCache" for i in range(max(len(caches), 1))})
     meta.update({"2.0": "", "2.1.0": _MARKER, "2.1.1": _LOAD_WITH})
+    meta[_DIGEST] = _digest(arrays, meta)
     mx.save_safetensors(str(path), arrays, metadata=meta)
 
 
@@ -1433,19 +1512,25 @@ def load_cache(path: str | Path, model=None, *,
     """Load caches saved by :func:`save_cache`: ``(caches, user_metadata)``.
 
     The file is checked before any cache is built, and every problem raises ``ValueError``
-    naming it: the checksum of the array data, the method, its parameters (types, ranges,
-    constraints), the offset, the backend, each array's presence, dtype and shape against a
-    fresh state of those parameters, and the arrays against each other (positions, stored
-    count, ``get_kv``, one dry update). Files written before the checksum existed
-    (``velox-prompt-cache-1``) load after the other checks, with a ``UserWarning``.
+    naming it: the checksum (of the whole file: any change to its metadata, to an array, or
+    to which array a layer names is refused), the method, its parameters (types, ranges,
+    constraints), the offset, the backend, the rollback depth, each array's presence, dtype
+    and shape against a fresh state of those parameters, and the arrays against each other
+    (positions, stored count, ``get_kv``, one dry update). A file of a newer format is
+    refused as such. Files of older formats load after the other checks, with a
+    ``UserWarning``: ``velox-prompt-cache-2``, whose checksum covers the array data only,
+    and ``velox-prompt-cache-1``, written before the checksum existed.
 
     Args:
         path: a file written by :func:`save_cache`.
-        model: the mlx-lm model the caches will run in (its layer count is checked, and a
-            saved deferred mode kept only if its attention goes through velox's wrapper, as
-            in :func:`make_cache`). Without it, each deferred cache confirms its mode at its
-            first forward (proxy if that forward never calls the wrapper). A file written before
-            modes were saved gets the mode make_cache would choose.
+        model: the mlx-lm model the caches will run in. Its layers are checked against the
+            file's: their count, and each saved state's kv heads, head dim and dtype against
+            the keys the model's own cache of that layer receives (a cache saved for another
+            model is refused here, naming what differs). A saved deferred mode is kept only
+            if its attention goes through velox's wrapper, as in :func:`make_cache`. Without
+            it, each deferred cache confirms its mode at its first forward (proxy if that
+            forward never calls the wrapper). A file written before modes were saved gets the
+            mode make_cache would choose.
         backend: run the states on this backend (``"auto"``, ``"mlx"``, ...) rather than
             the one they were saved with. Without it, a state saved on a backend this
             machine lacks (``cuda`` on a CPU) raises ``velox.backend.BackendUnavailable``.
@@ -1487,21 +1572,43 @@ def load_cache(path: str | Path, model=None, *,
     return caches, meta["user"]
 
 
+def _format_version(name: Any) -> int | None:
+    """N of a format name ``velox-prompt-cache-N``, else ``None``."""
+    prefix = "velox-prompt-cache-"
+    if isinstance(name, str) and name.startswith(prefix) and name[len(prefix):].isdigit():
+        return int(name[len(prefix):])
+    return None
+
+
 def _read_meta(where: str, raw: dict[str, str], arrays: dict[str, mx.array]) -> dict[str, Any]:
     """The file's velox metadata, parsed; the checksum checked (and the marker dropped)."""
-    if raw.get("0.format") == _FORMAT:
+    version = _format_version(raw.get("0.format", raw.get("format")))
+    if version is not None and version > _VERSION:
+        raise ValueError(f"{where} was saved by a newer velox format {version}; this velox "
+                         f"reads up to {_VERSION} (velox-prompt-cache-{_VERSION}): load it with a "
+                         "newer velox")
+    if version in (2, 3) and "0.format" in raw:
         fields = {k[2:]: v for k, v in raw.items() if k.startswith("0.")}
         if "sha256" not in fields:
-            raise ValueError(f"{where}: {_FORMAT} file without its sha256 checksum")
-        digest = _checksum(arrays)
+            raise ValueError(f"{where}: velox-prompt-cache-{version} file without its sha256 "
+                             "checksum")
+        if version == 3:
+            digest, covers = _digest(arrays, raw), "metadata or array data"
+        else:
+            digest, covers = _checksum(arrays), "array data"
         if digest != fields["sha256"]:
-            raise ValueError(f"{where}: the array data do not match the sha256 checksum written "
-                             f"at save ({fields['sha256'][:16]}... recorded, {digest[:16]}... "
-                             "read): the file is corrupted")
+            raise ValueError(f"{where}: the {covers} do not match the sha256 checksum written at "
+                             f"save ({fields['sha256'][:16]}... recorded, {digest[:16]}... read): "
+                             "the file was changed or is corrupted")
         if _MARKER not in arrays:
             raise ValueError(f"{where}: the {_MARKER} array is missing")
         del arrays[_MARKER]
-    elif raw.get("format") == _FORMAT_V1:
+        if version == 2:
+            warnings.warn(f"{where} was saved by velox format 2 (velox-prompt-cache-2), whose "
+                          "checksum covers the array data only: its metadata (methods, "
+                          "parameters, modes, which arrays each layer holds) cannot be "
+                          "verified; save it again to cover them", UserWarning, stacklevel=3)
+    elif version == 1 and raw.get("format") == _FORMAT_V1:
         fields = dict(raw)
         warnings.warn(f"{where} was written before velox prompt caches carried a checksum: its "
                       "array data cannot be verified (save it again to add one)", UserWarning,
@@ -1510,7 +1617,7 @@ def _read_meta(where: str, raw: dict[str, str], arrays: dict[str, mx.array]) -> 
         hint = (" (it looks like mlx-lm's own prompt cache: load it with "
                 "mlx_lm.models.cache.load_prompt_cache)" if any(k.startswith("1.") for k in raw) else "")
         raise ValueError(f"{where} is not a velox prompt cache{hint}")
-    out = {}
+    out: dict[str, Any] = {}
     for name, kind in (("layers", list), ("layer_params", (list, type(None))),
                        ("record", (dict, type(None))), ("user", dict)):
         try:
@@ -1533,6 +1640,9 @@ _DECODE_ENTRY = {"decode": str, "decode_cap": int, "tail": (dict, type(None))}
 _MODE_ENTRY = {"mode": str}
 # Written since rollback exists (the depth, not the journal); a file without it loads with 0.
 _ROLLBACK_ENTRY = {"rollback": int}
+# Written since format 3: the state's dims (compared with a given model) and the layer's
+# calibration artifact; a file without them loads as before (the dims are read off the state).
+_V3_ENTRY = {"dims": (dict, type(None)), "artifact": (dict, type(None))}
 
 
 def _load_layer(where: str, i: int, entry: Any, arrays: dict[str, mx.array], used: set[str],
@@ -1544,11 +1654,13 @@ def _load_layer(where: str, i: int, entry: Any, arrays: dict[str, mx.array], use
         fields.update(_MODE_ENTRY)
     if isinstance(entry, dict) and "rollback" in entry:
         fields.update(_ROLLBACK_ENTRY)
+    if isinstance(entry, dict):
+        fields.update({k: v for k, v in _V3_ENTRY.items() if k in entry})
     if not isinstance(entry, dict) or set(entry) != set(fields):
         got = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
         raise ValueError(f"{where}: the entry must have the fields {', '.join(_ENTRY)} (and "
-                         f"{', '.join(_DECODE_ENTRY)} together; mode and rollback optional); "
-                         f"got {got}")
+                         f"{', '.join(_DECODE_ENTRY)} together; mode, rollback, dims and "
+                         f"artifact optional); got {got}")
     for name, kind in fields.items():
         value = entry[name]
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
@@ -1559,16 +1671,17 @@ def _load_layer(where: str, i: int, entry: Any, arrays: dict[str, mx.array], use
     if offset < 0:
         raise ValueError(f"{where}: offset={offset} is negative")
     decode = dict(decode=entry.get("decode", "evict"), decode_cap=entry.get("decode_cap", DECODE_CAP))
+    desc, tail = entry["state"], entry.get("tail")
+    artifact = _load_artifact(where, entry.get("artifact"), arrays, used)
     try:
         m = get_method(entry["method"])
         mode = (entry["mode"] if "mode" in entry  # else as make_cache would, checked later
                 else _choose_mode(m, real_queries=entry["real_queries"], routed=True))
         c = VeloxCache(entry["method"], entry["params"], backend=backend or entry["backend"],
                        layer=i, compile=entry["compile"], real_queries=entry["real_queries"],
-                       mode=mode, rollback=entry.get("rollback", 0), **decode)
+                       mode=mode, rollback=entry.get("rollback", 0), artifact=artifact, **decode)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
-    desc, tail = entry["state"], entry.get("tail")
     if tail is not None and c.decode != "append":
         raise ValueError(f"{where}: decode={c.decode!r} but the entry holds an append-mode tail")
     if desc is None:
@@ -1576,6 +1689,8 @@ def _load_layer(where: str, i: int, entry: Any, arrays: dict[str, mx.array], use
             raise ValueError(f"{where}: offset={offset} but the cache holds no state")
         if tail is not None:
             raise ValueError(f"{where}: a tail but no state")
+        if entry.get("dims") is not None:
+            raise ValueError(f"{where}: dims {entry['dims']} but the cache holds no state")
         if c.backend != "auto":
             _resolve(where, c.backend, m, saved=backend is None)
         return c
@@ -1595,11 +1710,27 @@ def _load_layer(where: str, i: int, entry: Any, arrays: dict[str, mx.array], use
     if tail is not None:
         tk, tv, tq = _load_tail(where, tail, arrays, used, st, m, c.decode_cap, offset)
     t = 0 if tk is None else tk.shape[2]
-    _check_state(where, m, st, entry["params"], offset, t)
+    _check_state(where, m, st, entry["params"], offset, t, artifact)
     c._state, c._offset = st, offset
     if tk is not None:
         c._tail, c._tail_q = (tk, tv), tq
+    if "dims" in entry and entry["dims"] != _save_dims(c):
+        raise ValueError(f"{where}: dims {entry['dims']}, but the state holds {_save_dims(c)}")
     return c
+
+
+def _load_artifact(where: str, desc: dict | None, arrays: dict[str, mx.array],
+                   used: set[str]) -> dict[str, np.ndarray] | None:
+    """A saved calibration artifact: its arrays by name."""
+    if desc is None:
+        return None
+    out = {}
+    for name, d in desc.items():
+        if not (isinstance(d, dict) and set(d) == {"__array__"} and d["__array__"] in arrays):
+            raise ValueError(f"{where}: artifact {name} {d!r} names no array of the file")
+        used.add(d["__array__"])
+        out[name] = np.array(arrays[d["__array__"]])
+    return out
 
 
 def _load_tail(where: str, tail: dict, arrays: dict[str, mx.array], used: set[str], st: tuple,
@@ -1752,9 +1883,10 @@ def _check_slots(where: str, m: Method, st: tuple, b: int, h: int, d: int) -> No
 
 
 def _check_state(where: str, m: Method, st: tuple, params: dict[str, Any], offset: int,
-                 tail: int = 0) -> None:
+                 tail: int = 0, artifact: dict[str, np.ndarray] | None = None) -> None:
     """Parameters, dims, arrays and offset of a loaded state, against each other (the state
-    has seen ``offset - tail`` tokens: the append-mode tail holds the rest)."""
+    has seen ``offset - tail`` tokens: the append-mode tail holds the rest), and against a
+    fresh state of its parameters (calibrated with ``artifact`` when the cache has one)."""
     said = f"offset={offset}" + (f" less the tail's {tail}" if tail else "")
     offset -= tail
     try:
@@ -1767,6 +1899,8 @@ def _check_state(where: str, m: Method, st: tuple, params: dict[str, Any], offse
     try:
         full = validate_params(m.spec, params, dims=dict(batch=b, kv_heads=h, head_dim=d))
         fresh = m.init(b, h, d, dtype=dtype, backend=st.backend, **params)
+        if artifact is not None:
+            fresh = m.calibrate(fresh, artifact)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     _compare(where, st, fresh)
@@ -1814,6 +1948,49 @@ def _check_layer_params(where: str, shared: _Model, caches: list) -> None:
                              f"cross-layer record's {lp[c.layer]}")
 
 
+def _model_dims(model) -> list[tuple[int, int, str] | None] | None:
+    """``(kv_heads, head_dim, dtype)`` of the keys each layer's own cache receives from
+    ``model`` (``None`` for a layer without a plain ``KVCache``), read from one token's forward
+    over the model's default caches. MLX is lazy: the forward is only built, never computed
+    (shapes and dtypes are known without it). ``None`` when the model does not run on one
+    token."""
+    base = default_layout(model)
+    taps = _QUERY_TAPS[:]  # an open query_capture() body records none of the probe's queries
+    _QUERY_TAPS.clear()
+    try:
+        model(mx.zeros((1, 1), mx.int32), cache=base)
+    except Exception:
+        return None
+    finally:
+        _QUERY_TAPS[:] = taps
+    out = []
+    for c in base:
+        k = getattr(c, "keys", None) if type(c) is KVCache else None
+        out.append(None if not isinstance(k, mx.array) or k.ndim != 4
+                   else (int(k.shape[1]), int(k.shape[3]), _dtype_name(k.dtype)))
+    return out
+
+
+def _check_model_dims(where: str, caches: list, model) -> None:
+    """Refuse caches whose states were made for another model: each layer's kv heads, head dim
+    and dtype against the keys ``model`` gives that layer's cache."""
+    probe = _model_dims(model)
+    if probe is None:
+        return
+    for c, want in zip(caches, probe):
+        if want is None or c.velox_state is None:
+            continue
+        _, h, d, dtype = _dims(c)
+        got = (int(h), int(d), _dtype_name(dtype))
+        diff = [f"{name} {g} (the model's: {w})"
+                for name, g, w in zip(("kv_heads", "head_dim", "dtype"), got, want) if g != w]
+        if diff:
+            raise ValueError(f"{where}: layer {c.layer} was saved for another model: it holds "
+                             f"{', '.join(diff)}; {type(model).__name__} gives its layer "
+                             f"{c.layer} keys of kv_heads={want[0]}, head_dim={want[1]}, "
+                             f"dtype={want[2]}")
+
+
 def _route(where: str, caches: list, model) -> None:
     """Confirm the loaded caches' modes: a deferred cache stays deferred where the model's
     attention calls the wrapper (which is installed), and runs as proxy where it does not
@@ -1830,6 +2007,7 @@ def _route(where: str, caches: list, model) -> None:
     if len(slots) != len(base) or len(base) != len(caches):
         raise ValueError(f"{where} holds {len(caches)} velox layers; {type(model).__name__} has "
                          f"{len(slots)} plain KV layers of {len(base)}")
+    _check_model_dims(where, caches, model)
     routed = _routes_attention(model)
     for c in caches:
         c._routed = routed

@@ -179,7 +179,7 @@ def _rewrite(src, dst, edit):
     for e in layers:
         edit(e)
     raw["0.layers"] = json.dumps(layers)
-    raw["0.sha256"] = mlxlm._checksum(arrays_)
+    raw["0.sha256"] = mlxlm._digest(arrays_, raw)
     mx.save_safetensors(str(dst), arrays_, metadata=raw)
     return dst
 

@@ -272,7 +272,7 @@ def _rewrite(src, dst, edit):
     layers = json.loads(raw["0.layers"])
     edit(layers[0], arrays_)
     raw["0.layers"] = json.dumps(layers)
-    raw["0.sha256"] = mlxlm._checksum(arrays_)
+    raw["0.sha256"] = mlxlm._digest(arrays_, raw)
     mx.save_safetensors(str(dst), arrays_, metadata=raw)
     return dst
 
@@ -310,6 +310,7 @@ def test_files_from_before_decode_modes_load_as_evict(saved, tmp_path, model):
     for e in layers:
         strip(e, None)
     raw["0.layers"] = json.dumps(layers)
+    raw["0.sha256"] = mlxlm._digest(arrays_, raw)
     mx.save_safetensors(str(tmp_path / "old.safetensors"), arrays_, metadata=raw)
     caches, _ = load_cache(tmp_path / "old.safetensors", model)
     assert all(c.decode == "evict" and c.tail is None for c in caches)

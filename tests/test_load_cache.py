@@ -3,6 +3,7 @@ refuses every kind of damaged or inconsistent file with a ValueError naming the 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -127,7 +128,7 @@ def _rewrite(src, dst, edit=None, *, checksum=True):
     meta = dict(raw)
     meta.update({f"0.{k}": json.dumps(v) for k, v in fields.items()})
     if checksum:
-        meta["0.sha256"] = mlxlm._checksum(arrays)
+        meta["0.sha256"] = mlxlm._digest(arrays, meta)
     mx.save_safetensors(str(dst), arrays, metadata=meta)
     return dst
 
@@ -160,11 +161,20 @@ def test_a_file_without_its_checksum_is_refused(saved, tmp_path):
     _refused(p, "without its sha256 checksum")
 
 
+def _older(layers: str) -> str:
+    """A layers entry as formats 1 and 2 wrote it (no dims, no artifact)."""
+    entries = json.loads(layers)
+    for e in entries:
+        del e["dims"], e["artifact"]
+    return json.dumps(entries)
+
+
 def test_a_file_from_before_the_checksum_loads_with_a_warning(tiny_llama, saved, tmp_path):
     arrays, raw = mx.load(str(saved / "tova.safetensors"), return_metadata=True)
     del arrays[mlxlm._MARKER]
     old = {k[2:]: v for k, v in raw.items() if k.startswith("0.") and k != "0.sha256"}
     old["format"] = "velox-prompt-cache-1"
+    old["layers"] = _older(old["layers"])
     mx.save_safetensors(str(tmp_path / "v1.safetensors"), arrays, metadata=old)
     with pytest.warns(UserWarning, match="before velox prompt caches carried a checksum"):
         caches, meta = load_cache(tmp_path / "v1.safetensors")
@@ -255,7 +265,10 @@ def test_stray_arrays_bad_metadata_and_foreign_files(tiny_llama, saved, tmp_path
              "arrays 9.keys belong to no layer")
     p = _rewrite(saved / "tova.safetensors", tmp_path / "j.safetensors")
     arrays, raw = mx.load(str(p), return_metadata=True)
-    mx.save_safetensors(str(p), arrays, metadata={**raw, "0.layers": "[{"})
+    bad = {**raw, "0.layers": "[{"}
+    mx.save_safetensors(str(p), arrays, metadata=bad)
+    _refused(p, "do not match the sha256 checksum")
+    mx.save_safetensors(str(p), arrays, metadata={**bad, "0.sha256": mlxlm._digest(arrays, bad)})
     _refused(p, "'layers' is not valid JSON")
     mlx_file = tmp_path / "mlx.safetensors"
     cache = make_prompt_cache(tiny_llama)
@@ -328,3 +341,251 @@ def test_a_snapkv_file_from_before_grown_slots_loads(tiny_llama, tmp_path):
         arrays["0.positions"] = mx.array(p)
 
     _refused(_rewrite(src, tmp_path / "hole.safetensors", _layer(0, hole)), "layer 0: each row must hold empty=0 empty slots")
+
+
+# --- the checksum covers the whole file ---------------------------------------------------------
+
+def _swap_refs(fields):
+    """Layers 0 and 1 name each other's key arrays."""
+    a, b = fields["layers"][0]["state"], fields["layers"][1]["state"]
+    a["keys"], b["keys"] = b["keys"], a["keys"]
+
+
+def _swap_data(arrays, fields):
+    """The key arrays of layers 0 and 1 change names."""
+    arrays["0.keys"], arrays["1.keys"] = arrays["1.keys"], arrays["0.keys"]
+
+
+@pytest.mark.parametrize("edit", [
+    lambda a, f: _swap_refs(f),
+    _swap_data,
+    lambda a, f: f["layers"][0].update(mode="proxy"),
+    lambda a, f: [e.update(real_queries=False) for e in f["layers"]],
+    lambda a, f: [e.update(decode="append") for e in f["layers"]],
+    lambda a, f: f["layers"][2].update(decode_cap=8),
+    lambda a, f: f["layers"][1].update(compile=False),
+    lambda a, f: f["layers"][0].update(rollback=2),
+    lambda a, f: f["layers"][0].update(backend="reference"),
+    lambda a, f: f["layers"][0]["dims"].update(dtype="float16"),
+    lambda a, f: f.update(user={"note": "y"}),
+    lambda a, f: f.update(layer_params=[{}, {}, {}]),
+    lambda a, f: f.update(record={}),
+    lambda a, f: f.update(extra=1),
+], ids=["layer-array-refs-swapped", "array-names-swapped", "mode", "real_queries", "decode",
+        "decode_cap", "compile", "rollback", "backend", "dims", "user", "layer_params", "record",
+        "added-field"])
+def test_any_change_to_the_metadata_or_arrays_is_refused(saved, tmp_path, edit):
+    """A file whose metadata or arrays changed after save is refused by the checksum, before
+    any other check: it would have loaded (the edits are consistent) and decoded otherwise."""
+    p = _rewrite(saved / "tova.safetensors", tmp_path / "x.safetensors", edit, checksum=False)
+    _refused(p, "metadata or array data do not match the sha256 checksum written at save")
+
+
+def test_format_and_mlx_lm_fields_are_covered_too(saved, tmp_path):
+    arrays, raw = mx.load(str(saved / "tova.safetensors"), return_metadata=True)
+    for change in ({"0.format": "velox-prompt-cache-2"}, {"1.0": "KVCache"}, {"2.1.1": "x"}):
+        mx.save_safetensors(str(tmp_path / "x.safetensors"), arrays, metadata={**raw, **change})
+        _refused(tmp_path / "x.safetensors", "do not match the sha256 checksum")
+
+
+def test_a_file_of_a_newer_format_says_so(saved, tmp_path):
+    arrays, raw = mx.load(str(saved / "tova.safetensors"), return_metadata=True)
+    mx.save_safetensors(str(tmp_path / "n.safetensors"), arrays,
+                        metadata={**raw, "0.format": "velox-prompt-cache-9"})
+    _refused(tmp_path / "n.safetensors",
+             "saved by a newer velox format 9; this velox reads up to 3")
+
+
+def _as_format_2(src, dst, edit=None):
+    """``src`` as velox format 2 wrote it: entries without dims and artifact, and a checksum of
+    the array data only (``edit(fields)`` applied to its metadata first)."""
+    arrays, raw = mx.load(str(src), return_metadata=True)
+    meta = dict(raw, **{"0.format": "velox-prompt-cache-2", "0.layers": _older(raw["0.layers"])})
+    if edit is not None:
+        layers = json.loads(meta["0.layers"])
+        edit(layers)
+        meta["0.layers"] = json.dumps(layers)
+    meta["0.sha256"] = mlxlm._checksum(arrays)
+    mx.save_safetensors(str(dst), arrays, metadata=meta)
+    return dst
+
+
+def test_a_format_2_file_loads_with_a_warning(tiny_llama, saved, tmp_path):
+    """Files of the previous format load, their array data verified as that format did, with
+    a warning that their metadata cannot be; a change to their arrays is still refused."""
+    p = _as_format_2(saved / "h2o.safetensors", tmp_path / "v2.safetensors")
+    with pytest.warns(UserWarning, match="velox format 2 .* metadata .* cannot be verified"):
+        caches, meta = load_cache(p, tiny_llama)
+    ref, _ = load_cache(saved / "h2o.safetensors", tiny_llama)
+    assert meta == {"note": "x"}
+    assert greedy(tiny_llama, caches, 4, NEXT) == greedy(tiny_llama, ref, 4, NEXT)
+    arrays, raw = mx.load(str(p), return_metadata=True)
+    arrays["0.keys"] = arrays["0.keys"] + 1
+    mx.save_safetensors(str(tmp_path / "bad.safetensors"), arrays, metadata=raw)
+    _refused(tmp_path / "bad.safetensors", "the array data do not match the sha256 checksum")
+    with pytest.warns(UserWarning):  # the other checks still run on such files
+        _refused(_as_format_2(saved / "h2o.safetensors", tmp_path / "r.safetensors",
+                              lambda layers: layers[0].update(rollback=10**6)),
+                 "rollback=1000000 must be an integer from 0 to ROLLBACK_MAX=64")
+
+
+# --- a cache saved for another model ------------------------------------------------------------
+
+def _llama(**kw):
+    from mlx_lm.models import llama
+
+    args = dict(model_type="llama", hidden_size=128, num_hidden_layers=3, intermediate_size=128,
+                num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=97,
+                rope_theta=10000.0)
+    model = llama.Model(llama.ModelArgs(**{**args, **kw}))
+    mx.eval(model.parameters())
+    return model
+
+
+def test_a_cache_saved_for_another_model_is_refused(tiny_llama, saved):
+    """Same layer count, other kv heads, head dim or dtype: refused at load, naming what
+    differs (not at the first forward's matmul)."""
+    p = saved / "tova.safetensors"
+    _, raw = mx.load(str(p), return_metadata=True)
+    assert [e["dims"] for e in json.loads(raw["0.layers"])] == [
+        {"batch": 1, "kv_heads": 2, "head_dim": 32, "dtype": "float32"}] * 3
+    load_cache(p, _llama())  # the same dims: accepted
+    _refused(p, r"layer 0 was saved for another model: it holds kv_heads 2 \(the model's: 1\)",
+             model=_llama(num_key_value_heads=1))
+    _refused(p, r"head_dim 32 \(the model's: 16\)", model=_llama(hidden_size=64))
+    half = _llama()
+    half.set_dtype(mx.float16)
+    _refused(p, r"dtype float32 \(the model's: float16\); Model gives its layer 0 keys of "
+                r"kv_heads=2, head_dim=32, dtype=float16", model=half)
+    with mlxlm.query_capture() as taps:  # the probe's forward records no queries
+        load_cache(p, tiny_llama)
+    assert taps == []
+
+
+# --- every make_cache argument round-trips --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def spectral_artifact(tiny_llama, tmp_path_factory):
+    from velox.adapters import artifacts
+
+    rng = np.random.default_rng(0)
+    fits = [artifacts.fit_spectral(rng.standard_normal((200, 2, 32)) * np.linspace(3, 0.1, 32), {})
+            for _ in range(3)]
+    arrays = {k: np.stack([f[k] for f in fits]) for k in fits[0]}
+    path = tmp_path_factory.mktemp("artifact") / "spectral.safetensors"
+    artifacts.save_artifact(path, arrays, {"format": artifacts.FORMAT, "method": "spectral",
+                                           "model": "tiny", **artifacts.model_dims(tiny_llama)})
+    return path
+
+
+ARGS = [  # (method, make_cache arguments): each argument once, at a value other than its default
+    ("h2o", dict(budget=24, grace=4)),
+    ("tova", dict(budget=24, backend="mlx")),
+    ("tova", dict(budget=24, backend="reference")),
+    ("tova", dict(budget=24, real_queries=False)),
+    ("tova", dict(budget=24, compile=False)),
+    ("tova", dict(budget=24, decode="append", decode_cap=5)),
+    ("tova", dict(budget=24, rollback=3)),
+    ("tova", dict(budget=24, rollback=mlxlm.ROLLBACK_MAX)),
+    ("tova", dict(budget=[16, 20, 24])),
+    ("spectral", dict(artifacts=True)),
+]
+
+
+def _config(c):
+    return (c.method.key, c.params, c.backend, c.compile, c.real_queries, c.decode, c.decode_cap,
+            c.rollback, c.mode, None if c.artifact is None else
+            {k: np.asarray(v).tolist() for k, v in c.artifact.items()})
+
+
+@pytest.mark.parametrize("method, kwargs", ARGS,
+                         ids=["method", "backend-mlx", "backend-reference", "real_queries",
+                              "compile", "decode", "rollback", "rollback-max", "per-layer-params",
+                              "artifacts"])
+def test_each_make_cache_argument_round_trips(tiny_llama, spectral_artifact, tmp_path, method, kwargs):
+    """What make_cache accepts, save_cache writes and load_cache reads back: the same
+    configuration, before the first token and after a few, decoding as the saved caches."""
+    if kwargs.get("artifacts"):
+        kwargs = dict(kwargs, artifacts=spectral_artifact)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a calibrated method's note
+        empty = make_cache(tiny_llama, method, **kwargs)
+        fresh = make_cache(tiny_llama, method, **kwargs)
+    save_cache(tmp_path / "empty.safetensors", empty)
+    back, _ = load_cache(tmp_path / "empty.safetensors", tiny_llama)
+    assert [_config(c) for c in back] == [_config(c) for c in fresh]
+    assert greedy(tiny_llama, back, 3) == greedy(tiny_llama, fresh, 3)
+    save_cache(tmp_path / "after.safetensors", fresh)
+    for model in (tiny_llama, None):
+        again, _ = load_cache(tmp_path / "after.safetensors", model)
+        assert [_config(c) for c in again] == [_config(c) for c in fresh]
+        assert [c.offset for c in again] == [c.offset for c in fresh]
+        twin = copy.deepcopy(fresh)
+        assert greedy(tiny_llama, again, 3, NEXT) == greedy(tiny_llama, twin, 3, NEXT)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(compile="yes"), "compile='yes' must be True or False"),
+    (dict(compile=1), "compile=1 must be True or False"),
+    (dict(real_queries=0), "real_queries=0 must be True or False"),
+    (dict(backend="gpu"), "unknown backend 'gpu'"),
+    (dict(backend=None), "backend=None must be a backend name"),
+    (dict(decode="lazy"), "decode='lazy' must be one of"),
+    (dict(decode_cap=0), "decode_cap=0 must be an integer >= 1"),
+    (dict(rollback=-1), "rollback=-1 must be an integer from 0 to ROLLBACK_MAX"),
+    (dict(artifacts=3), "artifacts=3 must be a path"),
+    (dict(budget="24"), "budget"),
+    (dict(method=3), "method=3 must be a method key"),
+], ids=["compile-str", "compile-int", "real_queries-int", "backend-unknown", "backend-none",
+        "decode", "decode_cap", "rollback", "artifacts", "param", "method"])
+def test_make_cache_refuses_what_load_cache_would(tiny_llama, kwargs, match, no_shape_checks):
+    """Each argument is checked by make_cache (a ValueError naming it), never written to a
+    file that load_cache then refuses."""
+    kwargs = {"budget": 24, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        make_cache(tiny_llama, kwargs.pop("method", "tova"), **kwargs)
+
+
+def _leaves(x, path=()):
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from _leaves(v, path + (k,))
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            yield from _leaves(v, path + (i,))
+    else:
+        yield path, x
+
+
+def _changed(v):
+    if isinstance(v, bool):
+        return not v
+    if isinstance(v, (int, float)):
+        return v + 1
+    if isinstance(v, str):
+        return v + "x"
+    return 0  # None
+
+
+def test_every_metadata_value_is_covered(saved, tmp_path):
+    """Each value of each metadata entry, changed alone (the rest of the file as saved), is
+    refused by the checksum."""
+    src = saved / "h2o.safetensors"
+    arrays, raw = mx.load(str(src), return_metadata=True)
+    tried = 0
+    for key in ("0.layers", "0.layer_params", "0.record", "0.user"):
+        doc = json.loads(raw[key])
+        for path, value in _leaves(doc):
+            edited = json.loads(raw[key])
+            if not path:  # the entry is one value (null)
+                edited = _changed(value)
+            else:
+                at = edited
+                for p in path[:-1]:
+                    at = at[p]
+                at[path[-1]] = _changed(value)
+            mx.save_safetensors(str(tmp_path / "x.safetensors"), arrays,
+                                metadata={**raw, key: json.dumps(edited)})
+            _refused(tmp_path / "x.safetensors", "do not match the sha256 checksum")
+            tried += 1
+    assert tried > 50

@@ -253,7 +253,7 @@ def test_load_cache_refuses_a_depth_beyond_the_maximum(tmp_path):
     layers = json.loads(raw["0.layers"])
     layers[0]["rollback"] = 10**6
     raw["0.layers"] = json.dumps(layers)
-    raw["0.sha256"] = mlxlm._checksum(arrays)  # a consistent file: the depth is what is refused
+    raw["0.sha256"] = mlxlm._digest(arrays, raw)  # a consistent file: the depth is what is refused
     mx.save_safetensors(str(tmp_path / "deep.safetensors"), arrays, metadata=raw)
     with pytest.raises(ValueError, match="layer 0: rollback=1000000 must be an integer from 0 to "
                                          "ROLLBACK_MAX=64"):
