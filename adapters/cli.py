@@ -95,8 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--methods", default=",".join(CORE_METHODS),
                    help="comma-separated method keys, or 'all' (default: the core five, "
                         f"{','.join(CORE_METHODS)})")
-    c.add_argument("--budgets", type=lambda s: _csv_list(_positive_int, s),
-                   default=list(DEFAULT_BUDGETS),
+    c.add_argument("--budgets", type=lambda s: _csv_list(_positive_int, s), default=None,
                    help="budgets for methods with a budget or window (default: 64,256)")
     c.add_argument("--artifacts", action="append", default=[], metavar="METHOD=FILE",
                    help="a calibration artifact for a method (velox calibrate), e.g. "
@@ -188,22 +187,45 @@ def _capacity_names(spec) -> list[str]:
     return [n.id for n in ast.walk(ast.parse(expr, mode="eval")) if isinstance(n, ast.Name)]
 
 
+def _budget_names(spec) -> list[str]:
+    """The parameters a budget may set: ``budget``, or else the integer parameters of the
+    spec's capacity expression other than its sinks."""
+    if "budget" in spec.params:
+        return ["budget"]
+    sink = spec.contract.get("sinks")
+    return [n for n in dict.fromkeys(_capacity_names(spec))
+            if n in spec.params and spec.params[n].type == "int" and n != sink]
+
+
+def _budget_given(spec, given: dict[str, Any]) -> str | None:
+    """The parameter in ``given`` that already sets what a budget would (every parameter a
+    budget may set is given; the first of them), or ``None``."""
+    names = _budget_names(spec)
+    if names and all(n in given for n in names):
+        return names[0]
+    return None
+
+
 def budget_params(key: str, budget: int, given: dict[str, Any]) -> dict[str, Any] | None:
     """Parameters that make ``key`` keep ``budget`` tokens, or ``None`` if it has no budget.
 
     A ``budget`` parameter takes it directly; otherwise the one free integer parameter of the
     spec's capacity expression (e.g. StreamingLLM's ``window_size`` in ``n_sink +
-    window_size``) is solved for so that the capacity equals ``budget``.
+    window_size``) is solved for so that the capacity equals ``budget``. Raises
+    ``ValueError`` when ``given`` sets that parameter already (``--budget 128 --param
+    budget=64``: the budget given twice), whatever the two values.
     """
     from velox.registry import get_method
     from velox.spec import evaluate
 
     spec = get_method(key).spec
+    taken = _budget_given(spec, given)
+    if taken is not None:
+        raise ValueError(f"{key}: the budget is given twice, as a budget of {budget} tokens and as "
+                         f"{taken}={given[taken]!r}; give one of them (--budget or --param {taken}=...)")
     if "budget" in spec.params:
         return {"budget": budget}
-    sink = spec.contract.get("sinks")
-    free = [n for n in dict.fromkeys(_capacity_names(spec))
-            if n in spec.params and spec.params[n].type == "int" and n != sink and n not in given]
+    free = [n for n in _budget_names(spec) if n not in given]
     if len(free) != 1:
         return None
     name = free[0]
@@ -290,7 +312,7 @@ def method_configs(methods: list[str], budgets: list[int], params: list[str]) ->
         given = {k: v for k, v in common.items() if k in spec.params}
         used |= set(given)
         given.update(scoped[m])
-        if "budget" in given:
+        if _budget_given(spec, given) is not None:  # the method's own budget wins over budgets
             variants = [{}]
         else:
             per_budget = [budget_params(m, b, given) for b in budgets]
@@ -303,6 +325,26 @@ def method_configs(methods: list[str], budgets: list[int], params: list[str]) ->
     if unused:
         raise ValueError(f"--param {', '.join(unused)}: no compared method has such a parameter")
     return out
+
+
+def _budgets_once(methods: list[str], budgets: list[int], params: list[str]) -> None:
+    """Refuse ``--budgets`` given together with a ``--param`` that sets a compared method's
+    budget (``budget=64``, ``tova.budget=64``, or StreamingLLM's ``window_size``): the budget
+    given twice. Without ``--budgets`` such a parameter sets that method's budget and the
+    default budgets apply to the others."""
+    from velox.registry import get_method
+
+    common, scoped = _split_params(params, methods)
+    twice = []
+    for m in methods:
+        spec = get_method(m).spec
+        given = {**{k: v for k, v in common.items() if k in spec.params}, **scoped[m]}
+        taken = _budget_given(spec, given)
+        if taken is not None:
+            twice.append(f"{m}'s {taken}={given[taken]!r}")
+    if twice:
+        raise ValueError(f"the budget is given twice: --budgets {','.join(map(str, budgets))} and "
+                         f"--param {', '.join(twice)}; give one of them")
 
 
 def _label(method: str, params: dict[str, Any]) -> str:
@@ -734,6 +776,10 @@ def cmd_compare(args) -> int:
         [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods:
         raise ValueError("--methods is empty")
+    if args.budgets is None:
+        args.budgets = list(DEFAULT_BUDGETS)
+    else:
+        _budgets_once([m for m in methods if m != FULL], args.budgets, args.param)
     configs = [(FULL, {})] + method_configs([m for m in methods if m != FULL], args.budgets,
                                             args.param)
     artifacts = _artifacts(args.artifacts, methods)

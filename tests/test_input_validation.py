@@ -158,3 +158,57 @@ def test_integer_valid_taken(valid):
     for key in ("tova", "kivi"):
         state = velox.update(velox.init(key, 2, 2, D), k, k, valid=valid)
         assert velox.positions(state).shape[2] == 3
+
+
+# --- a budget is given once on the command line ---------------------------------------------
+
+TWICE = [
+    ["generate", "--method", "tova", "--param", "budget=64", "--budget", "128", "hi"],
+    ["generate", "--method", "tova", "--param", "budget=128", "--budget", "128", "hi"],
+    ["generate", "--method", "streaming_llm", "--param", "window_size=60", "--budget", "64", "hi"],
+    ["serve", "--method", "tova", "--param", "budget=64", "--budget", "128"],
+    ["serve", "--method", "streaming_llm", "--budget", "64", "--param", "window_size=60"],
+    ["compare", "--methods", "tova,kivi", "--budgets", "128", "--param", "budget=64"],
+    ["compare", "--methods", "tova,streaming_llm", "--budgets", "64,128", "--param", "tova.budget=64"],
+    ["compare", "--methods", "streaming_llm", "--budgets", "64", "--param", "window_size=60"],
+]
+
+
+@pytest.mark.parametrize("argv", TWICE, ids=[" ".join(a[:1] + a[2:-1]) for a in TWICE])
+def test_budget_given_twice_is_refused(capsys, argv):
+    from velox.adapters import cli, serve
+
+    if argv[0] == "serve":  # its flags alone (cli.main would start the server)
+        with pytest.raises(ValueError) as e:
+            serve.parse_args(argv[1:])
+        line = str(e.value)
+    else:
+        assert cli.main(argv) == 2
+        out, err = capsys.readouterr()
+        line = " ".join(err.split())
+        assert out == "" and "Traceback" not in err
+    assert "the budget is given twice" in line and "give one of them" in line, err
+    flag = argv.index("--budget" if "--budget" in argv else "--budgets")
+    param = argv[argv.index("--param") + 1].split(".")[-1]
+    assert argv[flag + 1] in line and param in line, line  # both values, named
+
+
+def test_budget_params_refuses_the_parameter_it_would_set():
+    from velox.adapters import cli
+
+    with pytest.raises(ValueError, match=r"tova: the budget is given twice, as a budget of 128 tokens and as budget=64"):
+        cli.budget_params("tova", 128, {"budget": 64})
+    with pytest.raises(ValueError, match=r"window_size=60"):
+        cli.budget_params("streaming_llm", 64, {"window_size": 60})
+    assert cli.budget_params("tova", 128, {"n_sink": 2}) == {"budget": 128}
+    assert cli.budget_params("streaming_llm", 64, {"n_sink": 2}) == {"window_size": 62}
+    assert cli.budget_params("kivi", 64, {"bits": 4}) is None
+
+
+def test_compare_without_budgets_takes_a_methods_own_budget():
+    from velox.adapters import cli
+
+    args = cli._parser().parse_args(["compare", "--methods", "tova,streaming_llm", "--param", "tova.budget=100"])
+    assert args.budgets is None  # the default budgets apply to the methods without their own
+    assert cli.method_configs(["tova", "streaming_llm"], list(cli.DEFAULT_BUDGETS), ["tova.budget=100"]) == [
+        ("tova", {"budget": 100}), ("streaming_llm", {"window_size": 60}), ("streaming_llm", {"window_size": 252})]
