@@ -212,3 +212,51 @@ def test_compare_without_budgets_takes_a_methods_own_budget():
     assert args.budgets is None  # the default budgets apply to the methods without their own
     assert cli.method_configs(["tova", "streaming_llm"], list(cli.DEFAULT_BUDGETS), ["tova.budget=100"]) == [
         ("tova", {"budget": 100}), ("streaming_llm", {"window_size": 60}), ("streaming_llm", {"window_size": 252})]
+
+
+# --- every count has a range ---------------------------------------------------------------
+
+INT32_MAX = 2**31 - 1
+# floats with no natural upper bound (finite is required of every float parameter)
+UNBOUNDED_FLOATS = {("amc", "gamma"), ("amc", "calib_variance"), ("keyformer", "tau_init"),
+                    ("keyformer", "tau_end"), ("nestedkv", "beta"), ("nestedkv", "kappa"),
+                    ("pyramidkv", "beta")}
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_every_number_parameter_has_an_upper_bound(key):
+    spec = get_method(key).spec
+    policy = key.split("+")[0]
+    for name, p in spec.params.items():
+        if p.type == "int":
+            limit = 2**32 - 1 if name == "seed" else INT32_MAX
+            assert p.max is not None and p.max <= limit, f"{key}.{name}: max {p.max}"
+            assert p.test_max is not None and p.test_max <= p.max, f"{key}.{name}: draws up to its max"
+        elif p.type == "float" and (policy, name) not in UNBOUNDED_FLOATS:
+            assert p.max is not None, f"{key}.{name} has no max"
+
+
+@pytest.mark.parametrize("key,name,value,message", [
+    ("kvquant", "lloyd_iters", 10**6, "lloyd_iters=1000000 is out of range: must be <= 100"),
+    ("qjl", "jl_dim", 10**9, "jl_dim=1000000000 is out of range: must be <= 65536"),
+    ("turboquant_prod", "jl_dim", 2**31, "jl_dim=2147483648 is out of range: must be <= 65536"),
+    ("spectral", "jl_dim", 2**40, "jl_dim=1099511627776 is out of range: must be <= 65536"),
+    ("chunkkv", "chunk_size", 2**64, "chunk_size=18446744073709551616 is out of range: must be <= 2147483647"),
+    ("rocketkv", "page_size", 2**63, "page_size=9223372036854775808 is out of range: must be <= 2147483647"),
+    ("qfilters", "calib_tokens", 2**64, "calib_tokens=18446744073709551616 is out of range: must be <= 2147483647"),
+    ("rocketkv", "compression_ratio", 1e300, "compression_ratio=1e+300 is out of range: must be <= 2147483647"),
+    ("tova", "budget", 2**31, "budget=2147483648 is out of range: must be <= 2147483647"),
+    ("polar", "seed", 2**32, "seed=4294967296 is out of range: must be <= 4294967295"),
+])
+def test_huge_parameters_fail_at_init(key, name, value, message):
+    with pytest.raises(ValueError, match=message.replace("+", r"\+")):
+        velox.init(key, 1, 2, D, **{name: value})
+
+
+def test_bounds_at_their_max_still_run():
+    k = mx.zeros((1, 2, 5, D))
+    for key, params in [("kvquant", dict(lloyd_iters=100)), ("qjl", dict(jl_dim=64)),
+                        ("tova", dict(budget=INT32_MAX, n_sink=INT32_MAX - 1)),
+                        ("rocketkv", dict(page_size=INT32_MAX, compression_ratio=float(INT32_MAX)))]:
+        state = velox.update(velox.init(key, 1, 2, D, **params), k, k)
+        mx.eval(velox.get_kv(state))
