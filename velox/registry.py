@@ -174,6 +174,13 @@ def register(key: str, state_type: type, init: Callable, backends: Any = None, *
       others: ``get_kv`` and ``None``. A state of slots holding ragged rows
       (``velox.ragged``) always has the mask of ``positions >= 0``, and ``nbytes`` counts
       its filled slots.
+    * Every function that takes a state (``update``, ``get_kv``, ``nbytes``, ``positions``,
+      ``kv_slots``, ``dims``, ``error_bound``, ``attend``, ``attend_update``, ``calibrate``,
+      ``layer_update``) refuses one that is not ``state_type`` (another method's, a
+      composition's, a bare tuple) with a ``TypeError`` naming the function and the type it
+      takes; those that take ragged rows held per row also take ``RowStates`` of
+      ``state_type``. ``attend`` refuses queries whose head count is not a positive multiple
+      of the kv heads.
 
     Args:
         key: the method key (``velox/specs/<key>.toml`` is its spec, unless ``spec`` is given).
@@ -315,13 +322,20 @@ def _foreign(m: Method, name: str, state: Any, rows: bool = False) -> bool:
 
 _STATE_FIRST = ("update", "get_kv", "nbytes", "positions", "kv_slots", "dims", "error_bound",
                 "attend", "attend_update", "calibrate")
+_STATE_ONLY = ("get_kv", "nbytes", "positions", "kv_slots", "dims", "error_bound")  # fn(state)
 
 
 def _checked(m: Method, name: str, fn: Callable, at: int = 0) -> Callable:
     """``fn`` refusing (:func:`_foreign`) a state, its argument ``at``, that is not ``m``'s."""
     own = m.state_type
 
-    if at == 0:
+    if name in _STATE_ONLY:  # the common readers: no argument packing on the way
+        @functools.wraps(fn)
+        def checked(state):
+            if type(state) is not own:
+                _foreign(m, name, state)
+            return fn(state)
+    elif at == 0:
         @functools.wraps(fn)
         def checked(state, *args, **kwargs):
             if type(state) is not own:
