@@ -69,3 +69,27 @@ CHECKS = {
 def test_python_block_runs_as_printed(block, capsys):
     exec(compile(block, f"README.md ({_heading(block)})", "exec"), {"__name__": "__readme__"})
     CHECKS[_heading(block)](capsys.readouterr().out.strip().splitlines())
+
+
+ROOT = README.parent
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, id=_heading(b)) for b in BLOCKS
+                                   if not _needs_model(b)])
+def test_python_block_runs_from_the_clone_root(block):
+    """A new user runs the README's examples where the README leaves them, in the clone's
+    root, whose ``./velox`` comes before the installed package on ``sys.path``: the source
+    tree's ``kernels/``, ``adapters/`` and ``specs/`` are ``velox.kernels``,
+    ``velox.adapters`` and ``velox.specs`` there too, and the example prints what it claims."""
+    import subprocess
+    import sys
+
+    probe = ("import velox, velox.kernels, velox.adapters, velox.specs\n"
+             "print(velox.__file__)\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", probe + block], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout.strip().splitlines()
+    assert pathlib.Path(out[0]).resolve() == ROOT / "velox" / "__init__.py"  # the source tree's
+    CHECKS[_heading(block)](out[1:])

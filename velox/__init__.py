@@ -10,9 +10,37 @@ functions ``init``, ``update``, ``get_kv`` and ``nbytes``, vectorised over batch
 
 from __future__ import annotations
 
+import sys
+from importlib.abc import MetaPathFinder
+from importlib.machinery import PathFinder
+from pathlib import Path
 from typing import Any
 
-from . import _blas  # noqa: F401  (first: OpenBLAS must load before mlx.core)
+# The installed package maps the source tree's top-level kernels/, adapters/ and specs/ to
+# velox.kernels, velox.adapters and velox.specs (pyproject.toml's package-dir). Where this
+# package is imported from the source tree itself (a script or `python -c` run in the clone's
+# root, whose ./velox comes before the installed copy), the same names resolve to those folders.
+_SOURCE_ROOT = Path(__file__).resolve().parent.parent
+_MAPPED = ("kernels", "adapters", "specs")
+
+
+class _SourceTreeFinder(MetaPathFinder):
+    """``velox.<name>`` for the mapped top-level folders of a source checkout (nothing else)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        pkg, _, name = fullname.partition(".")
+        if pkg != __name__ or name not in _MAPPED:
+            return None
+        return PathFinder.find_spec(fullname, [str(_SOURCE_ROOT)])
+
+
+if (not (Path(__file__).parent / "kernels").exists()
+        and (_SOURCE_ROOT / "pyproject.toml").is_file()
+        and all((_SOURCE_ROOT / name / "__init__.py").is_file() for name in _MAPPED)
+        and not any(isinstance(f, _SourceTreeFinder) for f in sys.meta_path)):
+    sys.meta_path.append(_SourceTreeFinder())
+
+from . import _blas  # noqa: E402,F401  (first of velox's modules: OpenBLAS loads before mlx.core)
 
 import mlx.core as mx
 
