@@ -154,7 +154,13 @@ def test_methods_fits_the_terminal_and_markdown_is_a_flag(capsys, monkeypatch):
         assert code == 0 and err == ""
         lines = out.splitlines()
         assert max(map(len, lines)) <= columns
-        keys = [line.split()[0] for line in lines[2:] if not line.startswith(" ")]
+        table, rest = lines[:lines.index("")], lines[lines.index("") + 1:]
+        keys = [line.split()[0] for line in table[2:] if not line.startswith(" ")]
+        # the compositions --method takes are listed under the table
+        composed = sorted(k for k in method_keys() if "+" in k)
+        assert composed and rest[0].startswith("compositions")
+        listed = " ".join(line for line in rest if line.startswith("    "))
+        assert listed.replace(",", " ").split() == composed
         assert keys == sorted(get_method(k).spec.key for k in keys) and "tova" in keys
         assert len(keys) == len(method_table().splitlines()) - 2
     assert "budget=512, n_sink=4, per_head=False" in out
