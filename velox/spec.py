@@ -29,7 +29,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["Param", "Spec", "load_spec", "read_spec", "spec_keys", "validate_params", "evaluate",
+__all__ = ["Param", "Spec", "load_spec", "read_spec", "spec_from_file", "spec_keys", "validate_params", "evaluate",
            "method_table", "init_params", "param_fields", "args_section"]
 
 _TYPES = ("int", "float", "bool", "choice")
@@ -364,9 +364,23 @@ def read_spec(key: str, init: Callable | None = None) -> Spec:
     path = resources.files("velox.specs") / f"{key}.toml"
     if not path.is_file():
         raise ValueError(f"no spec file for method {key!r}")
-    spec = parse_spec(tomllib.loads(path.read_text(encoding="utf-8")), init)
+    spec = spec_from_file(path, init)
     if spec.key != key:
         raise ValueError(f"spec file {key}.toml declares key {spec.key!r}")
+    return spec
+
+
+def spec_from_file(path, init: Callable | None = None) -> Spec:
+    """Read the spec file at ``path`` (a ``str``, ``pathlib.Path`` or resource) with the
+    parameters of ``init`` and check it: defaults valid, constraints hold at the defaults,
+    presets valid. A method of one's own passes the result to ``register(..., spec=...)``
+    (docs/your-own-method.md)."""
+    if isinstance(path, str):
+        from pathlib import Path
+
+        path = Path(path)
+    spec = parse_spec(tomllib.loads(path.read_text(encoding="utf-8")), init)
+    key = spec.key
     for p in spec.params.values():
         p.check(p.default)
     validate_params(spec, {})

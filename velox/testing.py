@@ -16,8 +16,12 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
-from hypothesis import assume
-from hypothesis import strategies as st
+try:
+    from hypothesis import assume
+    from hypothesis import strategies as st
+except ImportError as exc:  # the property tests' one dependency beyond velox's own
+    raise ImportError("velox.testing needs hypothesis, the 'test' extra: "
+                      "pip install 'velox[test]' (or pip install hypothesis)") from exc
 
 from .accounting import state_nbytes
 from .registry import Method, get_method
