@@ -174,3 +174,24 @@ def per_channel(x: np.ndarray, bits: int, g: int):
 def rms_ratio(x, xhat, step):
     """Mean squared error over the uniform-noise prediction ``step**2 / 12``."""
     return float(((x - xhat) ** 2).mean() / (step.astype(np.float64) ** 2 / 12).mean())
+
+
+def free_port() -> int:
+    """A localhost port free at the time of the call (for a server the test starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_process(proc) -> None:
+    """Terminate a server process the test started, killing it after 20 s."""
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -3,7 +3,6 @@ SmolLM2 (a subprocess on a free localhost port, greedy, concurrent requests)."""
 
 import json
 import os
-import socket
 import subprocess
 import tempfile
 import sys
@@ -13,6 +12,8 @@ import urllib.error
 import urllib.request
 
 import pytest
+
+from tests._helpers import free_port, stop_process
 
 from velox.adapters import cli, serve
 from velox.adapters.serve import VeloxPromptCache, can_trim
@@ -132,12 +133,6 @@ PROMPTS = [  # (question, max_tokens, stream)
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url):
     with urllib.request.urlopen(url, timeout=30) as r:
         return json.loads(r.read())
@@ -165,7 +160,7 @@ def _chat(url, question, max_tokens, stream):
 
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "velox.adapters.cli", "serve", "--model", "smollm2", "--method",
@@ -188,12 +183,7 @@ def server():
             time.sleep(0.3)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def _alone(model, tok, question, max_tokens):

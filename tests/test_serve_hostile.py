@@ -23,6 +23,8 @@ from http.server import ThreadingHTTPServer
 
 import pytest
 
+from tests._helpers import free_port, stop_process
+
 from velox.adapters import serve
 from velox.adapters.serve import Limits, RequestError, check_request
 
@@ -259,12 +261,6 @@ NORMAL = {"messages": [{"role": "user", "content": "What is the capital of Franc
           "max_tokens": 8, "temperature": 0.0}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(flags, port):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
@@ -274,18 +270,9 @@ def _start(flags, port):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tempfile.gettempdir())
 
 
-def _stop(proc):
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
+    port = free_port()
     proc = _start(["--method", "tova", "--budget", str(BUDGET), "--log-level", "WARNING",
                    "--prefill-step-size", "512"], port)
     url = f"http://127.0.0.1:{port}"
@@ -298,14 +285,14 @@ def server():
             except (urllib.error.URLError, ConnectionError):
                 pass
             if proc.poll() is not None or time.time() > deadline:
-                _stop(proc)
+                stop_process(proc)
                 raise RuntimeError("the server did not start:\n" + proc.stderr.read().decode())
             time.sleep(0.3)
         status, first = _fetch(url + "/v1/chat/completions", NORMAL, timeout=120)
         assert status == 200
         yield types.SimpleNamespace(url=url, port=port, proc=proc, first=first)
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 def _raw(port, data: bytes, *, timeout=30) -> tuple[int, dict]:
@@ -508,12 +495,12 @@ def test_a_server_that_could_not_serve_exits_2_at_start_up(flags, message):
 
     if "cuda" in flags and device_supports("cuda"):
         pytest.skip("this machine runs the cuda backend")
-    proc = _start(["--method", "tova", "--budget", "16", *flags], _free_port())
+    proc = _start(["--method", "tova", "--budget", "16", *flags], free_port())
     try:
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
-            _stop(proc)
+            stop_process(proc)
     lines = err.decode().strip().splitlines()
     assert proc.returncode == 2, err.decode()
     assert len(lines) == 1 and lines[0].startswith("velox: error: ") and message in lines[0]
