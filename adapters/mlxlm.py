@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import sys
 import warnings
 from collections import OrderedDict
@@ -76,12 +75,15 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 from mlx_lm.models import base as _mlx_base
 from mlx_lm.models.cache import KVCache, _BaseCache
 
 import velox
 from velox import evict
+from velox.decode import (arrays as _arrays, slot_count, split_step, split_step_with_row, split_update,
+                          steady_rows, slack as decode_slack,
+                          with_empty_slots as _with_empty_slots, with_state as _with_state,
+                          write_row as _write_row)
 from velox.backend import BackendUnavailable, resolve_backend
 from velox.registry import Method, get_method
 from velox.spec import validate_params
@@ -820,12 +822,7 @@ class VeloxCache(_BaseCache):
             return False
         rows = self.__dict__.get("_steady_rows", False)
         if rows is False:  # the rows of a full state, or None: the parameters never change
-            contract = m.spec.contract
-            cap = m.spec.capacity(self._full_params)
-            rows = (cap + _slack(m, self._full_params) if cap is not None
-                    and contract.get("bound_phase", "all") == "all"
-                    and contract.get("compilable", True) else None)
-            self.__dict__["_steady_rows"] = rows
+            rows = self.__dict__["_steady_rows"] = steady_rows(m, self._full_params)
         return rows is not None and self._slot_count() == rows
 
     def _fills(self, step: _Step) -> bool:
@@ -846,12 +843,7 @@ class VeloxCache(_BaseCache):
         return 0 if self._state is None else int(self.method.positions(self._state).shape[2])
 
     def _slot_count(self) -> int:
-        """Rows the state's arrays hold (its slots, empty ones included: ``kv_slots`` leaves
-        out the empty slots, which are the last ones)."""
-        st = self._state
-        if st is None:
-            return 0
-        return int(self.method.kv_slots(st)[0].shape[2]) + evict.empty_slots(getattr(st, "policy", st))
+        return 0 if self._state is None else slot_count(self.method, self._state)
 
     def _stored_rows(self, wrapped: bool) -> tuple[mx.array, mx.array]:
         """The stored rows attention reads: ``kv_slots`` (storage order; attention does not
@@ -868,177 +860,26 @@ class VeloxCache(_BaseCache):
         return None if self._state is None else self.method.kv_slots(self._state)[2]
 
 
-def _slack(m: Method, params: dict[str, Any]) -> int:
-    """Rows a state of ``m`` may hold beyond its capacity (``contract.slack``, ``velox.evict``)."""
-    name = m.spec.contract.get("slack")
-    return int(params.get(name, 0)) if name else 0
-
-
-def _arrays(record: Any) -> list[mx.array]:
-    """The arrays of ``record`` (nested tuples, lists and dicts), depth first, in
-    ``mlx.utils.tree_flatten``'s order, without building its key strings: a decode step
-    calls it twice per layer (a state record's fields in one pass)."""
-    if isinstance(record, mx.array):
-        return [record]
-    if isinstance(record, dict):
-        record = list(record.values())
-    elif not isinstance(record, (tuple, list)):
-        return []
-    out = []
-    for x in record:
-        if isinstance(x, mx.array):
-            out.append(x)
-        elif isinstance(x, (tuple, list, dict)):
-            out.extend(_arrays(x))
-    return out
-
-
 # --- compiled steps: one bounded cache ------------------------------------------------
 
-def _with_state(out: mx.array, arrays: list[mx.array]) -> mx.array:
-    """A decode step's attention output, made to depend on the new state of its layer: the
-    model's one evaluation of the step (its logits) computes the states too. An evaluation
-    of each layer's state of its own costs a submission per layer (measured on the H200:
-    docs/results/speed/README.md, "Split attention"), and a state left out of the logits'
-    graph would wait, growing, for the next step."""
-    return mx.depends(out, arrays) if arrays else out
-
-
-def _with_empty_slots(mask, filled: mx.array | None, queries: mx.array, total: int):
-    """``mask`` (``None``, ``"causal"`` or an array) for ``queries [b, q, s, d]`` over the
-    stored slots followed by the new tokens (``total`` keys), with the empty slots of
-    ``filled`` (``kv_slots``' mask ``[b, h, n]``; ``None``: none, ``mask`` unchanged) left
-    out: stored slots visible where filled, the new tokens as ``mask`` says (causal among
-    themselves for ``"causal"``). Boolean, ``[b, q, s, total]``."""
-    if filled is None:
-        return mask
-    b, hq, s, _ = queries.shape
-    h, n = filled.shape[1], filled.shape[2]
-    stored = mx.broadcast_to(filled[:, :, None, None, :], (b, h, hq // h, s, n)).reshape(b, hq, s, n)
-    t = total - n  # the new tokens (a tail may precede the step's own)
-    if isinstance(mask, str) or (mask is None and s > 1):
-        new = mx.arange(t)[None, :] <= mx.arange(t - s, t)[:, None]
-    else:
-        new = mx.ones((s, t), mx.bool_)
-    out = mx.concatenate([stored, mx.broadcast_to(new, (b, hq, s, t))], axis=-1)
-    if isinstance(mask, mx.array):  # a given array mask (mlx-lm's causal one): both hold
-        out = (out & mask) if mask.dtype == mx.bool_ else mx.where(out, mask, -mx.inf)
-    return out
-
-
-def _split_step(m: Method, state, keys, values, queries):
-    """A decode step's update, with the new row's write into its slot left for the next
-    step: ``(state, row)``. The rows of a state of slots are read (scores) before the
-    step's slot write, and MLX writes in place only into a buffer nothing else holds, so a
-    write in the same graph as the reads copies the whole cache; built at the start of the
-    next step (:attr:`VeloxCache._state`), before any read, it writes one row. ``row`` is
-    ``(slot, keys, values)`` (the slot's row if the new token lost); ``None`` when the step
-    writes no slot (a method without slots, a composed state, a chunk)."""
-    backend = m.backends[state.backend]
-    step = getattr(backend, "with_move", None)
-    if step is None or not isinstance(getattr(state, "keys", None), mx.array):
-        return m.update(state, keys, values, queries=queries), None
-    return _deferred_row(state, *step(state, keys, values, queries), keys, values)
-
-
-def _deferred_row(state, new, move, keys, values):
-    """``(new, row)`` of :func:`_split_step` from the update's ``(new, move)``."""
-    if move.slot is not None and getattr(move, "rows", None) is not None:  # rows left unwritten
-        return new._replace(keys=state.keys, values=state.values), (move.slot, *move.rows)
-    if move.slot is None:
-        return new, None
-    rows = []
-    for old, x in ((state.keys, keys), (state.values, values)):
-        if move.write is not None:  # the new token lost: the slot keeps its row
-            idx = move.slot[..., None]
-            x = mx.where(move.write[..., None], x.astype(old.dtype), mx.take_along_axis(old, idx, axis=2))
-        rows.append(x.astype(old.dtype))
-    return new._replace(keys=state.keys, values=state.values), (move.slot, *rows)
-
-
-def _write_row(state, row) -> tuple:
-    """``state`` with a pending row ``(slot, keys, values)`` written into its slot."""
-    slot, k, v = row
-    return state._replace(keys=evict.write_slot(state.keys, k, slot),
-                          values=evict.write_slot(state.values, v, slot))
-
-
 def _update_step(m: Method) -> Callable:
-    return lambda s, k, v: _split_step(m, s, k, v, None)
+    return lambda s, k, v: split_update(m, s, k, v, None)
 
 
 def _update_step_with_queries(m: Method) -> Callable:
-    return lambda s, k, v, q: _split_step(m, s, k, v, q)
+    return lambda s, k, v, q: split_update(m, s, k, v, q)
 
 
 def _fused_step(m: Method) -> Callable:
-    """A decode step: this token's attention over stored + new, then the update (its slot
-    write left for the next step, :func:`_split_step`): ``(out, state, row)``."""
-    def step(state, queries, keys, values, scale):
-        attended = _attended_step(m, state, queries, keys, values, scale)
-        if attended is not None:
-            return attended
-        if m.attend is not None:
-            out = m.attend(state, queries, keys, values, scale=scale, mask=None)
-        else:  # the stored rows in storage order, empty slots masked, then the new token
-            k, v, filled = m.kv_slots(state)
-            out = _weights_attention(m, queries, k, v, filled, keys, values, scale)
-            if out is None:
-                mask = _with_empty_slots(None, filled, queries, k.shape[2] + keys.shape[2])
-                out = mx.fast.scaled_dot_product_attention(
-                    queries, evict.append_rows(k, keys), evict.append_rows(v, values), scale=scale,
-                    mask=mask)
-        return (out, *_split_step(m, state, keys, values, queries))
-
-    return step
+    """``velox.decode.split_step`` of ``m``: ``(state, queries, keys, values, scale) ->
+    (out, state, row)``."""
+    return lambda state, queries, keys, values, scale: split_step(m, state, queries, keys,
+                                                                   values, scale)
 
 
 def _fused_step_with_row(m: Method) -> Callable:
-    """:func:`_fused_step` after writing the last step's pending row ``(slot, keys, values)``
-    into its slot: the write comes first in the compiled graph, before anything reads the
-    rows, so MLX still writes it in place (the old buffer is held by nothing else once the
-    caller replaces the state)."""
-    fused = _fused_step(m)
-    return lambda state, row, queries, keys, values, scale: fused(_write_row(state, row), queries,
-                                                                    keys, values, scale)
-
-
-def _weights_attention(m: Method, queries, k, v, filled, keys, values, scale):
-    """On the CPU, for a method whose score is the step's attention weights over the stored
-    keys as logits (``velox.evict.scores_by_logits``: TOVA, the heavy-hitter family): the
-    decode step's attention output from the very weights the score computes
-    (``velox.attention.candidate_weights`` of the newest query, the same expression, which
-    ``mx.compile`` computes once), times the stored values plus the new token's: no
-    stored + new concatenation and no second pass over the keys. ``None`` elsewhere (another
-    device, empty slots, a scale other than ``head_dim ** -0.5``, coded keys)."""
-    from velox.attention import candidate_weights, scoring_queries
-    if (mx.default_device() != mx.cpu or filled is not None or not evict.scores_by_logits(m)
-            or not isinstance(k, mx.array) or k.dtype != mx.float32 or queries.shape[2] != 1
-            or not math.isclose(scale, keys.shape[-1] ** -0.5, rel_tol=1e-6)):
-        return None
-    b, hq, _, d = queries.shape
-    h, n = k.shape[1], k.shape[2]
-    w = candidate_weights(scoring_queries(keys, queries)[:, :, :, -1:], k, keys)  # [b, h, g, 1, n + 1]
-    w = w.reshape(b, h, hq // h, n + 1)
-    out = w[..., :n] @ v.astype(mx.float32) + w[..., n:] * values.astype(mx.float32)
-    return out.reshape(b, hq, 1, d).astype(queries.dtype)
-
-
-def _attended_step(m: Method, state, queries, keys, values, scale):
-    """The decode step of a backend that computes the attention output with its scores in
-    one kernel (``with_attention``: the ``cuda`` backend of the score-and-keep evictors),
-    ``(out, state, row)``; ``None`` where it does not apply (another backend, a state with
-    empty slots, a scale other than ``head_dim ** -0.5``)."""
-    fused = getattr(m.backends[state.backend], "with_attention", None)
-    if fused is None or m.attend is not None or not isinstance(getattr(state, "keys", None), mx.array):
-        return None
-    if not math.isclose(scale, keys.shape[-1] ** -0.5, rel_tol=1e-6):
-        return None
-    res = fused(state, keys, values, queries)
-    if res is None:
-        return None
-    out, new, move = res
-    return (out, *_deferred_row(state, new, move, keys, values))
+    return lambda state, row, queries, keys, values, scale: split_step_with_row(
+        m, state, row, queries, keys, values, scale)
 
 
 _STEP_KINDS: dict[str, Callable[[Method], Callable]] = {
@@ -1928,7 +1769,7 @@ def _check_state(where: str, m: Method, st: tuple, params: dict[str, Any], offse
         raise ValueError(f"{where}: stored positions must increase within [0, {bound}")
     cap = m.spec.capacity(full)
     phase = m.spec.contract.get("bound_phase", "all")
-    slack = _slack(m, full)
+    slack = decode_slack(m, full)
     low, high = (offset, offset) if cap is None else (
         (min(cap, offset), offset) if phase == "prefill" else (min(cap, offset), min(cap + slack, offset)))
     if not low <= n <= high:

@@ -17,6 +17,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
+from velox import decode
 from velox.adapters import mlxlm
 from velox.adapters.mlxlm import (Mode, VeloxCache, cache_fp16_bytes, cache_nbytes, load_cache,
                                   make_cache, query_capture, save_cache)
@@ -316,9 +317,9 @@ def test_arrays_of_a_record_in_tree_flatten_order():
     a, b, c = mx.zeros((1,)), mx.ones((2,)), mx.full((3,), 2.0)
     record = (st, [a, {"x": b, "y": 3, "z": (c, "s")}], None, 1.5, (a,))
     want = [v for _, v in tree_flatten(record) if isinstance(v, mx.array)]
-    got = mlxlm._arrays(record)
+    got = decode.arrays(record)
     assert len(got) == len(want) == 9 and all(x is y for x, y in zip(got, want))
-    assert mlxlm._arrays(a) == [a] and mlxlm._arrays(None) == [] and mlxlm._arrays({"k": b})[0] is b
+    assert decode.arrays(a) == [a] and decode.arrays(None) == [] and decode.arrays({"k": b})[0] is b
 
 
 @pytest.mark.parametrize("method,params", [("tova", dict(budget=24)), ("h2o", dict(budget=24, grace=4)),

@@ -9,10 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import velox
+from velox import decode
 from velox import testing as vt
 from velox.backend import BackendUnavailable
 from velox.registry import get_method, method_keys
-from velox.spec import spec_keys
+from velox.spec import spec_keys, validate_params
 
 KEYS = method_keys()
 
@@ -341,3 +342,43 @@ def test_constraint_violations_name_the_parameters(key, no_shape_checks):
             found = True
             break
         assert found, f"no small violation of {expr} found"
+
+
+@_given_cases(fraction=0.3, dtypes=("float32",), contents=vt.CONTINUOUS)
+def test_step_is_attention_then_update(case):
+    """``velox.decode.step`` is the attention of the step's queries over what the state holds
+    and the new rows, then ``update`` with those queries: the case's last chunk, then three
+    one-token steps, each also by the fused path a decode loop compiles where the state is
+    steady (``steady=True``: scores from the attention's own weights, the slot write deferred
+    and then made)."""
+    m = get_method(case.key)
+    steps = vt.make_inputs(case)
+    state = vt.run(case, "mlx", steps=steps[:-1])[-1] if len(steps) > 1 else vt.init_state(case)
+    rng = np.random.default_rng(case.seed + 7)
+    b, h, d, g = case.batch, case.heads, case.head_dim, max(case.groups, 1)
+    last = steps[-1]
+    calls = [(last.keys, last.values, last.queries)]
+    for _ in range(3):
+        k, v, q = (mx.array(rng.standard_normal(s).astype(np.float32))
+                   for s in ((b, h, 1, d), (b, h, 1, d), (b, h * g, 1, d)))
+        calls.append((k, v, q if case.groups else None))
+    scale = d ** -0.5
+    atol, rtol = vt.tolerance(case)
+    dense = m.spec.contract.get("attend_dense", True)
+    rows = decode.steady_rows(m, validate_params(m.spec, case.params))
+    for i, (k, v, q) in enumerate(calls):
+        q = q if q is not None else k
+        want_state = m.update(state, k, v, queries=q)
+        gk, gv = m.get_kv(state)
+        want = mx.fast.scaled_dot_product_attention(
+            q, mx.concatenate([gk, k], axis=2), mx.concatenate([gv, v], axis=2), scale=scale,
+            mask="causal" if k.shape[2] > 1 else None)
+        fused = k.shape[2] == 1 and rows is not None and decode.slot_count(m, state) == rows
+        for steady in (False, True) if fused else (False,):
+            out, got = decode.step(m, state, q, k, v, scale=scale, steady=steady)
+            what = f"{case.key} call {i} steady={steady}"
+            if dense:
+                assert np.allclose(np.array(out), np.array(want), atol=1e-4, rtol=1e-4), (
+                    f"{what}: output differs by {np.abs(np.array(out) - np.array(want)).max()}")
+            vt.assert_states_close(case, got, want_state, atol=atol, rtol=rtol, what=what)
+        state = want_state

@@ -44,6 +44,7 @@ import pytest
 
 from tests import test_codec_kernel as tck
 from velox import evict
+from velox import decode
 from velox.adapters import mlxlm
 from velox.attention import candidate_weights, scoring_queries
 from velox.backend import device_supports
@@ -522,7 +523,7 @@ def test_fused_decode_step_matches_attention_then_update(case, emulated):
         out, new, row = fused(st._replace(backend="cuda"), q, k, v, d ** -0.5)
         assert [x[0] for x in emulated] == ["attend_part", "attend_select"], emulated
         assert new.backend == "cuda" and row is not None
-        new = mlxlm._write_row(new, row)._replace(backend="mlx")
+        new = decode.write_row(new, row)._replace(backend="mlx")
         want = mx.fast.scaled_dot_product_attention(
             q, mx.concatenate([st.keys, k], axis=2), mx.concatenate([st.values, v], axis=2), scale=d ** -0.5)
         plain = m.update(st, k, v, queries=q)
@@ -683,7 +684,7 @@ def test_attend_select_decides_as_attend_weights_then_select(case, emulated, mon
             else:
                 assert x == y, (what, f)
         lost_new += int((np.array(move.rows[0]) != np.array(k)).any(axis=-1).sum())
-        st = mlxlm._write_row(new, (move.slot, *move.rows))
+        st = decode.write_row(new, (move.slot, *move.rows))
     if key in ("tova", "knorm") and plan.recent(st) == 0:
         assert lost_new > 0, "no step where the new token lost"
 
@@ -703,8 +704,8 @@ def test_fused_step_writes_the_pending_row_first(emulated):
     for _ in range(3):
         q, k, v = _arr(rng, b, h * g, 1, d), _arr(rng, b, h, 1, d), _arr(rng, b, h, 1, d)
         out_a, st_a, row_a = with_row(st, row, q, k, v, d ** -0.5)
-        out_b, st_b, row_b = fused(mlxlm._write_row(st, row), q, k, v, d ** -0.5)
+        out_b, st_b, row_b = fused(decode.write_row(st, row), q, k, v, d ** -0.5)
         np.testing.assert_array_equal(np.array(out_a), np.array(out_b))
-        for x, y in zip(mlxlm._arrays((st_a, row_a)), mlxlm._arrays((st_b, row_b))):
+        for x, y in zip(decode.arrays((st_a, row_a)), decode.arrays((st_b, row_b))):
             np.testing.assert_array_equal(np.array(x), np.array(y))
         st, row = st_a, row_a

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import velox  # noqa: F401
+from velox import decode
 from velox.adapters import mlxlm
 from velox.registry import get_method
 
@@ -28,13 +29,13 @@ def test_fused_step_output_is_attention_over_stored_and_new(key):
         q, k, v = (mx.random.normal(s) for s in ((1, 9, 1, 64), (1, 3, 1, 64), (1, 3, 1, 64)))
         sk, sv, filled = m.kv_slots(st)
         assert filled is None
-        assert mlxlm._weights_attention(m, q, sk, sv, filled, k, v, 64 ** -0.5) is not None
+        assert decode.weights_attention(m, q, sk, sv, filled, k, v, 64 ** -0.5) is not None
         want = mx.fast.scaled_dot_product_attention(
             q, mx.concatenate([m.kv_slots(st)[0], k], axis=2),
             mx.concatenate([m.kv_slots(st)[1], v], axis=2), scale=64 ** -0.5)
         out, new, row = fused(st, q, k, v, 64 ** -0.5)
         if row is not None:
-            new = mlxlm._write_row(new, row)
+            new = decode.write_row(new, row)
         plain = m.update(st, k, v, queries=q)
         np.testing.assert_allclose(np.array(out), np.array(want), rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(np.array(m.positions(new)), np.array(m.positions(plain)))
@@ -49,10 +50,10 @@ def test_weights_attention_applies_only_where_the_weights_are_the_score():
     st = m.init(1, 3, 64, backend="mlx", n_sink=4, window_size=20)
     st = m.update(st, mx.random.normal((1, 3, 30, 64)), mx.random.normal((1, 3, 30, 64)))
     sk, sv, filled = m.kv_slots(st)
-    assert mlxlm._weights_attention(m, q, sk, sv, filled, k, v, 64 ** -0.5) is None  # no score
+    assert decode.weights_attention(m, q, sk, sv, filled, k, v, 64 ** -0.5) is None  # no score
     m, st = _state("tova")
     sk, sv, filled = m.kv_slots(st)
-    assert mlxlm._weights_attention(m, q, sk, sv, filled, k, v, 0.1) is None  # another scale
+    assert decode.weights_attention(m, q, sk, sv, filled, k, v, 0.1) is None  # another scale
     m, st = _state("tova", slack=4)
     for _ in range(8):  # decode until a selection frees slots: empty ones then
         st = m.update(st, k, v, queries=q)
@@ -62,7 +63,7 @@ def test_weights_attention_applies_only_where_the_weights_are_the_score():
     # and the weights' attention over it is attention over the kept rows
     sk, sv, filled = m.kv_slots(st)
     assert st.empty and filled is None and sk.shape[2] == st.keys.shape[2] - st.empty
-    got = mlxlm._weights_attention(m, q, sk, sv, filled, k, v, 64 ** -0.5)
+    got = decode.weights_attention(m, q, sk, sv, filled, k, v, 64 ** -0.5)
     gk, gv = m.get_kv(st)
     want = mx.fast.scaled_dot_product_attention(q, mx.concatenate([gk, k], 2), mx.concatenate([gv, v], 2),
                                                 scale=64 ** -0.5)

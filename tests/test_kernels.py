@@ -196,7 +196,7 @@ def test_kernel_attended_decode_step_matches_attention_then_update(key, shape, d
         plain = m.update(st, k, v, queries=q)
         out, new, row = fused(st, q, k, v, d ** -0.5)
         if row is not None:
-            new = mlxlm._write_row(new, row)
+            new = decode.write_row(new, row)
         mx.eval(out, new, plain, want)
         np.testing.assert_allclose(np.array(out.astype(mx.float32)), np.array(want.astype(mx.float32)),
                                    rtol=tol, atol=tol, err_msg=f"{key} step {step}")

@@ -425,13 +425,13 @@ def _row_fields(state):
 
 
 def test_decode_step_is_in_place():
-    """The adapter's decode update (``_split_step``: the slot write built at the start of the
+    """The adapter's decode update (``velox.decode.split_update``: the slot write built at the start of the
     next step, before anything reads the rows) writes one row: its time does not grow with
     the cache like a copy would (16x the rows, well under 16x the time); the update in one
     graph with its reads copies."""
     import time
 
-    from velox.adapters import mlxlm as A
+    from velox import decode as A
     m = velox.get_method("streaming_llm")
 
     def step_time(window, split=True):
@@ -445,8 +445,8 @@ def test_decode_step_is_in_place():
         for _ in range(30):
             t0 = time.perf_counter()
             if row is not None:
-                st = A._write_row(st, row)
-            st, row = A._split_step(m, st, one, one, None)
+                st = A.write_row(st, row)
+            st, row = A.split_update(m, st, one, one, None)
             mx.eval(st, row)
             times.append(time.perf_counter() - t0)
         return float(np.median(times))

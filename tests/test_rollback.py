@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from velox import decode
 from velox.adapters import mlxlm
 from velox.adapters.mlxlm import VeloxCache, load_cache, make_cache, save_cache
 from velox.registry import get_method, method_keys
@@ -168,11 +169,11 @@ def test_the_journal_keeps_old_states_intact():
     snaps = []
     for i in range(20, 30):
         d = c.__dict__
-        snaps.append([np.array(a) for a in mlxlm._arrays((d["_held"], d["_row"]))])
+        snaps.append([np.array(a) for a in decode.arrays((d["_held"], d["_row"]))])
         call(c, *piece(x, i, i + 1))
     assert c.last_step == "fused"  # the steady compiled step ran
     for e, snap in zip(c._journal, snaps[-3:]):
-        now = [np.array(a) for a in mlxlm._arrays((e.held, e.row))]
+        now = [np.array(a) for a in decode.arrays((e.held, e.row))]
         assert len(now) == len(snap) and all(np.array_equal(p, q) for p, q in zip(now, snap))
 
 

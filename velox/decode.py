@@ -1,0 +1,252 @@
+"""The decode step, as pure functions of a method's state: attention of a step's queries over
+what the state holds and the step's new rows, and the method's update with those queries.
+
+``step(m, state, queries, keys, values, scale=...) -> (out, state)`` is one step of any
+method (a generic one: attention over the stored rows, or the method's own ``attend`` over
+its codes, then ``update``; a steady single-token step takes the fused path below).
+:func:`split_step` is the fused form a decode loop runs: the output from the weights the
+method scores by (or the backend's kernel), the update, and the new row's slot write left
+for the next step (``(out, state, row)``, :func:`write_row`), so that MLX writes one row in
+place instead of copying the cache. Nothing here holds state; the mlx-lm adapter calls these
+functions layer by layer (``velox.adapters.mlxlm``) or for a whole model at once, compiled
+(``velox.adapters.model_step``). The design and its measurements: ``docs/design/decode.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import mlx.core as mx
+
+from . import evict
+from .attention import candidate_weights, scoring_queries
+from .registry import Method
+
+__all__ = ["step", "attend", "split_step", "split_step_with_row", "split_update", "write_row",
+           "weights_attention", "attended_step", "with_empty_slots", "with_state", "arrays"]
+
+
+def step(m: Method, state, queries: mx.array, keys: mx.array, values: mx.array, *,
+         scale: float, mask=None, steady: bool = False) -> tuple[mx.array, Any]:
+    """One step of method ``m``: the attention of ``queries [b, hq, s, d]`` over what ``state``
+    holds and the step's ``keys``/``values [b, h, s, d]`` (each query sees every stored row
+    and the new rows up to its own, or as ``mask`` says), then ``m.update`` of the new rows
+    with those queries: ``(out, state)``.
+
+    ``steady=True`` (a single token at a full bounded state, the steps a decode loop
+    compiles) takes :func:`split_step` with its row written at once: the same result (the
+    contract suite holds both to attention-then-update)."""
+    if steady:
+        if queries.shape[2] != 1 or keys.shape[2] != 1:
+            raise ValueError(f"steady=True takes one token, got {keys.shape[2]}")
+        out, new, row = split_step(m, state, queries, keys, values, scale)
+        return out, (new if row is None else write_row(new, row))
+    out = attend(m, state, queries, keys, values, scale=scale, mask=mask)
+    return out, m.update(state, keys, values, queries=queries)
+
+
+def attend(m: Method, state, queries: mx.array, keys: mx.array, values: mx.array, *,
+           scale: float, mask=None) -> mx.array:
+    """The attention of ``queries`` over what ``state`` holds followed by the new rows: the
+    method's ``attend`` hook where it has one (codecs scoring queries against their codes),
+    else MLX's attention over the stored slots (empty slots masked out) and the new rows, the
+    new rows causal among themselves unless ``mask`` says otherwise."""
+    if m.attend is not None:
+        return m.attend(state, queries, keys, values, scale=scale,
+                        mask=mask if mask is not None or keys.shape[2] == 1 else "causal")
+    if state is None:
+        k = v = filled = None
+    else:
+        k, v, filled = m.kv_slots(state)
+    n = 0 if k is None else k.shape[2]
+    if filled is None and mask is None and queries.shape[2] > 1:
+        mask = "causal"
+    mask = with_empty_slots(mask, filled, queries, n + keys.shape[2])
+    if k is not None:
+        keys, values = evict.append_rows(k, keys), evict.append_rows(v, values)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def arrays(record: Any) -> list[mx.array]:
+    """The arrays of ``record`` (nested tuples, lists and dicts), depth first, in
+    ``mlx.utils.tree_flatten``'s order, without building its key strings: a decode step
+    calls it twice per layer (a state record's fields in one pass)."""
+    if isinstance(record, mx.array):
+        return [record]
+    if isinstance(record, dict):
+        record = list(record.values())
+    elif not isinstance(record, (tuple, list)):
+        return []
+    out = []
+    for x in record:
+        if isinstance(x, mx.array):
+            out.append(x)
+        elif isinstance(x, (tuple, list, dict)):
+            out.extend(arrays(x))
+    return out
+
+
+
+def with_state(out: mx.array, arrays: list[mx.array]) -> mx.array:
+    """A decode step's attention output, made to depend on the new state of its layer: the
+    model's one evaluation of the step (its logits) computes the states too. An evaluation
+    of each layer's state of its own costs a submission per layer (measured on the H200:
+    docs/results/speed/README.md, "Split attention"), and a state left out of the logits'
+    graph would wait, growing, for the next step."""
+    return mx.depends(out, arrays) if arrays else out
+
+
+def with_empty_slots(mask, filled: mx.array | None, queries: mx.array, total: int):
+    """``mask`` (``None``, ``"causal"`` or an array) for ``queries [b, q, s, d]`` over the
+    stored slots followed by the new tokens (``total`` keys), with the empty slots of
+    ``filled`` (``kv_slots``' mask ``[b, h, n]``; ``None``: none, ``mask`` unchanged) left
+    out: stored slots visible where filled, the new tokens as ``mask`` says (causal among
+    themselves for ``"causal"``). Boolean, ``[b, q, s, total]``."""
+    if filled is None:
+        return mask
+    b, hq, s, _ = queries.shape
+    h, n = filled.shape[1], filled.shape[2]
+    stored = mx.broadcast_to(filled[:, :, None, None, :], (b, h, hq // h, s, n)).reshape(b, hq, s, n)
+    t = total - n  # the new tokens (a tail may precede the step's own)
+    if isinstance(mask, str) or (mask is None and s > 1):
+        new = mx.arange(t)[None, :] <= mx.arange(t - s, t)[:, None]
+    else:
+        new = mx.ones((s, t), mx.bool_)
+    out = mx.concatenate([stored, mx.broadcast_to(new, (b, hq, s, t))], axis=-1)
+    if isinstance(mask, mx.array):  # a given array mask (mlx-lm's causal one): both hold
+        out = (out & mask) if mask.dtype == mx.bool_ else mx.where(out, mask, -mx.inf)
+    return out
+
+
+def split_update(m: Method, state, keys, values, queries):
+    """A decode step's update, with the new row's write into its slot left for the next
+    step: ``(state, row)``. The rows of a state of slots are read (scores) before the
+    step's slot write, and MLX writes in place only into a buffer nothing else holds, so a
+    write in the same graph as the reads copies the whole cache; built at the start of the
+    next step (the caller), before any read, it writes one row. ``row`` is
+    ``(slot, keys, values)`` (the slot's row if the new token lost); ``None`` when the step
+    writes no slot (a method without slots, a composed state, a chunk)."""
+    backend = m.backends[state.backend]
+    with_move = getattr(backend, "with_move", None)
+    if with_move is None or not isinstance(getattr(state, "keys", None), mx.array):
+        return m.update(state, keys, values, queries=queries), None
+    return _deferred_row(state, *with_move(state, keys, values, queries), keys, values)
+
+
+def _deferred_row(state, new, move, keys, values):
+    """``(new, row)`` of :func:`split_update` from the update's ``(new, move)``."""
+    if move.slot is not None and getattr(move, "rows", None) is not None:  # rows left unwritten
+        return new._replace(keys=state.keys, values=state.values), (move.slot, *move.rows)
+    if move.slot is None:
+        return new, None
+    rows = []
+    for old, x in ((state.keys, keys), (state.values, values)):
+        if move.write is not None:  # the new token lost: the slot keeps its row
+            idx = move.slot[..., None]
+            x = mx.where(move.write[..., None], x.astype(old.dtype), mx.take_along_axis(old, idx, axis=2))
+        rows.append(x.astype(old.dtype))
+    return new._replace(keys=state.keys, values=state.values), (move.slot, *rows)
+
+
+def write_row(state, row) -> tuple:
+    """``state`` with a pending row ``(slot, keys, values)`` written into its slot."""
+    slot, k, v = row
+    return state._replace(keys=evict.write_slot(state.keys, k, slot),
+                          values=evict.write_slot(state.values, v, slot))
+
+
+def split_step(m: Method, state, queries, keys, values, scale):
+    """One decode step of a steady state (a single token at a full bounded cache): this
+    token's attention over stored + new, then the method's update with its query, the new
+    row's slot write left for the next step (:func:`split_update`): ``(out, state, row)``.
+
+    The output comes from the backend's fused kernel where it has one (the ``cuda`` evictors:
+    :func:`attended_step`), else from the weights the method scores by (the CPU:
+    :func:`weights_attention`), else the method's ``attend`` hook (codecs reading their codes),
+    else MLX's attention over the stored slots (empty ones masked) and the new row."""
+    attended = attended_step(m, state, queries, keys, values, scale)
+    if attended is not None:
+        return attended
+    if m.attend is not None:
+        out = m.attend(state, queries, keys, values, scale=scale, mask=None)
+    else:  # the stored rows in storage order, empty slots masked, then the new token
+        k, v, filled = m.kv_slots(state)
+        out = weights_attention(m, queries, k, v, filled, keys, values, scale)
+        if out is None:
+            mask = with_empty_slots(None, filled, queries, k.shape[2] + keys.shape[2])
+            out = mx.fast.scaled_dot_product_attention(
+                queries, evict.append_rows(k, keys), evict.append_rows(v, values), scale=scale,
+                mask=mask)
+    return (out, *split_update(m, state, keys, values, queries))
+
+
+def split_step_with_row(m: Method, state, row, queries, keys, values, scale):
+    """:func:`split_step` after writing the last step's pending row ``(slot, keys, values)``
+    into its slot: the write comes first in the graph, before anything reads the rows, so MLX
+    writes it in place when the caller lets go of the old state (under ``mx.compile`` too)."""
+    return split_step(m, write_row(state, row), queries, keys, values, scale)
+
+
+def weights_attention(m: Method, queries, k, v, filled, keys, values, scale):
+    """On the CPU, for a method whose score is the step's attention weights over the stored
+    keys as logits (``velox.evict.scores_by_logits``: TOVA, the heavy-hitter family): the
+    decode step's attention output from the very weights the score computes
+    (``velox.attention.candidate_weights`` of the newest query, the same expression, which
+    ``mx.compile`` computes once), times the stored values plus the new token's: no
+    stored + new concatenation and no second pass over the keys. ``None`` elsewhere (another
+    device, empty slots, a scale other than ``head_dim ** -0.5``, coded keys)."""
+    if (mx.default_device() != mx.cpu or filled is not None or not evict.scores_by_logits(m)
+            or not isinstance(k, mx.array) or k.dtype != mx.float32 or queries.shape[2] != 1
+            or not math.isclose(scale, keys.shape[-1] ** -0.5, rel_tol=1e-6)):
+        return None
+    b, hq, _, d = queries.shape
+    h, n = k.shape[1], k.shape[2]
+    w = candidate_weights(scoring_queries(keys, queries)[:, :, :, -1:], k, keys)  # [b, h, g, 1, n + 1]
+    w = w.reshape(b, h, hq // h, n + 1)
+    out = w[..., :n] @ v.astype(mx.float32) + w[..., n:] * values.astype(mx.float32)
+    return out.reshape(b, hq, 1, d).astype(queries.dtype)
+
+
+def attended_step(m: Method, state, queries, keys, values, scale):
+    """The decode step of a backend that computes the attention output with its scores in
+    one kernel (``with_attention``: the ``cuda`` backend of the score-and-keep evictors),
+    ``(out, state, row)``; ``None`` where it does not apply (another backend, a state with
+    empty slots, a scale other than ``head_dim ** -0.5``)."""
+    fused = getattr(m.backends[state.backend], "with_attention", None)
+    if fused is None or m.attend is not None or not isinstance(getattr(state, "keys", None), mx.array):
+        return None
+    if not math.isclose(scale, keys.shape[-1] ** -0.5, rel_tol=1e-6):
+        return None
+    res = fused(state, keys, values, queries)
+    if res is None:
+        return None
+    out, new, move = res
+    return (out, *_deferred_row(state, new, move, keys, values))
+
+
+
+
+def slack(m: Method, params: dict[str, Any]) -> int:
+    """Rows a state of ``m`` may hold beyond its capacity (``contract.slack``, ``velox.evict``)."""
+    name = m.spec.contract.get("slack")
+    return int(params.get(name, 0)) if name else 0
+
+
+def steady_rows(m: Method, params: dict[str, Any]) -> int | None:
+    """The slots of a full state of ``m`` with (validated) ``params``, where its single-token
+    steps keep every shape (capacity plus slack: a bounded method at every phase, not opted
+    out by ``contract.compilable``, without a model-level record); ``None`` where no state
+    of ``m`` is steady."""
+    contract = m.spec.contract
+    cap = m.spec.capacity(params)
+    if (cap is None or contract.get("bound_phase", "all") != "all"
+            or not contract.get("compilable", True) or m.layer_update is not None):
+        return None
+    return cap + slack(m, params)
+
+
+def slot_count(m: Method, state) -> int:
+    """Rows the state's arrays hold (its slots, empty ones included: ``kv_slots`` leaves out
+    the empty slots, which are the last ones)."""
+    return int(m.kv_slots(state)[0].shape[2]) + evict.empty_slots(getattr(state, "policy", state))
