@@ -58,39 +58,3 @@ def tiny_llama():
     model.update(tree_map(lambda p: p * 4.0 if p.ndim == 2 else p, model.parameters()))
     mx.eval(model.parameters())
     return model
-
-
-# Known defects, each named with what fails and why, kept visible as expected failures (a
-# strict one makes the run fail once fixed, until its entry goes): the rest stays a gate.
-KNOWN_FAILURES = {
-    "tests/test_memory.py::test_live_memory_tracks_reported_bytes[rocketkv]":
-        "RocketKV's state-level decode keeps about 2.9x its reported bytes' growth live "
-        "(1.77 MB against 0.62 MB over 800 steps): a buffer outlives the step that replaced it",
-    "tests/test_contract.py::test_batch_and_head_independence[turboquant_rvq]":
-        "with OpenBLAS, one drawn case (3 heads, 56 tokens, bits 3, 2 outliers) codes a key row "
-        "differently stacked than alone (a rounding at a cell boundary of the rotated keys); "
-        "passes with VELOX_NO_OPENBLAS=1",
-    "tests/test_batch_generate.py::test_batch_generate_equals_batch_of_one_for_every_method[qjl]":
-        "with OpenBLAS, QJL's value codes of a row batched differ from the row alone (the "
-        "sketch's matmul rounds differently at another batch shape); passes with "
-        "VELOX_NO_OPENBLAS=1",
-}
-_ORDER = ("exact equality of a matmul's result at two shapes, which OpenBLAS's kernels on this "
-          "CPU round differently; passes with VELOX_NO_OPENBLAS=1")
-KNOWN_FAILURES.update({
-    **{f"tests/test_codec_split.py::test_split_codes_append_and_take[{k}]": _ORDER
-       for k in ("turboquant_mse", "turboquant_prod", "turboquant_rvq")},
-    "tests/test_kvzip.py::test_kvzip_importance_is_a_max_over_probes": _ORDER,
-})
-# Not strict: those that depend on the BLAS's rounding (another BLAS passes them), and
-# RocketKV's, which passed in a run of the whole suite where it ran after other files.
-_NOT_STRICT = {k for k, v in KNOWN_FAILURES.items() if "VELOX_NO_OPENBLAS" in v} | {
-    "tests/test_memory.py::test_live_memory_tracks_reported_bytes[rocketkv]"}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        reason = KNOWN_FAILURES.get(item.nodeid)
-        if reason is not None:
-            item.add_marker(pytest.mark.xfail(reason=reason,
-                                              strict=item.nodeid not in _NOT_STRICT))

@@ -35,6 +35,7 @@ import numpy as np
 from .._typing import Array, Float, UInt
 from ..quant import pack, unpack
 from . import Codec, register_codec
+from .rotation import matmul_per_slice
 
 __all__ = ["QJLTables", "QJLCodes", "tables", "encode", "decode", "scores", "encode_np",
            "decode_np", "scores_np", "sketch_dim", "sketch_tables", "CODEC"]
@@ -86,7 +87,8 @@ def _scale(t) -> float:
 
 def encode(t: QJLTables, rows: Float[Array, "b h n d"]) -> QJLCodes:
     x = rows.astype(mx.float32)
-    bits = (x @ t.sketch.T > 0).astype(mx.uint32)
+    # one product per (batch row, head): a sign does not depend on what is stacked with the row
+    bits = (matmul_per_slice(x, t.sketch.T) > 0).astype(mx.uint32)
     norms = mx.sqrt((x * x).sum(axis=-1))
     return QJLCodes(pack(bits, 1), norms.astype(mx.float16))
 
@@ -97,7 +99,7 @@ def decode(t: QJLTables, codes: QJLCodes) -> Float[Array, "b h n d"]:
 
 
 def scores(t: QJLTables, queries: Float[Array, "b h m d"], codes: QJLCodes) -> Float[Array, "b h m n"]:
-    sq = queries.astype(mx.float32) @ t.sketch.T
+    sq = matmul_per_slice(queries.astype(mx.float32), t.sketch.T)  # as in encode
     planes = sq.reshape(*sq.shape[:-1], -1, WORD)
     words = codes.signs
     ones = None

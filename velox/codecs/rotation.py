@@ -12,6 +12,12 @@ The random draws come from ``np.random.default_rng(seed)``, the same on every ma
 matrix is built in float64 and returned as float32. The dense matrix is the reference: the
 codecs multiply by it (``d x d`` per row).
 
+:func:`matmul_per_slice` multiplies each ``[n, k]`` slice of an MLX array (one batch row and
+head) by a shared matrix as a product of its own, so that a row's result does not depend on
+how many other batch rows or heads are stacked with it (a BLAS rounds one large product
+differently from a small one: OpenBLAS does). The encoders use it where a rounding decides a
+code (a rotated coordinate's cell, a sketch's sign).
+
 Convention: rows are row vectors, ``rotate(x, R) = x @ R.T`` (each row ``x`` becomes ``R x``)
 and ``unrotate(y, R) = y @ R`` (``R^T y``); both work on NumPy and on MLX arrays.
 """
@@ -20,9 +26,11 @@ from __future__ import annotations
 
 import functools
 
+import mlx.core as mx
 import numpy as np
 
-__all__ = ["is_power_of_two", "hadamard", "random_rotation", "rotate", "unrotate"]
+__all__ = ["is_power_of_two", "hadamard", "random_rotation", "rotate", "unrotate",
+           "matmul_per_slice"]
 
 
 def is_power_of_two(d: int) -> bool:
@@ -68,3 +76,14 @@ def rotate(x, r):
 def unrotate(y, r):
     """Each row ``y`` as ``R^T y``: ``y @ R``, the inverse of :func:`rotate`."""
     return y @ r
+
+
+def matmul_per_slice(x, w):
+    """``x @ w`` for ``x`` ``[..., n, k]`` (MLX) and ``w`` ``[k, m]``, computed as one product
+    per ``[n, k]`` slice of ``x``'s leading axes: ``w`` is broadcast over them, so the backend
+    runs a batched product rather than folding every slice into one ``[.. * n, k]`` matrix.
+    A slice's result is then the same whatever the leading axes hold (a batch row alone or
+    stacked with others, one head or all of them)."""
+    if x.ndim <= 2:
+        return x @ w
+    return x @ mx.broadcast_to(w, x.shape[:-2] + w.shape)

@@ -63,7 +63,7 @@ from .. import quant
 from ..reference import pack_codes, unpack_codes
 from . import Codec, register_codec
 from .lloyd import cell, codebook
-from .rotation import random_rotation
+from .rotation import matmul_per_slice, random_rotation
 
 __all__ = ["TurboQuantTables", "RvqTables", "MseCodes", "RvqCodes", "padded_dim",
            "mse_tables", "mse_encode", "mse_decode", "mse_rotated", "mse_scores",
@@ -165,7 +165,8 @@ def _unit(t, rows: mx.array) -> tuple[mx.array, mx.array]:
     x = rows.astype(mx.float32)
     r = mx.sqrt(mx.sum(x * x, axis=-1))
     inv = mx.where(r > 0, mx.array(math.sqrt(t.head_dim), mx.float32) / r, mx.array(0.0, mx.float32))
-    return (x @ t.rotation.T) * inv[..., None], r
+    # one product per (batch row, head): a row's cells do not depend on what is stacked with it
+    return matmul_per_slice(x, t.rotation.T) * inv[..., None], r
 
 
 def _pack(t, idx: mx.array) -> mx.array:

@@ -121,14 +121,48 @@ def _pages_mlx(keys: mx.array, page: int) -> tuple[mx.array, mx.array]:
     return hi, lo
 
 
+_NARROW = 16  # values per token up to which rows (positions) are concatenated, as in evict
+
+
+def _append(a: mx.array, x: mx.array, index: dict | None = None) -> mx.array:
+    """``a ++ x`` along the token axis, for a decode step (the state grows without bound).
+
+    :func:`velox.evict.append_rows` gathers wide rows on the CPU through an index it caches
+    per length; a state that grows at every step asks for a new length at every step, and
+    those indices, none read again, would fill the constant cache (``evict.CONST_BYTES``)
+    and stay live after the steps that made them. The same gather here takes an index made
+    for this step only, freed with it (``index``: the step's indices by shape, shared by its
+    arrays); other cases concatenate, as there.
+    """
+    n, s = a.shape[2], x.shape[2]
+    b, h, rest = a.shape[0], a.shape[1], a.shape[3:]
+    if (mx.default_device() != mx.cpu or n == 0 or s == 0 or s > n or a.dtype != x.dtype
+            or math.prod(rest) <= _NARROW or 4 * b * h * (n + s) > evict.CONST_BYTES // 4):
+        return mx.concatenate([a, x], axis=2)
+    rows = None if index is None else index.get((b, h, n, s))
+    if rows is None:  # each row's block of n, its last row repeated into the s new slots
+        rows = mx.array((np.minimum(np.arange(n + s, dtype=np.int32), n - 1)
+                         + (np.arange(b * h, dtype=np.int32) * n)[:, None]).reshape(-1))
+        if index is not None:
+            index[(b, h, n, s)] = rows
+    out = mx.take(a.reshape(b * h * n, *rest), rows, axis=0)
+    start = mx.array([0, 0, n] + [0] * len(rest))
+    return mx.slice_update(out.reshape(b, h, n + s, *rest), x, start, axes=tuple(range(a.ndim)))
+
+
 def _update_mlx(state: RocketKVState, keys, values, queries) -> RocketKVState:
     n, s = state.keys.shape[2], keys.shape[2]
     idx = None
     if s > 1 and n + s > state.budget:  # stage 1: SnapKV's selection, max-pooled
         idx = evict.top_budget(votes(state, keys, values, queries, pooling="maxpool"), state.budget,
                                evict.protected(n + s, state.n_sink, state.obs_window))
-    k, v, p = evict.keep_rows((state.keys, state.values, state.positions),
-                              (keys, values, evict.new_positions(state.next_pos, s)), idx)
+    stored = (state.keys, state.values, state.positions)
+    new = (keys, values, evict.new_positions(state.next_pos, s))
+    if s == 1:  # decode: appended, never evicted
+        index = {}
+        k, v, p = (_append(a, x, index) for a, x in zip(stored, new))
+    else:
+        k, v, p = evict.keep_rows(stored, new, idx)
     if s == 1 and n % state.page_size:  # the token joins the last, partial page
         last = mx.array([0, 0, state.page_max.shape[2] - 1, 0])
         hi = mx.maximum(state.page_max[:, :, -1:], keys)
@@ -136,8 +170,8 @@ def _update_mlx(state: RocketKVState, keys, values, queries) -> RocketKVState:
         page_max = mx.slice_update(state.page_max, hi, last, axes=(0, 1, 2, 3))
         page_min = mx.slice_update(state.page_min, lo, last, axes=(0, 1, 2, 3))
     elif s == 1:  # the token opens a page
-        page_max = evict.append_rows(state.page_max, keys)
-        page_min = evict.append_rows(state.page_min, keys)
+        page_max = _append(state.page_max, keys)
+        page_min = _append(state.page_min, keys)
     else:
         page_max, page_min = _pages_mlx(k, state.page_size)
     return state._replace(keys=k, values=v, positions=p, page_max=page_max, page_min=page_min,
