@@ -76,7 +76,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import base as _mlx_base
-from mlx_lm.models.cache import KVCache, _BaseCache
+from mlx_lm.models.cache import KVCache
 
 import velox
 from velox import evict
@@ -84,6 +84,8 @@ from velox.decode import (arrays as _arrays, slot_count, split_step, split_step_
                           steady_rows, slack as decode_slack,
                           with_empty_slots as _with_empty_slots, with_state as _with_state,
                           write_row as _write_row)
+from velox.adapters import model_step
+from velox.adapters.model_step import Attends, SteppedCache
 from velox.backend import BackendUnavailable, resolve_backend
 from velox.registry import Method, get_method
 from velox.spec import validate_params
@@ -231,7 +233,7 @@ class _BatchMerge:
         return self.fn.__get__(cls if cls is not None else type(obj), type)
 
 
-class VeloxCache(_BaseCache):
+class VeloxCache(SteppedCache):
     """mlx-lm cache protocol around one layer's velox state (any registered method).
 
     Configuration (fixed at construction): ``method``, ``params``, ``backend``, ``layer``,
@@ -505,6 +507,32 @@ class VeloxCache(_BaseCache):
     def velox_state(self) -> tuple | None:
         """The method's state record (without the tail and a pending step's tokens)."""
         return self._state
+
+    # -- the compiled whole-model step (velox.adapters.model_step) -------------------
+    def steady_state(self) -> tuple | None:
+        """``(method, state, pending row, offset)`` while the next single-token step may run
+        in the whole model's compiled step: the fast path holds for the state (a steady
+        state after a fused step: no rollback journal, no append tail, the wrapper routing
+        attention, no model-level record), nothing is pending, and no slot is empty (the
+        layout the compiled step was traced for; amortized eviction's fill steps run layer
+        by layer)."""
+        d = self.__dict__
+        held = d.get("_held")
+        if (held is None or d.get("_fast") is not held or self._pending is not None
+                or not _capture_installed() or evict.empty_slots(getattr(held, "policy", held))):
+            return None
+        if self.layer == 0:  # what update_and_fetch refuses, refused on this path too
+            _refuse_ignored_generate_args(sys._getframe(1))
+            _refuse_short_rollback(sys._getframe(1), self)
+        return self.method, held, d.get("_row"), self._offset
+
+    def stepped(self, state, row) -> None:
+        """Take the state and pending row of a compiled whole-model step: one token more, the
+        fast path kept for the new state."""
+        d = self.__dict__
+        d["_held"], d["_row"], d["_fast"] = state, row, state
+        self._offset += 1
+        self.last_step = "compiled"
 
     # -- updates -------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -976,13 +1004,13 @@ _INSTALLED = False  # install_query_capture() holds the wrapper in place
 _BODIES = 0         # open query_capture() bodies, which hold it too
 
 
-class _BatchAttention(_BaseCache):
+class _BatchAttention(Attends):
     """Base of the batch caches (``velox.adapters.batch.VeloxBatchCache``): the wrapper
     hands their attention to them, as to a :class:`VeloxCache`."""
 
 
 def _velox_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
-    if isinstance(cache, (VeloxCache, _BatchAttention)):
+    if isinstance(cache, Attends):
         return cache.attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
     for tap in _QUERY_TAPS:
         tap.append(queries)
@@ -1083,7 +1111,10 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
         real_queries: ``True`` or ``False``: score with the model's real queries (deferred
             mode: wraps mlx-lm's attention for velox caches); ``False`` uses the key-as-query
             proxy.
-        compile: ``True`` or ``False``: compile single-token updates once the cache is full.
+        compile: ``True`` or ``False``: compile single-token updates once the cache is full,
+            and (deferred mode) run a steady decode step of the whole model as one compiled
+            call (``velox.adapters.model_step``: wraps the model class's ``__call__``, which
+            takes that path only for single-token calls on steady velox caches).
         decode: ``"evict"``: every call runs the method's update, decode steps included.
             ``"append"``: multi-token calls are compressed as in ``"evict"``; single-token
             steps join an uncompressed tail that attention reads, and the step that fills it
@@ -1159,6 +1190,8 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
                                   artifact=None if fitted is None else fitted[layer],
                                   rollback=rollback)
         caches[slot]._routed = routed  # merge batches B > 1 rows only through the wrapper
+    if compile and mode is Mode.DEFERRED:
+        model_step.install(model)
     return caches
 
 
@@ -1410,6 +1443,9 @@ def load_cache(path: str | Path, model=None, *,
     if extra:
         raise ValueError(f"{where}: arrays {', '.join(extra)} belong to no layer")
     _route(where, caches, model)
+    if model is not None and any(c.compile and c.mode is Mode.DEFERRED for c in caches
+                                 if isinstance(c, VeloxCache)):
+        model_step.install(model)
     return caches, meta["user"]
 
 

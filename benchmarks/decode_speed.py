@@ -65,6 +65,7 @@ from typing import Any
 import velox  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from velox.adapters.cli import budget_params, parse_param
@@ -291,6 +292,7 @@ class Run:
         self.label, self.method, self.params = label, method, params
         self.caches: list | None = None
         self.y: mx.array | None = None
+        self.gen = None  # --loop generate: this cache's generate_step generator
         self.times: list[float] = []
         # the full cache's block of the same round (resident="all") or pair ("one")
         self.full_times: list[float] = []
@@ -323,15 +325,32 @@ class Run:
         if self.live_before_decode is None:
             self.live_before_decode = self.live
         mx.reset_peak_memory()
-        dt, self.y = decode_block(model, self.caches, self.y, steps, loop)
+        if loop == "generate":
+            dt = self.generate_block(model, steps)
+        else:
+            dt, self.y = decode_block(model, self.caches, self.y, steps, loop)
         self.decode_peak = max(self.decode_peak, self.live + int(mx.get_peak_memory() - before))
         self.live += int(mx.get_active_memory() - before)
         if timed:
             self.times.append(dt)
         return dt
 
+    def generate_block(self, model, steps: int) -> float:
+        """``steps`` tokens of mlx-lm's own ``generate_step`` (greedy), after one untimed:
+        the loop ``mlx_lm.generate`` runs, one generator per cache kept across its blocks
+        (its first call takes the prompt's last token)."""
+        if self.gen is None:
+            self.gen = generate_step(self.y[0], model, prompt_cache=self.caches, max_tokens=-1)
+        next(self.gen)
+        mx.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            next(self.gen)
+        mx.synchronize()
+        return time.perf_counter() - t0
+
     def free(self) -> None:
-        self.caches = self.y = None
+        self.caches = self.y = self.gen = None
         gc.collect()
         mx.clear_cache()
 
@@ -523,10 +542,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                     help="a velox parameter (method.key=value for one method)")
     ap.add_argument("--steps", type=int, default=32, help="timed steps per block")
-    ap.add_argument("--loop", choices=["sync", "pipelined"], default="sync",
+    ap.add_argument("--loop", choices=["sync", "pipelined", "generate"], default="sync",
                     help="sync: each step evaluated before the next is built; pipelined: as "
                          "mlx-lm's generate_step, the next step queued before the current token "
-                         "is read (host work overlaps the device's)")
+                         "is read (host work overlaps the device's); generate: mlx-lm's "
+                         "generate_step itself (batch 1), what mlx_lm.generate users run")
     ap.add_argument("--reps", type=int, default=5, help="blocks per cache")
     ap.add_argument("--warmup-rounds", type=int, default=1,
                     help="untimed blocks per cache before the timed rounds")
@@ -539,6 +559,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="start no new (batch, context) after this many seconds")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    if args.loop == "generate" and args.batch != [1]:
+        ap.error("--loop generate runs mlx-lm's generate_step, which decodes batch 1: --batch 1")
     if args.steps < 1 or args.reps < 1 or args.chunk < 1 or args.warmup_rounds < 0:
         ap.error("--steps, --reps and --chunk must be at least 1, --warmup-rounds at least 0")
 

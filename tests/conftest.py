@@ -58,3 +58,18 @@ def tiny_llama():
     model.update(tree_map(lambda p: p * 4.0 if p.ndim == 2 else p, model.parameters()))
     mx.eval(model.parameters())
     return model
+
+
+@pytest.fixture
+def layer_by_layer():
+    """Decode layer by layer (the per-layer fused steps): the whole model's compiled step
+    (``velox.adapters.model_step``) kept out for the test (a patch of its own, which the
+    test's ``monkeypatch.undo()`` leaves in place)."""
+    from velox.adapters import model_step
+
+    for cls in list(model_step._ORIGINAL_CALL):
+        model_step.uninstall(cls)
+    patch = pytest.MonkeyPatch()
+    patch.setattr(model_step, "install", lambda model: None)
+    yield
+    patch.undo()

@@ -286,8 +286,9 @@ def test_fp16_reference_bytes(model):
     assert cache_fp16_bytes(caches) == (len(PROMPT) + 3) * 3 * 2 * 32 * 2 * 2
 
 
-def test_fused_compiled_decode_step_matches_the_plain_path(model):
-    """At a full cache, decode runs one compiled graph (attention + update); same result."""
+def test_fused_compiled_decode_step_matches_the_plain_path(model, layer_by_layer):
+    """At a full cache, decode runs one compiled graph per layer (attention + update); same
+    result."""
     fused = make_cache(model, "h2o", budget=24, grace=4)
     plain = make_cache(model, "h2o", budget=24, grace=4, compile=False)
     assert all(c.mode is mlxlm.Mode.DEFERRED for c in fused + plain)

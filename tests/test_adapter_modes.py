@@ -291,7 +291,7 @@ def test_query_capture_installs_for_its_body_and_nests(model):
 
 # --- one bounded cache of compiled steps -------------------------------------------------------
 
-def test_compiled_steps_live_in_one_bounded_cache(model, monkeypatch):
+def test_compiled_steps_live_in_one_bounded_cache(model, monkeypatch, layer_by_layer):
     monkeypatch.setattr(mlxlm, "_COMPILED", OrderedDict())
     caches = make_cache(model, "h2o", budget=24, grace=4)
     greedy(model, caches, n=6)
@@ -324,7 +324,7 @@ def test_arrays_of_a_record_in_tree_flatten_order():
 
 @pytest.mark.parametrize("method,params", [("tova", dict(budget=24)), ("h2o", dict(budget=24, grace=4)),
                                            ("streaming_llm", dict(window_size=20))])
-def test_the_steady_fast_path_changes_nothing(model, monkeypatch, method, params):
+def test_the_steady_fast_path_changes_nothing(model, monkeypatch, layer_by_layer, method, params):
     """Decode steps after a fused one skip update_and_fetch's checks (``_fast``): the same
     tokens and states as with the fast path off, every later step of a run takes it, and a
     state replaced from outside (here a trim) ends it until the next fused step."""

@@ -92,7 +92,7 @@ def test_a_loaded_cache_decodes_in_a_fresh_process_as_the_saved_one(tiny_llama, 
         toks = greedy(tiny_llama, caches, n=n, prompt=NEXT)  # the saving process continues
         want[key] = [toks, [[c.mode.value, c.last_step] for c in caches]]
         save_cache(tmp_path / f"{key}.after.safetensors", caches)
-    assert all(want[k][1] == [["deferred", "fused"]] * 3 for k in ("tova", "h2o", "tova+affine"))
+    assert all(want[k][1] == [["deferred", "compiled"]] * 3 for k in ("tova", "h2o", "tova+affine"))
     run = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), json.dumps(list(FRESH)), str(n)],
                          capture_output=True, text=True, env=dict(os.environ), timeout=600,
                          cwd=tmp_path)  # the installed velox, not the source tree

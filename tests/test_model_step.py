@@ -1,0 +1,100 @@
+"""The whole model's compiled decode step (``velox.adapters.model_step``): through mlx-lm's
+own ``generate_step`` it gives the tokens of the layer-by-layer path, is traced once for a
+whole decode, takes only steady velox caches, and leaves other caches and calls alone."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+import velox  # noqa: F401
+from velox.adapters import model_step
+from velox.adapters.mlxlm import make_cache
+
+PROMPT = mx.array([(7 * i + 3) % 97 for i in range(40)])
+STEADY = [("tova", {"budget": 16}), ("h2o", {"budget": 16, "grace": 4}), ("knorm", {"budget": 16, "recent": 4}),
+          ("streaming_llm", {"window_size": 12}), ("tova", {"budget": 16, "per_head": True})]
+
+
+def _decode(model, caches, n=24):
+    return [int(y) for (y, _), _ in zip(generate_step(PROMPT, model, prompt_cache=caches,
+                                                      prefill_step_size=16), range(n))]
+
+
+@pytest.mark.parametrize("key,params", STEADY, ids=[f"{k}-{i}" for i, (k, _) in enumerate(STEADY)])
+def test_compiled_step_gives_the_layer_by_layer_tokens(tiny_llama, key, params):
+    plain = make_cache(tiny_llama, key, compile=False, **params)
+    want = _decode(tiny_llama, plain)
+    model_step.reset(tiny_llama)
+    fast = make_cache(tiny_llama, key, **params)
+    got = _decode(tiny_llama, fast)
+    assert got == want
+    assert all(c.last_step == "compiled" for c in fast)
+    assert list(model_step.compiled_steps(tiny_llama).values()) == [1]  # traced once
+    assert [c.offset for c in fast] == [c.offset for c in plain]
+    for a, b in zip(fast, plain):
+        assert a.nbytes == b.nbytes
+        np.testing.assert_array_equal(np.array(a.positions()), np.array(b.positions()))
+        ka, kb = a.velox_state.keys, b.velox_state.keys
+        assert ka.shape == kb.shape
+
+
+def test_only_steady_velox_caches_take_it(tiny_llama):
+    model_step.reset(tiny_llama)
+    # a prefill-bounded method keeps every decode token: its state grows, never steady
+    snap = make_cache(tiny_llama, "snapkv", budget=16, obs_window=4)
+    _decode(tiny_llama, snap)
+    assert all(c.last_step != "compiled" for c in snap)
+    # a journal (rollback), an append tail, the proxy: the layer-by-layer path
+    for kw in ({"rollback": 2}, {"decode": "append"}, {"real_queries": False}):
+        caches = make_cache(tiny_llama, "tova", budget=16, **kw)
+        _decode(tiny_llama, caches)
+        assert all(c.last_step != "compiled" for c in caches), kw
+    assert model_step.compiled_steps(tiny_llama) == {}
+    # mlx-lm's own caches go through the original call, unchanged
+    full = make_prompt_cache(tiny_llama)
+    assert _decode(tiny_llama, full) == _decode(tiny_llama, make_prompt_cache(tiny_llama))
+    assert model_step.compiled_steps(tiny_llama) == {}
+
+
+def test_a_chunk_after_compiled_steps_runs_layer_by_layer(tiny_llama):
+    caches = make_cache(tiny_llama, "tova", budget=16)
+    ref = make_cache(tiny_llama, "tova", budget=16, compile=False)
+    for c in (caches, ref):
+        _decode(tiny_llama, c, n=12)
+    assert caches[0].last_step == "compiled"
+    chunk = mx.array([[5, 9, 11, 2]])
+    a, b = tiny_llama(chunk, cache=caches), tiny_llama(chunk, cache=ref)
+    np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-5)
+    assert caches[0].last_step != "compiled" and caches[0].offset == ref[0].offset
+
+
+def test_install_wraps_the_class_once_and_uninstall_restores(tiny_llama):
+    cls = type(tiny_llama)
+    make_cache(tiny_llama, "tova", budget=16)
+    wrapped = cls.__call__
+    make_cache(tiny_llama, "tova", budget=16)
+    assert cls.__call__ is wrapped and wrapped.__wrapped__ is not None
+    model_step.uninstall(tiny_llama)
+    assert cls.__call__ is wrapped.__wrapped__
+    caches = make_cache(tiny_llama, "tova", budget=16)  # installs again
+    assert cls.__call__ is not wrapped.__wrapped__
+    _decode(tiny_llama, caches)
+    assert caches[0].last_step == "compiled"
+
+
+def test_live_memory_stays_flat_over_compiled_steps(tiny_llama):
+    caches = make_cache(tiny_llama, "tova", budget=16)
+    gen = generate_step(PROMPT, tiny_llama, prompt_cache=caches, prefill_step_size=16)
+    for _ in range(8):
+        next(gen)
+    mx.eval([c.state for c in caches])
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    for _ in range(48):
+        next(gen)
+    mx.eval([c.state for c in caches])
+    assert caches[0].last_step == "compiled"
+    # the states are replaced every step: what stays live does not grow with the tokens
+    assert mx.get_active_memory() - before < 64 * 1024
