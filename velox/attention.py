@@ -15,13 +15,14 @@ never a decode (``velox.compose`` hands them over; ``velox.evict.score_and_keep`
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
 from . import reference as ref
 from ._typing import Array, Bool, Float, Int
+from .coded import CodedKeys
+from .consts import cached_const  # the byte-bounded cache of shared constants
 
 __all__ = ["group_queries", "scoring_queries", "causal_mask", "chunk_mask", "candidate_logits",
            "candidate_weights", "candidate_mass", "accumulated_scores", "softmax", "CodedKeys",
@@ -57,43 +58,6 @@ def softmax(x: Float[Array, "..."], axis: int = -1) -> Float[Array, "..."]:
     x = x.astype(mx.float32)
     e = _exp2_nonpositive((x - x.max(axis=axis, keepdims=True)) * _LOG2E)
     return e / e.sum(axis=axis, keepdims=True)
-
-
-class CodedKeys(NamedTuple):
-    """Stored keys held as a codec's codes (``velox.codecs``): logits of queries against them
-    are the codec's estimates, ``codec.scores`` (``scores_np`` where the codes and tables are
-    NumPy arrays: one head of a ``reference`` score), never a decode.
-
-    ``codes`` holds the first :attr:`coded` keys (leading axes ``[b, h, n]``; ``[1, 1, n]``
-    for one head). ``rows`` are the keys as rows for whatever reads rows rather than logits
-    (the eviction skeleton's gather of the survivors): the coded keys decoded, and for one
-    head of a ``reference`` score (``[N, d]``: every candidate) the ``N - n`` new keys after
-    them, exact. MLX computes the decoded rows only where something reads them.
-    """
-
-    rows: Any
-    codes: Any
-    tables: Any
-    codec: Any
-
-    @property
-    def coded(self) -> int:
-        """Keys held as codes."""
-        return self.codes[0].shape[2]
-
-    def numpy(self) -> "CodedKeys":
-        """The codes and tables as NumPy arrays (rows unchanged), for ``scores_np``."""
-        def conv(x):  # bfloat16 (side data of a bfloat16 cache) has no NumPy dtype: float32
-            if not isinstance(x, mx.array):
-                return x
-            return np.array(x.astype(mx.float32) if x.dtype == mx.bfloat16 else x)
-
-        return self._replace(codes=type(self.codes)(*map(conv, self.codes)),
-                             tables=type(self.tables)(*map(conv, self.tables)))
-
-    def head(self, i: int, j: int, rows: np.ndarray) -> "CodedKeys":
-        """Row ``i``, kv head ``j`` of NumPy codes (:meth:`numpy`), with one head's ``rows``."""
-        return self._replace(rows=rows, codes=type(self.codes)(*(x[i:i + 1, j:j + 1] for x in self.codes)))
 
 
 def stored_count(stored: Float[Array, "b h n d"] | CodedKeys) -> int:
@@ -154,7 +118,6 @@ def chunk_mask(n: int, s: int, m: int) -> Bool[Array, "m n_plus_s"]:
     position arithmetic; it equals :func:`causal_mask` on absolute positions.
     """
     if m * (n + s) <= 1 << 16:  # decode-sized: a cached constant, no primitives per call
-        from .evict import cached_const  # the byte-bounded cache of shared constants
         return cached_const(("chunk_mask", n, s, m), lambda: _chunk_mask_np(n, s, m))
     q = mx.arange(s - m, s)[:, None]
     j = mx.arange(n + s)[None, :] - n

@@ -46,7 +46,6 @@ a cache that grows a token a step never keeps one array per length alive.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 import math
 import operator
@@ -55,13 +54,16 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 import numpy as np
 
+from . import reference as ref
 from ._typing import Array, Bool, Float, Int, Shaped
-from .attention import CodedKeys
 from .backend import device_supports
+from .coded import CodedKeys
+from .consts import CONST_BYTES, cached_const
 from .ordering import order_key
 from .ragged import ragged
-from .registry import dims_of
+from .slots import Move, filled_rows
 from .spec import param_fields
+from .state_dims import dims_of
 
 __all__ = ["empty_rows", "new_positions", "protected", "ranked", "top_budget", "row_offsets", "all_but",
            "take_rows", "append_rows", "keep_rows", "dims", "row_sq_norms", "row_norms",
@@ -81,32 +83,6 @@ def new_positions(next_pos: Int[Array, "b h"], s: int) -> Int[Array, "b h s"]:
     if s == 1:  # a decode step: next_pos itself (no add)
         return next_pos[:, :, None]
     return next_pos[:, :, None] + _const("arange", s)
-
-
-CONST_BYTES = 1 << 20  # bytes the constant cache may hold (1 MiB)
-_CONSTS: OrderedDict[tuple, mx.array] = OrderedDict()
-_CONST_HELD = [0]
-
-
-def cached_const(key: tuple, build: Callable[[], np.ndarray]) -> mx.array:
-    """``mx.array(build())``, cached by ``key`` (least recently used first out).
-
-    The cache holds at most :data:`CONST_BYTES`; larger arrays are built but not kept. A
-    decode step at a full cache asks for the same few shapes every step and hits; a cache
-    that grows asks for a new length every step, and the bound keeps those from piling up.
-    The arrays are shared: read them, do not assign into them.
-    """
-    hit = _CONSTS.get(key)
-    if hit is not None:
-        _CONSTS.move_to_end(key)
-        return hit
-    arr = mx.array(build())
-    if arr.nbytes <= CONST_BYTES:
-        _CONSTS[key] = arr
-        _CONST_HELD[0] += arr.nbytes
-        while _CONST_HELD[0] > CONST_BYTES:
-            _CONST_HELD[0] -= _CONSTS.popitem(last=False)[1].nbytes
-    return arr
 
 
 def _const(kind: str, *args: int) -> mx.array:
@@ -295,15 +271,6 @@ def empty_slots(state) -> int:
     return getattr(state, "empty", 0)
 
 
-def filled_rows(keys: mx.array, values: mx.array, empty: int) -> tuple[mx.array, mx.array]:
-    """The rows of the filled slots of a state with ``empty`` empty slots, which are the last
-    ones (amortized eviction, see the module): views of the first ``n - empty`` slots."""
-    if not empty:
-        return keys, values
-    n = keys.shape[2] - empty
-    return keys[:, :, :n], values[:, :, :n]
-
-
 def filled_order(positions: Int[Array, "b h n"], empty: int = 0) -> Int[Array, "b h f"] | None:
     """Slots of the ``n - empty`` filled slots in increasing position (empty slots, at
     position -1, sort first and are left out)."""
@@ -319,29 +286,6 @@ def compacted(state, carry: tuple[str, ...] = ()):
     if hasattr(state, "empty"):
         fields["empty"] = 0
     return state._replace(**fields)
-
-
-class Move(NamedTuple):
-    """How an update moved the stored rows: what a composition (``velox.compose``) repeats on
-    its own per-token rows (codes).
-
-    ``slot`` (``[b, h, 1]``, or an ``int``: the same slot in every row) is a decode step in
-    place: the new row goes to that slot where ``write`` (``[b, h, 1]``, or ``None``:
-    everywhere) holds, else nothing moves. Otherwise the filled slots are first gathered by
-    ``pre`` (``[b, h, f]``, ``None``: as stored), then the candidates (those rows followed by
-    the new ones) by ``idx`` (``None``: all are kept, the new rows appended), as
-    :func:`keep_rows` does; the last ``pad`` entries of ``idx`` (0) are then empty slots
-    (amortized eviction's selection: the kept rows first, in slot order, the empty slots
-    last). ``rows`` (a decode step of the fused
-    kernels, ``velox.kernels.evict.select``) are the keys and values ``[b, h, 1, d]`` that
-    belong in ``slot`` and that the step left unwritten (the adapter writes them in place)."""
-
-    pre: Any = None
-    idx: Any = None
-    slot: Any = None
-    write: Any = None
-    rows: Any = None  # a decode step whose rows were not written: (keys, values) for ``slot``
-    pad: int = 0  # empty slots after the rows ``idx`` keeps
 
 
 def write_slot(a: Shaped[Array, "b h n *rest"], x: Shaped[Array, "b h 1 *rest"],
@@ -858,8 +802,6 @@ def _fillable(plan: _Plan, state, keys) -> bool:
 
 
 def _reference_backend(reference, carry, fields, plan: _Plan, logits_only: bool = False) -> Callable:
-    from . import reference as ref
-
     def step(state, keys, values, queries):
         state, seen = _rows_and_scored(state, logits_only)
         n, s = state.keys.shape[2], keys.shape[2]

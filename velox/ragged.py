@@ -53,6 +53,9 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
+from .coded import CodedKeys
+from .state_dims import _keys_dims
+
 __all__ = ["check_valid", "is_ragged", "token_fields", "row", "compact", "stack", "filled_nbytes",
            "ragged", "take_rows", "RowStates", "split_rows", "rows_kv", "rows_positions",
            "rows_kv_slots", "rows_update", "rows_attend"]
@@ -222,7 +225,6 @@ def ragged(step: Callable) -> Callable:
     ``update(state, keys, values, queries, valid)`` with ``valid`` a checked ``[b]`` NumPy
     count (see the module)."""
     def update(state, keys, values, queries, valid: np.ndarray):
-        from .attention import CodedKeys
         if isinstance(state.keys, CodedKeys):
             raise ValueError("ragged rows are not supported by composed states (codes follow the policy's moves)")
         b, h, n = state.positions.shape
@@ -299,8 +301,6 @@ def split_rows(m, state) -> RowStates:
     records) and shares the rest (static fields, and the tables of a nested record: a
     codec's rotation and codebooks). Raises ValueError when an array directly in the state has
     no batch axis and holds data (a stream of every row's codes cannot be cut by row)."""
-    from .registry import _keys_dims
-
     b, h = (m.dims or _keys_dims)(state)[:2]
     notes = getattr(type(state), "__annotations__", {})
     try:

@@ -11,6 +11,8 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
+from .slots import Move
+
 __all__ = ["to_np", "to_mx", "softmax", "visible", "attention_weights", "protected", "ranked", "top_budget",
            "scoring_queries", "Candidates", "candidates", "keep", "Head", "head", "compacted",
            "slot_losers", "slot_step", "place", "gather_move"]
@@ -204,7 +206,6 @@ def place(state, cand: Candidates, slots: list, **extra: np.ndarray):
     """The state after a decode step on slots (:func:`slot_step`): each head's new token
     (candidate ``n``) written at its slot; ``extra`` per-candidate arrays ``[b, h, n + 1,
     ...]`` are placed the same way. Returns the state and its ``velox.evict.Move``."""
-    from .evict import Move
     b, h, N = cand.positions.shape
     n = N - 1
     dtype = state.keys.dtype
@@ -233,7 +234,6 @@ def amortized(state, cand: Candidates, by: np.ndarray, slack: int, n_sink: int, 
     candidates fill the first ``n - slack`` slots in candidate order, and the last ``slack``
     slots are empty (position -1; their rows hold candidate 0's). ``extra`` per-candidate
     arrays are kept the same way. Returns the state and its ``velox.evict.Move``."""
-    from .evict import Move
     b, h, N = cand.positions.shape
     n = N - 1
     chosen = [[None] * h for _ in range(b)]
@@ -251,7 +251,6 @@ def amortized(state, cand: Candidates, by: np.ndarray, slack: int, n_sink: int, 
 
 def gather_move(chosen, n: int, s: int):
     """The ``velox.evict.Move`` of :func:`keep`'s choice (``None`` everywhere: append)."""
-    from .evict import Move
     if all(c is None for row in chosen for c in row):
         return Move()
     return Move(idx=mx.array(np.stack([np.stack(row) for row in chosen]).astype(np.int32)))

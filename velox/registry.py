@@ -18,10 +18,13 @@ from typing import Any
 
 import mlx.core as mx
 
+from . import ragged as rg
 from .accounting import state_nbytes
+from .ragged import RowStates, check_valid, filled_nbytes, is_ragged, rows_update, split_rows
+from .registered import _BY_STATE, _REGISTRY
+from .slots import filled_rows
 from .spec import Spec, read_spec, spec_keys
-
-State = tuple  # every state record is a typing.NamedTuple
+from .state_dims import State, _keys_dims, dims_of
 
 __all__ = ["Method", "register", "register_backend", "get_method", "method_keys", "method_of",
            "dims_of", "slot_order", "take_slots"]
@@ -70,10 +73,6 @@ class Method:
         return self._spec
 
 
-_REGISTRY: dict[str, Method] = {}
-_BY_STATE: dict[type, Method] = {}
-
-
 def _stored_positions(state: State) -> mx.array:
     """Absolute positions of what ``get_kv`` returns: the state's ``positions`` field."""
     return state.positions
@@ -113,8 +112,6 @@ def _slot_kv_slots(state: State) -> tuple[mx.array, mx.array, mx.array | None]:
     every slot given holds a token; always given for a state of ragged rows,
     ``velox.ragged``). A state with empty slots (amortized eviction) keeps them last: its
     filled slots are given as a view of the first ones, no mask."""
-    from .evict import filled_rows
-    from .ragged import is_ragged
     if is_ragged(state):
         return state.keys, state.values, state.positions >= 0
     return (*filled_rows(state.keys, state.values, getattr(state, "empty", 0)), None)
@@ -123,7 +120,6 @@ def _slot_kv_slots(state: State) -> tuple[mx.array, mx.array, mx.array | None]:
 def _slot_nbytes(state: State) -> int:
     """Bytes of every array a state of slots holds; for a state of ragged rows
     (``velox.ragged``) its filled slots' and per-row arrays' bytes, the sum of its rows'."""
-    from .ragged import filled_nbytes, is_ragged
     return filled_nbytes(state) if is_ragged(state) else state_nbytes(state)
 
 
@@ -266,8 +262,6 @@ def _take_row_states(m: Method) -> None:
     """Let ``m``'s functions take ragged rows held as one state per row
     (``velox.ragged.RowStates``): ``get_kv``, ``positions``, ``kv_slots``, ``nbytes``, ``dims``
     and ``attend`` (the update handles them itself, :func:`_dispatching_update`)."""
-    from . import ragged as rg
-
     own = m.state_type
 
     def either(name: str, plain: Callable, rows: Callable) -> Callable:
@@ -294,8 +288,6 @@ def _foreign(m: Method, name: str, state: Any, rows: bool = False) -> bool:
     False for an instance of a subclass of ``m``'s state type; anything else (another
     method's state, a composition's, a plain tuple) raises ``TypeError`` naming the function
     and the state type it takes."""
-    from .ragged import RowStates
-
     own = m.state_type
     if isinstance(state, own):
         return False
@@ -407,8 +399,6 @@ def _dispatching_update(m: Method, module: str) -> Callable:
     """The update every method shares: check the new rows, run the state's backend."""
     from .validate import check_update
 
-    from .ragged import RowStates, check_valid, is_ragged, rows_update, split_rows
-
     backends = m.backends
     ragged = bool(m.spec.contract.get("ragged", False))
 
@@ -451,7 +441,6 @@ def _dispatching_update(m: Method, module: str) -> Callable:
 
 def _attend_update(m: Method, fast: Callable | None) -> Callable:
     """``attend`` then ``update`` of one step, through ``fast`` where it takes the step."""
-    from .ragged import RowStates
     from .validate import check_update
 
     own = m.state_type
@@ -525,26 +514,9 @@ def method_keys() -> tuple[str, ...]:
 
 def method_of(state: State) -> Method:
     """The method a state record belongs to."""
-    from .ragged import RowStates
     try:
         if isinstance(state, RowStates):
             return method_of(state.rows[0])
         return _BY_STATE[type(state)]
     except (KeyError, IndexError):
         raise ValueError(f"{type(state).__name__} is not the state of a registered method") from None
-
-
-def _keys_dims(state: State) -> tuple[int, int, int, mx.Dtype]:
-    b, h, _, d = state.keys.shape
-    return b, h, d, state.keys.dtype
-
-
-def dims_of(field: str) -> Callable[[Any], tuple[int, int, int, mx.Dtype]]:
-    """A ``dims`` function (``register(..., dims=...)``) for states whose array ``field`` is
-    ``[b, h, n, d]``: it returns ``(batch, kv_heads, head_dim, dtype)`` of that array."""
-    def dims(state) -> tuple[int, int, int, mx.Dtype]:
-        rows = getattr(state, field)
-        b, h, _, d = rows.shape
-        return b, h, d, rows.dtype
-    dims.__doc__ = f"``(batch, kv_heads, head_dim, dtype)`` of the state's ``{field} [b, h, n, d]``."
-    return dims

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from .registered import _REGISTRY
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -394,10 +396,9 @@ def spec_from_file(path, init: Callable | None = None) -> Spec:
 
 def load_spec(key: str) -> Spec:
     """The spec of method ``key`` (a registered method's, with its ``init`` parameters)."""
-    from .registry import get_method, method_keys
-
-    if key in method_keys():
-        return get_method(key).spec
+    method = _REGISTRY.get(key)
+    if method is not None:
+        return method.spec
     return _file_spec(key)
 
 
