@@ -41,14 +41,20 @@ Protocol facts this class honours (mlx-lm 0.32.2):
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.models import base as _mlx_base
 
 from velox import ragged as _ragged
 
-from .mlxlm import _KV_BITS, Mode, VeloxCache, _BatchAttention, _capture_installed
+from .model_step import Attends, SteppedCache
+from .routing import KV_BITS as _KV_BITS
+from .routing import Mode
+from .routing import capture_installed as _capture_installed
+
+if TYPE_CHECKING:
+    from .mlxlm import VeloxCache
 
 __all__ = ["VeloxBatchCache"]
 
@@ -64,7 +70,7 @@ def _describe(c: VeloxCache, name: str) -> Any:
 def _check_rows(rows: list) -> None:
     """Every row is a single-sequence velox cache of one configuration (raises ValueError)."""
     for i, c in enumerate(rows):
-        if not isinstance(c, VeloxCache):
+        if not isinstance(c, SteppedCache):  # (velox's layer cache: VeloxCache)
             raise ValueError(f"VeloxCache.merge takes velox caches; row {i} is a {type(c).__name__}")
     first = rows[0]
     for i, c in enumerate(rows[1:], 1):
@@ -174,7 +180,7 @@ def _joinable(rows: list) -> list | None:
     return states
 
 
-class VeloxBatchCache(_BatchAttention):
+class VeloxBatchCache(Attends):
     """A batch of velox caches, one batch-of-one :class:`VeloxCache` per row (``rows``), or,
     while its rows hold the same slot layout, one batched state (joined mode).
 

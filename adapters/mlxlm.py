@@ -67,11 +67,9 @@ import json
 import sys
 import warnings
 from collections import OrderedDict
-from contextlib import contextmanager
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -85,7 +83,13 @@ from velox.decode import (arrays as _arrays, slot_count, split_step, split_step_
                           with_empty_slots as _with_empty_slots, with_state as _with_state,
                           write_row as _write_row)
 from velox.adapters import model_step
-from velox.adapters.model_step import Attends, SteppedCache
+from velox.adapters.batch import VeloxBatchCache
+from velox.adapters.routing import (KV_BITS as _KV_BITS, Mode, _check_mode, _choose_mode,
+                                    capture_installed as _capture_installed,
+                                    install_query_capture, query_capture,
+                                    routes_attention as _routes_attention, tap_queries,
+                                    uninstall_query_capture, untapped)
+from velox.adapters.model_step import SteppedCache
 from velox.backend import BackendUnavailable, resolve_backend
 from velox.registry import Method, get_method
 from velox.spec import validate_params
@@ -105,33 +109,6 @@ class _Model:
     layer_params: list[dict[str, Any]]
     record: tuple | None = None
     n_layers: int = 0
-
-
-# --- modes ----------------------------------------------------------------------------
-
-class Mode(str, Enum):
-    """Where a velox cache runs the method's update during mlx-lm's forward."""
-
-    PROXY = "proxy"        # in update_and_fetch, with the key-as-query proxy
-    DEFERRED = "deferred"  # in the wrapped attention, after it, with the real queries
-
-
-def _check_mode(mode: Any) -> Mode:
-    try:
-        return Mode(mode)
-    except ValueError:
-        raise ValueError(f"mode={mode!r} must be one of "
-                         f"{', '.join(repr(m.value) for m in Mode)}") from None
-
-
-def _choose_mode(m: Method, *, real_queries: bool, routed: bool, model: str | None = None) -> Mode:
-    """The mode for method ``m``: deferred when it wants queries (``real_queries``, or an
-    ``attend`` hook) and the model's attention goes through the wrapper (``routed``), else
-    proxy; a method with ``attend`` refuses a model whose attention does not."""
-    if m.attend is not None and not routed:
-        raise ValueError(f"{m.key} needs a model whose attention calls mlx-lm's "
-                         "scaled_dot_product_attention" + (f"; {model} does not" if model else ""))
-    return Mode.DEFERRED if (real_queries or m.attend is not None) and routed else Mode.PROXY
 
 
 # --- the cache ------------------------------------------------------------------------
@@ -401,7 +378,6 @@ class VeloxCache(SteppedCache):
         decides from ``hasattr(cache, "merge")`` whether a model batches, so its server and
         ``BatchGenerator`` then serve that model one request at a time instead of failing
         at the second request."""
-        from .batch import VeloxBatchCache
         return VeloxBatchCache.merge(caches)
 
     def trim(self, n: int) -> int:
@@ -931,11 +907,6 @@ def _compiled(m: Method, kind: str, backend: str) -> Callable:
     return hit[1]
 
 
-_KV_BITS = ("kv_bits does not apply to a velox cache: mlx-lm would replace it with its own "
-            "quantized cache. Drop kv_bits and pick a quantizing velox method instead, e.g. "
-            "make_cache(model, 'kivi', bits=4) or make_cache(model, 'tova+affine', bits=4)")
-
-
 def _refuse_ignored_generate_args(frame, depth: int = 24) -> None:
     """Raise if mlx-lm's ``generate_step`` up the stack was given ``kv_bits`` (it would swap
     the cache, see ``VeloxCache.to_quantized``) or ``max_kv_size`` (ignored with a
@@ -993,89 +964,6 @@ def _refuse_short_rollback(frame, cache: VeloxCache, depth: int = 24) -> None:
                     "own caches for the draft, make_prompt_cache(draft_model))")
             return
         frame = frame.f_back
-
-
-# --- real-query capture: wrap mlx-lm's attention for velox caches only --------------------
-
-_ORIGINAL_SDPA = _mlx_base.scaled_dot_product_attention
-
-_QUERY_TAPS: list[list[mx.array]] = []  # one list per open query_capture() body
-_INSTALLED = False  # install_query_capture() holds the wrapper in place
-_BODIES = 0         # open query_capture() bodies, which hold it too
-
-
-class _BatchAttention(Attends):
-    """Base of the batch caches (``velox.adapters.batch.VeloxBatchCache``): the wrapper
-    hands their attention to them, as to a :class:`VeloxCache`."""
-
-
-def _velox_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
-    if isinstance(cache, Attends):
-        return cache.attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-    for tap in _QUERY_TAPS:
-        tap.append(queries)
-    return _ORIGINAL_SDPA(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-
-
-def _capture_installed() -> bool:
-    return _mlx_base.scaled_dot_product_attention is _velox_sdpa
-
-
-def _patch(new, old) -> None:
-    """Set ``scaled_dot_product_attention`` to ``new`` in ``mlx_lm.models.base`` and in every
-    loaded ``mlx_lm.models.*`` module whose copy is ``old``."""
-    for name, mod in list(sys.modules.items()):
-        if name == "mlx_lm.models.base" or name.startswith("mlx_lm.models."):
-            if getattr(mod, "scaled_dot_product_attention", None) is old:
-                mod.scaled_dot_product_attention = new
-
-
-def install_query_capture() -> None:
-    """Route mlx-lm's attention through velox caches (others keep the original path), until
-    :func:`uninstall_query_capture`.
-
-    Patches ``scaled_dot_product_attention`` in ``mlx_lm.models.base`` and in every loaded
-    ``mlx_lm.models.*`` module that imported it. Idempotent; :func:`make_cache` calls it for
-    methods that want queries.
-    """
-    global _INSTALLED
-    _INSTALLED = True
-    _patch(_velox_sdpa, _ORIGINAL_SDPA)
-
-
-def uninstall_query_capture() -> None:
-    """Restore mlx-lm's original attention function everywhere it was patched (at the end of
-    the outermost :func:`query_capture` body if one is open). Deferred-mode caches then run
-    their updates as proxy mode does."""
-    global _INSTALLED
-    _INSTALLED = False
-    if not _BODIES:
-        _patch(_ORIGINAL_SDPA, _velox_sdpa)
-
-
-@contextmanager
-def query_capture() -> Iterator[list[mx.array]]:
-    """Install the attention wrapper for the body of a ``with`` block, then restore what was
-    there before (nesting-safe; a global :func:`install_query_capture` made meanwhile stays).
-
-    Yields a list that records, in call order, the queries of every attention call on a
-    non-velox cache in the body (one entry per layer per forward).
-    """
-    global _BODIES
-    _BODIES += 1
-    _patch(_velox_sdpa, _ORIGINAL_SDPA)
-    queries: list[mx.array] = []
-    _QUERY_TAPS.append(queries)
-    try:
-        yield queries
-    finally:
-        _QUERY_TAPS.remove(queries)
-        _BODIES -= 1
-        if not _BODIES and not _INSTALLED:
-            _patch(_ORIGINAL_SDPA, _velox_sdpa)
-
-
-tap_queries = query_capture  # the earlier name
 
 
 # --- construction ---------------------------------------------------------------------
@@ -1203,14 +1091,6 @@ def default_layout(model) -> list:
     if own is not None:
         return own(model)
     return [KVCache() for _ in model.layers]
-
-
-def _routes_attention(model) -> bool:
-    """Whether every module class in ``model`` that uses mlx-lm's attention function uses the
-    wrapped one (so velox caches see their queries)."""
-    modules = {sys.modules.get(type(mod).__module__) for _, mod in model.named_modules()}
-    users = [mod for mod in modules if mod is not None and hasattr(mod, "scaled_dot_product_attention")]
-    return bool(users) and all(mod.scaled_dot_product_attention is _velox_sdpa for mod in users)
 
 
 def cache_nbytes(caches: list) -> int:
@@ -1832,14 +1712,11 @@ def _model_dims(model) -> list[tuple[int, int, str] | None] | None:
     (shapes and dtypes are known without it). ``None`` when the model does not run on one
     token."""
     base = default_layout(model)
-    taps = _QUERY_TAPS[:]  # an open query_capture() body records none of the probe's queries
-    _QUERY_TAPS.clear()
     try:
-        model(mx.zeros((1, 1), mx.int32), cache=base)
+        with untapped():  # an open query_capture() body records none of the probe's queries
+            model(mx.zeros((1, 1), mx.int32), cache=base)
     except Exception:
         return None
-    finally:
-        _QUERY_TAPS[:] = taps
     out = []
     for c in base:
         k = getattr(c, "keys", None) if type(c) is KVCache else None

@@ -18,7 +18,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
 from velox import decode
-from velox.adapters import mlxlm
+from velox.adapters import mlxlm, routing
 from velox.adapters.mlxlm import (Mode, VeloxCache, cache_fp16_bytes, cache_nbytes, load_cache,
                                   make_cache, query_capture, save_cache)
 from velox.registry import get_method
@@ -263,27 +263,27 @@ def test_a_pending_step_is_absorbed_before_saving(unrouted, saved, tmp_path):
 # --- the attention wrapper: global and as a context manager ----------------------------------
 
 def test_query_capture_installs_for_its_body_and_nests(model):
-    assert mlxlm._capture_installed()  # make_cache installed it
+    assert routing.capture_installed()  # make_cache installed it
     mlxlm.uninstall_query_capture()
     try:
-        assert not mlxlm._capture_installed() and llama.scaled_dot_product_attention is mlxlm._ORIGINAL_SDPA
+        assert not routing.capture_installed() and llama.scaled_dot_product_attention is routing._ORIGINAL_SDPA
         with query_capture() as outer:
-            assert mlxlm._capture_installed() and llama.scaled_dot_product_attention is mlxlm._velox_sdpa
+            assert routing.capture_installed() and llama.scaled_dot_product_attention is routing._velox_sdpa
             with query_capture() as inner:
                 model(PROMPT[None, :5], cache=make_prompt_cache(model))
-            assert mlxlm._capture_installed()  # the outer body still holds it
+            assert routing.capture_installed()  # the outer body still holds it
             assert len(inner) == 3 and len(outer) == 3 and inner[0].shape == (1, 4, 5, 32)
             model(PROMPT[None, :5], cache=make_cache(model, "tova", budget=24, real_queries=False))
             assert len(outer) == 3  # velox caches are not recorded
-        assert not mlxlm._capture_installed()  # restored
+        assert not routing.capture_installed()  # restored
         with query_capture():
             mlxlm.install_query_capture()  # a global install made in the body stays
-        assert mlxlm._capture_installed()
+        assert routing.capture_installed()
         mlxlm.uninstall_query_capture()
         with pytest.raises(KeyError):
             with query_capture():
                 raise KeyError("x")
-        assert not mlxlm._capture_installed()
+        assert not routing.capture_installed()
         assert mlxlm.tap_queries is query_capture
     finally:
         mlxlm.install_query_capture()

@@ -13,7 +13,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from velox import decode
-from velox.adapters import mlxlm
+from velox.adapters import mlxlm, routing
 from velox.adapters.mlxlm import VeloxCache, load_cache, make_cache, save_cache
 from velox.registry import get_method, method_keys
 from velox.spec import validate_params
@@ -47,7 +47,7 @@ def small(key: str) -> dict:
 @pytest.fixture(scope="module", autouse=True)
 def wrapper():
     """Deferred caches run their update in the wrapped attention (installed for the module)."""
-    installed = mlxlm._INSTALLED
+    installed = routing._INSTALLED
     mlxlm.install_query_capture()
     yield
     if not installed:
