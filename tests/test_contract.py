@@ -382,3 +382,29 @@ def test_step_is_attention_then_update(case):
                     f"{what}: output differs by {np.abs(np.array(out) - np.array(want)).max()}")
             vt.assert_states_close(case, got, want_state, atol=atol, rtol=rtol, what=what)
         state = want_state
+
+
+@_given_cases(fraction=0.2, dtypes=("float32",), contents=vt.CONTINUOUS)
+def test_step_info_says_what_the_step_did(case):
+    """``step(..., info=True)``: the same output and state, and an info record whose counts
+    follow the positions (held after; dropped = held before + the step's - held after), bytes
+    the state's, and the error of the step's rows as the state returns them (0 for an exact
+    method, within the spec's error bound for a quantizer)."""
+    m = get_method(case.key)
+    steps = vt.make_inputs(case)
+    state = vt.run(case, "mlx", steps=steps[:-1])[-1] if len(steps) > 1 else vt.init_state(case)
+    new = steps[-1]
+    q = new.queries if new.queries is not None else new.keys
+    scale = case.head_dim ** -0.5
+    out, after = decode.step(m, state, q, new.keys, new.values, scale=scale)
+    out2, after2, info = decode.step(m, state, q, new.keys, new.values, scale=scale, info=True)
+    assert np.array_equal(np.array(out), np.array(out2), equal_nan=True)
+    held = lambda st: (np.array(m.positions(st)) >= 0).sum(-1)  # noqa: E731
+    assert np.array_equal(np.array(info.stored), held(after2))
+    assert np.array_equal(np.array(info.evicted), held(state) + new.keys.shape[2] - held(after2))
+    assert info.nbytes == m.nbytes(after2)
+    ke, ve = np.array(info.key_error), np.array(info.value_error)
+    assert ke.shape == ve.shape == (case.batch, case.heads) and (ke >= 0).all() and (ve >= 0).all()
+    c = m.spec.contract
+    if not c.get("quantized", False) and c.get("exact_rows", True) and m.error_bound is None:
+        assert ke.max() <= 1e-6 and ve.max() <= 1e-6  # an exact method stores what it is given

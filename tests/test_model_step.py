@@ -98,3 +98,50 @@ def test_live_memory_stays_flat_over_compiled_steps(tiny_llama):
     assert caches[0].last_step == "compiled"
     # the states are replaced every step: what stays live does not grow with the tokens
     assert mx.get_active_memory() - before < 64 * 1024
+
+
+def _steady_keys():
+    from velox import decode
+    from velox.registry import get_method, method_keys
+    return [k for k in method_keys() if decode.not_steady_because(get_method(k)) is None]
+
+
+@pytest.mark.filterwarnings("ignore:.*no calibration artifact")
+@pytest.mark.parametrize("key", _steady_keys())
+def test_every_steady_method_takes_it_at_its_defaults(tiny_llama, key):
+    """Every method whose full state is steady (``velox.decode.not_steady_because`` is
+    ``None``) decodes at its defaults in the whole model's compiled step, with the tokens of
+    the layer-by-layer path; every other method says why not."""
+    prompt = mx.array([(5 * i + 1) % 97 for i in range(560)])  # past the default budget of 512
+
+    def run(**kw):
+        caches = make_cache(tiny_llama, key, **kw)
+        toks = [int(y) for (y, _), _ in zip(generate_step(prompt, tiny_llama, prompt_cache=caches), range(8))]
+        return toks, caches
+
+    want, _ = run(compile=False)
+    got, caches = run()
+    assert got == want
+    assert all(c.last_step == "compiled" for c in caches)
+
+
+def test_methods_that_cannot_take_it_say_why():
+    from velox import decode
+    from velox.registry import get_method, method_keys
+    reasons = {k: decode.not_steady_because(get_method(k)) for k in method_keys()}
+    assert reasons["tova"] is None and reasons["h2o"] is None
+    assert "grows" in reasons["snapkv"] and "grows" in reasons["kivi"]
+    assert "layer by layer" in reasons["squeeze"]
+    assert all(r is None or (isinstance(r, str) and r) for r in reasons.values())
+
+
+def test_the_design_notes_list_what_each_method_decodes_with():
+    from pathlib import Path
+
+    from velox import decode
+    from velox.registry import get_method, method_keys
+    text = (Path(__file__).parent.parent / "docs" / "design" / "decode.md").read_text()
+    table = text.split("<!-- steady-table -->\n", 1)[1].split("<!-- /steady-table -->", 1)[0]
+    for k in method_keys():
+        r = decode.not_steady_because(get_method(k))
+        assert f"| {k} | " + ("whole model, compiled" if r is None else "layer by layer: " + r) + " |" in table, k

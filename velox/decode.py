@@ -15,20 +15,63 @@ functions layer by layer (``velox.adapters.mlxlm``) or for a whole model at once
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 
 from . import evict
 from .attention import candidate_weights, scoring_queries
 from .registry import Method
+from .spec import validate_params
 
-__all__ = ["step", "attend", "split_step", "split_step_with_row", "split_update", "write_row",
-           "weights_attention", "attended_step", "with_empty_slots", "with_state", "arrays"]
+__all__ = ["step", "StepInfo", "step_info", "attend", "split_step", "split_step_with_row", "split_update", "write_row",
+           "weights_attention", "attended_step", "with_empty_slots", "with_state", "arrays",
+           "steady_rows", "slot_count", "slack", "not_steady_because"]
+
+
+class StepInfo(NamedTuple):
+    """What one step did, beside its state (``step(..., info=True)``; arrays are lazy, so an
+    info nobody reads costs nothing to evaluate, and ``info=False``, the default, builds none).
+
+    ``stored [b, h]``: tokens the state holds after the step; ``evicted [b, h]``: tokens it
+    dropped in this step (held before, plus the step's, less held after); ``nbytes``: the
+    state's bytes after the step; ``key_error`` / ``value_error [b, h]``: the largest
+    absolute difference between the step's rows as given and as the state returns them
+    (``get_kv``), over the step's tokens it still holds (0 where it holds none, or holds them
+    exactly): the quantization error a quantizer's observer reports."""
+
+    stored: mx.array
+    evicted: mx.array
+    nbytes: int
+    key_error: mx.array
+    value_error: mx.array
+
+
+def step_info(m: Method, before, after, keys: mx.array, values: mx.array) -> StepInfo:
+    """:class:`StepInfo` of a step of ``m`` from ``before`` to ``after`` taking ``keys`` and
+    ``values [b, h, s, d]`` (the step's tokens are the ``s`` positions after ``before``'s)."""
+    held = lambda st: (m.positions(st) >= 0).sum(axis=-1)  # noqa: E731
+    stored = held(after)
+    evicted = held(before) + keys.shape[2] - stored
+    pos = m.positions(after)  # [b, h, n]: the rows get_kv returns, in order
+    k, v = m.get_kv(after)
+    s = keys.shape[2]
+    if pos.shape[-1] == 0:
+        zero = mx.zeros(stored.shape, mx.float32)
+        return StepInfo(stored, evicted, m.nbytes(after), zero, zero)
+    idx = pos - before.next_pos[..., None]  # the row's index among the step's tokens, if one
+    mine = (idx >= 0) & (idx < s)
+    take = mx.clip(idx, 0, s - 1)[..., None]
+    errs = []
+    for got, given in ((k, keys), (v, values)):
+        want = mx.take_along_axis(given.astype(mx.float32), take, axis=2)
+        diff = mx.abs(got.astype(mx.float32) - want).max(axis=-1)
+        errs.append(mx.where(mine, diff, 0.0).max(axis=-1))
+    return StepInfo(stored, evicted, m.nbytes(after), *errs)
 
 
 def step(m: Method, state, queries: mx.array, keys: mx.array, values: mx.array, *,
-         scale: float, mask=None, steady: bool = False) -> tuple[mx.array, Any]:
+         scale: float, mask=None, steady: bool = False, info: bool = False):
     """One step of method ``m``: the attention of ``queries [b, hq, s, d]`` over what ``state``
     holds and the step's ``keys``/``values [b, h, s, d]`` (each query sees every stored row
     and the new rows up to its own, or as ``mask`` says), then ``m.update`` of the new rows
@@ -36,14 +79,19 @@ def step(m: Method, state, queries: mx.array, keys: mx.array, values: mx.array, 
 
     ``steady=True`` (a single token at a full bounded state, the steps a decode loop
     compiles) takes :func:`split_step` with its row written at once: the same result (the
-    contract suite holds both to attention-then-update)."""
+    contract suite holds both to attention-then-update). ``info=True`` returns
+    ``(out, state, info)`` with the step's :class:`StepInfo`."""
     if steady:
         if queries.shape[2] != 1 or keys.shape[2] != 1:
             raise ValueError(f"steady=True takes one token, got {keys.shape[2]}")
         out, new, row = split_step(m, state, queries, keys, values, scale)
-        return out, (new if row is None else write_row(new, row))
-    out = attend(m, state, queries, keys, values, scale=scale, mask=mask)
-    return out, m.update(state, keys, values, queries=queries)
+        new = new if row is None else write_row(new, row)
+    else:
+        out = attend(m, state, queries, keys, values, scale=scale, mask=mask)
+        new = m.update(state, keys, values, queries=queries)
+    if info:
+        return out, new, step_info(m, state, new, keys, values)
+    return out, new
 
 
 def attend(m: Method, state, queries: mx.array, keys: mx.array, values: mx.array, *,
@@ -250,3 +298,19 @@ def slot_count(m: Method, state) -> int:
     """Rows the state's arrays hold (its slots, empty ones included: ``kv_slots`` leaves out
     the empty slots, which are the last ones)."""
     return int(m.kv_slots(state)[0].shape[2]) + evict.empty_slots(getattr(state, "policy", state))
+
+
+def not_steady_because(m: Method) -> str | None:
+    """Why no state of ``m`` is steady, so its decode steps cannot run in the whole model's
+    compiled step (``velox.adapters.model_step``), or ``None`` where a full state is steady
+    (at the spec's default parameters)."""
+    contract = m.spec.contract
+    if m.layer_update is not None:
+        return "it updates a record shared by every layer, layer by layer"
+    if not contract.get("compilable", True):
+        return contract.get("not_compilable_because", "its update is not compilable")
+    if contract.get("bound_phase", "all") != "all":
+        return "it bounds its prefill only: every decode token is kept, so its state grows"
+    if m.spec.capacity(validate_params(m.spec, {})) is None:
+        return "its state grows with the tokens (codes or rows appended at every step)"
+    return None
