@@ -195,3 +195,20 @@ def stop_process(proc) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+# One method of each family (eviction by score, by position, with merging, prefill-bounded,
+# cross-layer, paged, quantized per channel, entropy-coded, rotated, sketched, composed): the
+# every-method tests run these by default and the rest with ``pytest --run-slow``.
+FAMILIES = ("tova", "h2o", "streaming_llm", "cam", "snapkv", "squeeze", "rocketkv", "kivi",
+            "cachegen", "turboquant_prod", "qjl", "tova+affine")
+
+
+def every_method(keys=None) -> list:
+    """``keys`` (default: every registered method) as pytest parameters, those outside
+    :data:`FAMILIES` marked ``slow``."""
+    import pytest
+
+    from velox.registry import method_keys
+    return [pytest.param(k, marks=() if k in FAMILIES else pytest.mark.slow)
+            for k in (method_keys() if keys is None else keys)]

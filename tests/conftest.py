@@ -73,3 +73,19 @@ def layer_by_layer():
     patch.setattr(model_step, "install", lambda model: None)
     yield
     patch.undo()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", default=False,
+                     help="also run the every-method cases marked slow (tests._helpers.every_method)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Cases marked ``slow`` (an every-method test's methods beyond one of each family) are
+    deselected unless ``--run-slow`` is given."""
+    if config.getoption("--run-slow"):
+        return
+    keep = [i for i in items if i.get_closest_marker("slow") is None]
+    if len(keep) != len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("slow")])
+        items[:] = keep

@@ -10,6 +10,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+
+from tests._helpers import every_method
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
@@ -64,7 +66,7 @@ def large_params(key: str, tokens: int) -> dict | None:
     return p
 
 
-@pytest.mark.parametrize("key", method_keys())
+@pytest.mark.parametrize("key", every_method())
 def test_every_method_prefills_in_chunks_and_decodes(model, key):
     caches = make_cache(model, key, **small_params(key, len(PROMPT)))
     out = greedy(model, caches, n=10, step=7)

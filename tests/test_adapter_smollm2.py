@@ -3,6 +3,8 @@ short run of every registered method."""
 
 import mlx.core as mx
 import pytest
+
+from tests._helpers import every_method
 from mlx_lm import generate, stream_generate
 from mlx_lm.generate import generate_step
 
@@ -35,7 +37,7 @@ def test_generate_and_stream_generate_with_a_velox_cache(smollm2):
     assert cache_nbytes(cache) == sum(velox.nbytes(c.velox_state) for c in cache)
 
 
-@pytest.mark.parametrize("key", method_keys())
+@pytest.mark.parametrize("key", every_method())
 def test_every_method_runs_on_smollm2(smollm2, key):
     model, tok = smollm2
     tokens = mx.array(tok.encode(TEXT)[:240])

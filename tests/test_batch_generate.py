@@ -21,6 +21,8 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
+
+from tests._helpers import every_method
 from mlx.utils import tree_flatten
 from mlx_lm import batch_generate
 from mlx_lm.generate import BatchGenerator, generate_step
@@ -108,7 +110,7 @@ PROMPTS = [[(5 * i + 3) % 97 for i in range(20)], [(7 * i + 1) % 97 for i in ran
 MAX_TOKENS = [10, 6, 12]
 
 
-@pytest.mark.parametrize("key", method_keys())
+@pytest.mark.parametrize("key", every_method())
 def test_batch_generate_equals_batch_of_one_for_every_method(tiny_llama, key):
     check_batch(tiny_llama, TOKENIZER, PROMPTS, MAX_TOKENS, key, tiny(key))
 

@@ -148,6 +148,7 @@ def test_split_sources_compile(split_ptx, codec, values, dtype, head_dim, k):
     assert f".entry {name}" in ptx
 
 
+@pytest.mark.slow  # (pytest --run-slow)
 @needs_nvrtc
 def test_split_sources_compile_at_the_group_extremes():
     """One query head per kv head, and the most (32: the smallest split). The three compile

@@ -15,6 +15,8 @@ from velox.backend import BackendUnavailable
 from velox.registry import get_method, method_keys
 from velox.spec import spec_keys, validate_params
 
+from tests._helpers import every_method
+
 KEYS = method_keys()
 
 
@@ -40,16 +42,17 @@ def test_public_names(key):
     assert m.state_type.__name__ in velox.__all__
 
 
-def _given_cases(fraction: float = 1.0, minimum: int = 3, **kw):
+def _given_cases(fraction: float = 1.0, minimum: int = 3, families: bool = False, **kw):
     """Parametrise over methods, then draw a case for each with hypothesis.
 
     ``fraction`` scales the active profile's example count (for slow properties), down to
-    ``minimum``.
+    ``minimum``; ``families=True`` marks the methods beyond one of each family ``slow``
+    (``pytest --run-slow``).
     """
     def deco(fn):
         examples = max(minimum, int(settings.default.max_examples * fraction))
 
-        @pytest.mark.parametrize("key", KEYS)
+        @pytest.mark.parametrize("key", every_method(KEYS) if families else KEYS)
         @settings(max_examples=examples)
         @given(data=st.data())
         def wrapper(key, data):
@@ -141,7 +144,7 @@ def test_purity(case):
 # kernel built by the system compiler (~1 CPU-second each, none cached on a fresh machine), and
 # three cases per method cost most of a fresh run's time; the adapter tests run every method's
 # compiled decode steps besides. dev draws 2, thorough 30.
-@_given_cases(fraction=0.1, minimum=1, dtypes=("float32",), contents=vt.CONTINUOUS)
+@_given_cases(fraction=0.1, minimum=1, families=True, dtypes=("float32",), contents=vt.CONTINUOUS)
 def test_compiled_update_equals_plain(case):
     """``mx.compile`` of the update gives the same states as the plain update."""
     m = get_method(case.key)

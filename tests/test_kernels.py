@@ -468,6 +468,7 @@ def test_compact_drops_comments_and_layout_only():
     assert compact(src) == '#pragma unroll\nx = 1;   y = 2;\nstatic_assert(N > 0, "a // b");\n'
 
 
+@pytest.mark.slow  # (pytest --run-slow)
 @needs_nvrtc
 @pytest.mark.parametrize("variant", KERNEL_VARIANTS, ids=str)
 def test_compacted_sources_compile_to_the_same_program(variant):

@@ -17,6 +17,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from tests._helpers import every_method
+
 import velox
 from velox import evict
 from velox.registry import get_method, method_keys
@@ -35,7 +37,7 @@ def _state(key: str):
         return m.init(B, H, d, backend="mlx"), d
 
 
-@pytest.mark.parametrize("key", method_keys())
+@pytest.mark.parametrize("key", every_method())
 def test_live_memory_tracks_reported_bytes(key):
     state, d = _state(key)
     rng = np.random.default_rng(0)
