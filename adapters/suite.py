@@ -708,7 +708,7 @@ def configs(methods: Sequence[str], *, ratios: Sequence[float] = (), budgets: Se
     Methods with a budget get one level per ratio and per budget; the others their default
     setting and their spec's aggressive preset (``velox.adapters.cli._bit_settings``).
     """
-    from velox.adapters.cli import _bit_settings, _split_params, budget_params
+    from velox.adapters.cli import _bit_settings, _budget_given, _split_params, budget_params
     from velox.registry import get_method
     from velox.spec import validate_params
 
@@ -731,6 +731,10 @@ def configs(methods: Sequence[str], *, ratios: Sequence[float] = (), budgets: Se
         given = {k: v for k, v in common.items() if k in spec.params}
         used |= set(given)
         given.update(scoped[m])
+        taken = _budget_given(spec, given)
+        if taken is not None:  # the run's levels set the budget (a probe's 4096 is no user's)
+            raise ValueError(f"{m}: --param {taken}={given[taken]!r} sets the budget, which this run "
+                             "sets itself at each level (--ratios, --budgets); drop it")
         if budget_params(m, 4096, given) is not None:
             levels = [{"ratio": float(r)} for r in ratios] + [{"budget": int(b)} for b in budgets]
         else:

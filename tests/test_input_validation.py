@@ -260,3 +260,14 @@ def test_bounds_at_their_max_still_run():
                         ("rocketkv", dict(page_size=INT32_MAX, compression_ratio=float(INT32_MAX)))]:
         state = velox.update(velox.init(key, 1, 2, D, **params), k, k)
         mx.eval(velox.get_kv(state))
+
+
+def test_eval_refuses_a_budget_parameter_it_sets_itself():
+    """``velox eval`` sets each method's budget from its levels: a ``--param budget=...`` is
+    refused naming that, not as a budget "given twice" with a value nobody gave."""
+    from velox.adapters import suite
+    with pytest.raises(ValueError, match=r"tova: --param budget=64 sets the budget, which this run sets itself"):
+        suite.configs(["tova"], budgets=[128], params=["budget=64"])
+    with pytest.raises(ValueError, match=r"streaming_llm: --param window_size=60 sets the budget"):
+        suite.configs(["streaming_llm"], ratios=[0.5], params=["window_size=60"])
+    assert suite.configs(["tova"], budgets=[128], params=["n_sink=2"])[0]["given"] == {"n_sink": 2}
