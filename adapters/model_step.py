@@ -151,7 +151,15 @@ def _steps(model) -> tuple[dict[tuple, Callable], dict[tuple, int]]:
     hit = _STEPS.get(id(model))
     if hit is None or hit[0]() is not model:
         hit = _STEPS[id(model)] = (weakref.ref(model), {}, {})
+        # the compiled steps hold the model weakly and go with it (their traces hold its
+        # weights as constants)
+        weakref.finalize(model, _drop, id(model), hit[0])
     return hit[1], hit[2]
+
+
+def _drop(key: int, ref: weakref.ref) -> None:
+    if _STEPS.get(key, (None,))[0] is ref:
+        del _STEPS[key]
 
 
 def _compiled_call(model, original: Callable, args: tuple, kwargs: dict) -> mx.array | None:
@@ -186,9 +194,11 @@ def _compiled_call(model, original: Callable, args: tuple, kwargs: dict) -> mx.a
 
 def _step_function(model, original: Callable, methods: list[Method], key: tuple,
                    traces: dict[tuple, int]) -> Callable:
+    ref = weakref.ref(model)
+
     def step(inputs, offset, states, rows):
         traces[key] = traces.get(key, 0) + 1  # runs only while tracing
         shells = [StepShell(m, s, r, offset) for m, s, r in zip(methods, states, rows)]
-        logits = original(model, inputs, cache=shells)
+        logits = original(ref(), inputs, cache=shells)
         return logits, [sh.new for sh in shells]
     return step

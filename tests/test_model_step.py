@@ -145,3 +145,21 @@ def test_the_design_notes_list_what_each_method_decodes_with():
     for k in method_keys():
         r = decode.not_steady_because(get_method(k))
         assert f"| {k} | " + ("whole model, compiled" if r is None else "layer by layer: " + r) + " |" in table, k
+
+
+def test_the_compiled_steps_go_with_their_model():
+    import gc
+
+    from mlx_lm.models import llama
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2,
+                           intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                           rms_norm_eps=1e-5, vocab_size=97, rope_theta=10000.0)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    caches = make_cache(model, "tova", budget=16)
+    _decode(model, caches, n=12)
+    assert caches[0].last_step == "compiled" and model_step.compiled_steps(model)
+    key = id(model)
+    del model, caches
+    gc.collect()
+    assert key not in model_step._STEPS
