@@ -66,7 +66,7 @@ import numpy as np
 from . import Codec, register_codec
 from .lloyd import cell, codebook
 from .polar import pack_codes, pack_codes_np, unpack_codes, unpack_codes_np
-from .rotation import random_rotation
+from .rotation import matmul_per_slice, random_rotation
 
 __all__ = ["SpectralTables", "SpectralCodes", "tables", "encode", "decode", "scores",
            "encode_np", "decode_np", "scores_np", "pca_rotation", "participation_ratio",
@@ -277,12 +277,19 @@ def _encode_rotated(t: SpectralTables, y: mx.array, r: mx.array) -> SpectralCode
     lead = y.shape[:-1]
     if t.apply_qjl:
         e = y[..., :t.d_eff] - yh[..., :t.d_eff]
-        bits = (e @ t.sketch.T > 0).astype(mx.uint32)
+        bits = (_per_slice(e, t.sketch.T) > 0).astype(mx.uint32)
         signs = pack_codes([bits], [1])
         rn = mx.sqrt((e * e).sum(axis=-1, keepdims=True)).astype(mx.float16)
     else:
         signs, rn = mx.zeros((*lead, 0), mx.uint8), mx.zeros((*lead, 0), mx.float16)
     return SpectralCodes(pack_codes(codes, [p[2] for p in _parts(t)]), n16, signs, rn)
+
+
+def _per_slice(x: mx.array, w: mx.array) -> mx.array:
+    """``x @ w`` with a shared ``[k, m]`` matrix as one product per batch row and head
+    (``rotation.matmul_per_slice``: a row's codes do not depend on what is stacked with it);
+    a per-head ``[h, k, m]`` matrix already multiplies each head on its own."""
+    return matmul_per_slice(x, w) if w.ndim == 2 else x @ w
 
 
 def _signs(t: SpectralTables, codes: SpectralCodes) -> mx.array:
@@ -301,7 +308,7 @@ def _decode_rotated(t: SpectralTables, codes: SpectralCodes) -> mx.array:
 def encode(t: SpectralTables, rows: mx.array) -> SpectralCodes:
     _check_heads(t, rows.shape)
     x = rows.astype(mx.float32)
-    return _encode_rotated(t, x @ _basis_t(t.rotation), mx.sqrt(mx.sum(x * x, axis=-1)))
+    return _encode_rotated(t, _per_slice(x, _basis_t(t.rotation)), mx.sqrt(mx.sum(x * x, axis=-1)))
 
 
 def decode(t: SpectralTables, codes: SpectralCodes) -> mx.array:
