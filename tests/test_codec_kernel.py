@@ -137,6 +137,7 @@ def split_ptx():
         return dict(zip(COMPILE_CASES, pool.map(attempt, COMPILE_CASES)))
 
 
+@pytest.mark.slow  # (pytest --run-slow)
 @needs_nvrtc
 @pytest.mark.parametrize("codec,values,dtype,head_dim,k", COMPILE_CASES, ids=str)
 def test_split_sources_compile(split_ptx, codec, values, dtype, head_dim, k):

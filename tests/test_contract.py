@@ -108,7 +108,7 @@ def test_slots_keep_the_sorted_rule(key, data):
                                        rtol=1e-6, atol=1e-7, err_msg=f"update {t}: {f}")
 
 
-@_given_cases(contents=vt.CONTINUOUS)
+@_given_cases(families=True, contents=vt.CONTINUOUS)
 def test_backend_parity(case):
     """Every backend that runs here agrees with the reference within the spec's tolerance."""
     m = get_method(case.key)
@@ -164,7 +164,7 @@ def test_compiled_update_equals_plain(case):
                                what=f"compiled vs plain after update {t}")
 
 
-@_given_cases(dtypes=("float32",), contents=vt.CONTINUOUS)
+@_given_cases(families=True, dtypes=("float32",), contents=vt.CONTINUOUS)
 def test_batch_and_head_independence(case):
     """Updating stacked rows equals updating each row alone (heads too, where the spec says so)."""
     m = get_method(case.key)

@@ -96,7 +96,7 @@ def build(key: str, decode: str, rollback: int, mode: str = "deferred") -> Velox
     return VeloxCache(key, small(key), mode=mode, decode=decode, decode_cap=3, rollback=rollback)
 
 
-@pytest.mark.parametrize("decode", ["evict", "append"])
+@pytest.mark.parametrize("decode", ["evict", pytest.param("append", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("key", METHODS)
 def test_trim_is_the_run_that_never_saw_the_tokens(key, decode):
     """Per depth d in {1, 3}: a cache with rollback=d decodes (singles and a verify call of
