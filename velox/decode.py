@@ -103,17 +103,12 @@ def attend(m: Method, state, queries: mx.array, keys: mx.array, values: mx.array
     if m.attend is not None:
         return m.attend(state, queries, keys, values, scale=scale,
                         mask=mask if mask is not None or keys.shape[2] == 1 else "causal")
-    if state is None:
-        k = v = filled = None
-    else:
-        k, v, filled = m.kv_slots(state)
-    n = 0 if k is None else k.shape[2]
+    k, v, filled = m.kv_slots(state)
     if filled is None and mask is None and queries.shape[2] > 1:
         mask = "causal"
-    mask = with_empty_slots(mask, filled, queries, n + keys.shape[2])
-    if k is not None:
-        keys, values = evict.append_rows(k, keys), evict.append_rows(v, values)
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    mask = with_empty_slots(mask, filled, queries, k.shape[2] + keys.shape[2])
+    return mx.fast.scaled_dot_product_attention(
+        queries, evict.append_rows(k, keys), evict.append_rows(v, values), scale=scale, mask=mask)
 
 
 def arrays(record: Any) -> list[mx.array]:
@@ -283,15 +278,11 @@ def slack(m: Method, params: dict[str, Any]) -> int:
 
 def steady_rows(m: Method, params: dict[str, Any]) -> int | None:
     """The slots of a full state of ``m`` with (validated) ``params``, where its single-token
-    steps keep every shape (capacity plus slack: a bounded method at every phase, not opted
-    out by ``contract.compilable``, without a model-level record); ``None`` where no state
-    of ``m`` is steady."""
-    contract = m.spec.contract
-    cap = m.spec.capacity(params)
-    if (cap is None or contract.get("bound_phase", "all") != "all"
-            or not contract.get("compilable", True) or m.layer_update is not None):
+    steps keep every shape (capacity plus slack); ``None`` where no state of ``m`` is steady
+    (:func:`not_steady_because` says why)."""
+    if not_steady_because(m, params) is not None:
         return None
-    return cap + slack(m, params)
+    return m.spec.capacity(params) + slack(m, params)
 
 
 def slot_count(m: Method, state) -> int:
@@ -300,10 +291,10 @@ def slot_count(m: Method, state) -> int:
     return int(m.kv_slots(state)[0].shape[2]) + evict.empty_slots(getattr(state, "policy", state))
 
 
-def not_steady_because(m: Method) -> str | None:
-    """Why no state of ``m`` is steady, so its decode steps cannot run in the whole model's
-    compiled step (``velox.adapters.model_step``), or ``None`` where a full state is steady
-    (at the spec's default parameters)."""
+def not_steady_because(m: Method, params: dict[str, Any] | None = None) -> str | None:
+    """Why no state of ``m`` with (validated) ``params`` (default: the spec's defaults) is
+    steady, so its decode steps cannot run in the whole model's compiled step
+    (``velox.adapters.model_step``), or ``None`` where a full state is steady."""
     contract = m.spec.contract
     if m.layer_update is not None:
         return "it updates a record shared by every layer, layer by layer"
@@ -311,6 +302,6 @@ def not_steady_because(m: Method) -> str | None:
         return contract.get("not_compilable_because", "its update is not compilable")
     if contract.get("bound_phase", "all") != "all":
         return "it bounds its prefill only: every decode token is kept, so its state grows"
-    if m.spec.capacity(validate_params(m.spec, {})) is None:
+    if m.spec.capacity(validate_params(m.spec, {}) if params is None else params) is None:
         return "its state grows with the tokens (codes or rows appended at every step)"
     return None
