@@ -48,7 +48,7 @@ from mlx_lm.models import base as _mlx_base
 
 from velox import ragged as _ragged
 
-from .model_step import Attends, SteppedCache
+from .model_step import SteppedCache
 from .routing import KV_BITS as _KV_BITS
 from .routing import Mode
 from .routing import capture_installed as _capture_installed
@@ -180,9 +180,13 @@ def _joinable(rows: list) -> list | None:
     return states
 
 
-class VeloxBatchCache(Attends):
+class VeloxBatchCache(SteppedCache):
     """A batch of velox caches, one batch-of-one :class:`VeloxCache` per row (``rows``), or,
     while its rows hold the same slot layout, one batched state (joined mode).
+
+    A joined batch whose state is steady takes the whole model's compiled decode step
+    (``velox.adapters.model_step``) as a single cache does: :meth:`steady_state` offers the
+    joined state with each row's offset (RoPE per row), :meth:`stepped` takes the result.
 
     Created by ``VeloxCache.merge``; see the module docstring for the protocol. Set the
     class attribute ``join_rows`` to ``False`` to keep one state per row always (e.g. to
@@ -471,6 +475,25 @@ class VeloxBatchCache(Attends):
         if return_array:
             return _mlx_base.create_causal_mask(N, offset=self.size())
         return "causal"
+
+    # -- the compiled whole-model step (velox.adapters.model_step) -------------------
+    def steady_state(self) -> tuple | None:
+        """``(method, state, pending row, offsets)`` of the joined state while its next
+        single-token step may run compiled with the whole model (the joined cache's own
+        conditions: ``VeloxCache.steady_state``), with ``offsets`` each row's next position
+        (a tuple: the compiled step's RoPE offset is then an int32 ``[B]`` array); ``None``
+        for a batch of separate rows, or with padding recorded."""
+        if self._joined is None or self._prepared() or self._calls is not None:
+            return None
+        got = self._joined.steady_state()
+        if got is None:
+            return None
+        return (*got[:3], tuple(self._offsets))
+
+    def stepped(self, state, row) -> None:
+        """Take the joined state and pending row of a compiled step (one token more per row)."""
+        self._joined.stepped(state, row)
+        self._offsets = [o + 1 for o in self._offsets]
 
     # -- getters (none of them updates) -----------------------------------------------
     @property

@@ -163,3 +163,37 @@ def test_the_compiled_steps_go_with_their_model():
     del model, caches
     gc.collect()
     assert key not in model_step._STEPS
+
+
+def test_batch_generate_takes_it_for_a_joined_batch(tiny_llama):
+    """mlx-lm's ``batch_generate`` (the loop of ``BatchGenerator``, which ``velox serve``
+    runs too): once the rows are joined into one steady state, each step is the compiled
+    whole-model step with every row at its own offset, giving each row the tokens and kept
+    positions of the layer-by-layer path; a batch traced once per batch size (a row that
+    finishes leaves a smaller batch)."""
+    from types import SimpleNamespace
+
+    from mlx_lm import batch_generate
+
+    tokenizer = SimpleNamespace(eos_token_ids=[], decode=lambda ids: " ".join(map(str, ids)))
+    prompts = [[(5 * i + 3) % 97 for i in range(20)], [(7 * i + 1) % 97 for i in range(26)],
+               [(11 * i + 2) % 97 for i in range(23)]]
+
+    def run(**kw):
+        model_step.reset(tiny_llama)
+        caches = [make_cache(tiny_llama, "tova", budget=10, **kw) for _ in prompts]
+        r = batch_generate(tiny_llama, tokenizer, prompts, prompt_caches=caches,
+                           max_tokens=[30, 24, 30], prefill_step_size=8, return_token_ids=True,
+                           return_prompt_caches=True)
+        return r, model_step.compiled_steps(tiny_llama)
+
+    plain, none = run(compile=False)
+    fast, traces = run()
+    assert none == {}
+    assert fast.token_ids == plain.token_ids
+    assert list(traces.values()) == [2]  # batch sizes 3 and 2
+    for got, want in zip(fast.caches, plain.caches):
+        assert all(c.last_step == "compiled" for c in got)
+        for a, b in zip(got, want):
+            assert (a.offset, a.nbytes) == (b.offset, b.nbytes)
+            np.testing.assert_array_equal(np.array(a.positions()), np.array(b.positions()))
