@@ -83,8 +83,13 @@ def draft(setup, tokens):
     return Oracle(tokens, setup[0].args.vocab_size)
 
 
-@pytest.mark.parametrize("k", [1, 3])
-@pytest.mark.parametrize("name", list(CONFIGS))
+# k=1 and k=3 for TOVA in both decode modes; k=3 alone for the other methods by default
+# (``pytest --run-slow`` runs k=1 for them too)
+CASES = [pytest.param(name, k, marks=() if k == 3 or name.startswith("tova") else pytest.mark.slow)
+         for name in CONFIGS for k in (1, 3)]
+
+
+@pytest.mark.parametrize("name,k", CASES)
 def test_speculative_equals_plain_greedy(setup, reference, name, k):
     model = setup[0]
     caches = velox(model, name, rollback=k)
