@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -82,7 +81,7 @@ from velox.decode import (arrays as _arrays, slot_count, split_step, split_step_
                           steady_rows, slack as decode_slack,
                           with_empty_slots as _with_empty_slots, with_state as _with_state,
                           write_row as _write_row)
-from velox.adapters import model_step
+from velox.adapters import guards, model_step
 from velox.adapters.batch import VeloxBatchCache
 from velox.adapters.routing import (KV_BITS as _KV_BITS, Mode, _check_mode, _choose_mode,
                                     capture_installed as _capture_installed,
@@ -497,9 +496,6 @@ class VeloxCache(SteppedCache):
         if (held is None or d.get("_fast") is not held or self._pending is not None
                 or not _capture_installed() or evict.empty_slots(getattr(held, "policy", held))):
             return None
-        if self.layer == 0:  # what update_and_fetch refuses, refused on this path too
-            _refuse_ignored_generate_args(sys._getframe(1))
-            _refuse_short_rollback(sys._getframe(1), self)
         return self.method, held, d.get("_row"), self._offset
 
     def stepped(self, state, row) -> None:
@@ -525,9 +521,6 @@ class VeloxCache(SteppedCache):
         holds tokens (a speculative verify call) waits whole for the wrapper, which runs it as
         the one-token steps it stands for (:meth:`_verify`).
         """
-        if self.layer == 0:
-            _refuse_ignored_generate_args(sys._getframe(1))
-            _refuse_short_rollback(sys._getframe(1), self)
         d = self.__dict__
         fast = d.get("_fast")
         if (fast is not None and fast is d.get("_held") and keys.shape[2] == 1
@@ -907,65 +900,6 @@ def _compiled(m: Method, kind: str, backend: str) -> Callable:
     return hit[1]
 
 
-def _refuse_ignored_generate_args(frame, depth: int = 24) -> None:
-    """Raise if mlx-lm's ``generate_step`` up the stack was given ``kv_bits`` (it would swap
-    the cache, see ``VeloxCache.to_quantized``) or ``max_kv_size`` (ignored with a
-    ``prompt_cache``: it only sizes a cache generate_step makes itself)."""
-    generate = sys.modules.get("mlx_lm.generate")  # not imported: generate_step is not running
-    code = getattr(getattr(generate, "generate_step", None), "__code__", None)
-    for _ in range(depth):
-        if frame is None or code is None:
-            return
-        if frame.f_code is code:
-            if frame.f_locals.get("kv_bits") is not None:
-                raise ValueError(_KV_BITS)
-            size = frame.f_locals.get("max_kv_size")
-            if size is not None:
-                raise ValueError(
-                    f"max_kv_size={size} has no effect on a velox prompt cache (mlx-lm ignores it "
-                    "when prompt_cache is given); drop it and bound the cache with the method's "
-                    "own parameters, e.g. make_cache(model, 'streaming_llm', window_size=...)")
-            return
-        frame = frame.f_back
-
-
-def _refuse_short_rollback(frame, cache: VeloxCache, depth: int = 24) -> None:
-    """Raise if mlx-lm's ``speculative_generate_step`` up the stack runs ``cache`` (a layer-0
-    cache) where it cannot trim exactly: a model cache needs ``rollback >= num_draft_tokens``
-    (the verify call's rejected tokens) and deferred mode (the verify call split into one-token
-    steps); a velox draft cache needs ``rollback >= num_draft_tokens - 1`` (mlx-lm trims a
-    draft cache it cannot trim silently, not at all)."""
-    generate = sys.modules.get("mlx_lm.generate")
-    code = getattr(getattr(generate, "speculative_generate_step", None), "__code__", None)
-    for _ in range(depth):
-        if frame is None or code is None:
-            return
-        if frame.f_code is code:
-            local = frame.f_locals
-            k = local.get("num_draft_tokens")
-            if not isinstance(k, int):
-                return
-            if any(c is cache for c in local.get("model_cache") or ()):
-                if cache.rollback < k:
-                    raise ValueError(
-                        f"speculative decoding with num_draft_tokens={k} trims up to {k} tokens "
-                        f"of the model's cache; these velox caches keep rollback={cache.rollback} "
-                        f"steps: make them with make_cache(..., rollback={k}) (or more)")
-                if cache.mode is not Mode.DEFERRED or not _capture_installed():
-                    raise ValueError(
-                        "speculative decoding with velox caches needs deferred mode (real "
-                        "queries through mlx-lm's scaled_dot_product_attention), which runs "
-                        "the verify call as one-token steps; these caches are in proxy mode")
-            elif any(c is cache for c in local.get("draft_cache") or ()) and cache.rollback < k - 1:
-                raise ValueError(
-                    f"speculative decoding with num_draft_tokens={k} trims up to {k - 1} tokens "
-                    f"of the draft's cache; this velox draft cache keeps rollback="
-                    f"{cache.rollback} steps: make it with rollback={k - 1} (or use mlx-lm's "
-                    "own caches for the draft, make_prompt_cache(draft_model))")
-            return
-        frame = frame.f_back
-
-
 # --- construction ---------------------------------------------------------------------
 
 def _expand(params: dict[str, Any], n_layers: int) -> list[dict[str, Any]] | None:
@@ -1078,6 +1012,7 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
                                   artifact=None if fitted is None else fitted[layer],
                                   rollback=rollback)
         caches[slot]._routed = routed  # merge batches B > 1 rows only through the wrapper
+    guards.install()
     if compile and mode is Mode.DEFERRED:
         model_step.install(model)
     return caches
@@ -1323,6 +1258,7 @@ def load_cache(path: str | Path, model=None, *,
     if extra:
         raise ValueError(f"{where}: arrays {', '.join(extra)} belong to no layer")
     _route(where, caches, model)
+    guards.install()
     if model is not None and any(c.compile and c.mode is Mode.DEFERRED for c in caches
                                  if isinstance(c, VeloxCache)):
         model_step.install(model)

@@ -5,6 +5,7 @@ cross-layer threading, save/load, layers of different shapes, flat memory."""
 from __future__ import annotations
 
 import ast
+import importlib
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -153,18 +154,32 @@ def test_protocol_facts(model):
     (dict(max_kv_size=16), "max_kv_size=16 has no effect on a velox prompt cache"),
 ])
 def test_mlx_lm_options_a_velox_cache_cannot_honour_are_refused(model, kw, match):
+    """Through ``mlx_lm.generate``'s functions (what ``generate``, ``stream_generate`` and the
+    server call): refused before any token is absorbed (``velox.adapters.guards``)."""
+    gen = importlib.import_module("mlx_lm.generate")
     caches = make_cache(model, "tova", budget=24)
     with pytest.raises(ValueError, match=match):
-        list(generate_step(PROMPT, model, prompt_cache=caches, max_tokens=3, **kw))
+        list(gen.generate_step(PROMPT, model, prompt_cache=caches, max_tokens=3, **kw))
     assert all(c.empty() for c in caches)  # refused before any token was absorbed
     greedy(model, caches, n=2)  # the cache is still usable without them
     c = caches[0]
     with pytest.raises(ValueError, match=match):  # also on a cache that holds tokens
-        list(generate_step(mx.array([3, 1]), model, prompt_cache=caches, max_tokens=1, **kw))
+        list(gen.generate_step(mx.array([3, 1]), model, prompt_cache=caches, max_tokens=1, **kw))
     assert c.offset == len(PROMPT) + 2
     # mlx-lm's own caches keep mlx-lm's behaviour
     own = {k: v for k, v in kw.items() if k != "quantized_kv_start"}  # (head_dim 32 < groups of 64)
-    assert len(list(generate_step(PROMPT, model, max_tokens=2, **own))) == 2
+    assert len(list(gen.generate_step(PROMPT, model, max_tokens=2, **own))) == 2
+
+
+def test_kv_bits_is_refused_by_the_cache_itself_without_the_check(model):
+    """A reference to mlx-lm's ``generate_step`` taken before velox wrapped it (this module's
+    import) skips the argument check; the cache then refuses ``kv_bits`` itself at the first
+    step (mlx-lm asks it for ``to_quantized``), before a second token is taken."""
+    assert getattr(generate_step, "__velox_original__", None) is None  # the unwrapped one
+    caches = make_cache(model, "tova", budget=24)
+    gen = generate_step(PROMPT, model, prompt_cache=caches, max_tokens=3, kv_bits=4)
+    with pytest.raises(ValueError, match="kv_bits does not apply to a velox cache"):
+        next(gen)
 
 
 def test_mlx_lm_load_prompt_cache_names_load_cache(model, tmp_path):
