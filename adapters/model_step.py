@@ -42,7 +42,7 @@ from velox.decode import arrays, split_step, split_step_with_row, with_state
 from velox.registry import Method
 
 __all__ = ["Attends", "SteppedCache", "StepShell", "install", "uninstall", "reset",
-           "compiled_steps"]
+           "compiled_steps", "decode_steps"]
 
 
 class Attends(_BaseCache, metaclass=abc.ABCMeta):
@@ -105,8 +105,9 @@ class StepShell(Attends):
 
 _ORIGINAL_CALL: dict[type, Callable] = {}
 # per model (by id, with a weak reference to tell a reused id): compiled steps by the layers'
-# (method, backend, row present) and how many times each was traced
-_STEPS: dict[int, tuple[weakref.ref, dict[tuple, Callable], dict[tuple, int]]] = {}
+# (method, backend, row present), how many times each was traced, and the single-token
+# calls on velox caches by how they ran (:func:`decode_steps`)
+_STEPS: dict[int, tuple[weakref.ref, dict[tuple, Callable], dict[tuple, int], dict[str, int]]] = {}
 
 
 def install(model) -> None:
@@ -147,14 +148,23 @@ def compiled_steps(model) -> dict[tuple, int]:
     return {} if hit is None or hit[0]() is not model else dict(hit[2])
 
 
-def _steps(model) -> tuple[dict[tuple, Callable], dict[tuple, int]]:
+def decode_steps(model) -> dict[str, int]:
+    """How ``model``'s single-token calls on velox caches ran since its first (or since
+    :func:`reset`): ``compiled`` (the whole model's compiled step) and ``layer_by_layer``
+    (a state not steady yet, or not steady at all: ``velox.decode.not_steady_because``)."""
+    hit = _STEPS.get(id(model))
+    counts = {} if hit is None or hit[0]() is not model else hit[3]
+    return {"compiled": counts.get("compiled", 0), "layer_by_layer": counts.get("layer_by_layer", 0)}
+
+
+def _steps(model) -> tuple[dict[tuple, Callable], dict[tuple, int], dict[str, int]]:
     hit = _STEPS.get(id(model))
     if hit is None or hit[0]() is not model:
-        hit = _STEPS[id(model)] = (weakref.ref(model), {}, {})
+        hit = _STEPS[id(model)] = (weakref.ref(model), {}, {}, {})
         # the compiled steps hold the model weakly and go with it (their traces hold its
         # weights as constants)
         weakref.finalize(model, _drop, id(model), hit[0])
-    return hit[1], hit[2]
+    return hit[1], hit[2], hit[3]
 
 
 def _drop(key: int, ref: weakref.ref) -> None:
@@ -171,17 +181,21 @@ def _compiled_call(model, original: Callable, args: tuple, kwargs: dict) -> mx.a
     if (not isinstance(caches, (list, tuple)) or not caches or set(kwargs) - {"cache", "input_embeddings"}
             or not isinstance(inputs, mx.array) or inputs.ndim != 2 or inputs.shape[1] != 1):
         return None
+    if not isinstance(caches[0], SteppedCache):
+        return None  # mlx-lm's own caches
+    fns, traces, counts = _steps(model)
     layers = []
     for c in caches:
         got = c.steady_state() if isinstance(c, SteppedCache) else None
         if got is None:
-            return None
+            break
         layers.append(got)
-    offset = layers[0][3]
-    if any(x[3] != offset for x in layers):
+    if len(layers) < len(caches) or any(x[3] != layers[0][3] for x in layers):
+        counts["layer_by_layer"] = counts.get("layer_by_layer", 0) + 1
         return None
+    counts["compiled"] = counts.get("compiled", 0) + 1
+    offset = layers[0][3]
     key = tuple((m.key, st.backend, row is None) for m, st, row, _ in layers)
-    fns, traces = _steps(model)
     fn = fns.get(key)
     if fn is None:
         fn = fns[key] = mx.compile(_step_function(model, original, [x[0] for x in layers], key, traces))

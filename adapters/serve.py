@@ -32,7 +32,9 @@ duration of the call (:func:`installed`):
   the served model; ``GET /velox/stats`` (JSON) reports the configuration, the limits,
   whether requests are batched, the caches built, every sequence stored in the prompt cache
   with its tokens, the tokens each layer holds and its bytes, the prompt cache's hits, the
-  recent requests (tokens generated and sent, cancelled or not) and the process memory.
+  recent requests (tokens generated and sent, cancelled or not), the model's decode steps by
+  how they ran (``compiled``: the whole model's compiled step, ``velox.adapters.model_step``;
+  ``layer_by_layer``) and the process memory.
 
 Requests: every request is served by the server's model and method. A ``model`` field may
 name the served model by any of its names (``--model`` as given, its folder, mlx-lm's
@@ -826,6 +828,8 @@ def _memory() -> dict[str, int | None]:
 
 def stats(response_generator) -> dict[str, Any]:
     """The ``/velox/stats`` document."""
+    from .model_step import decode_steps
+
     pc = getattr(response_generator, "prompt_cache", None)
     provider = response_generator.model_provider
     limits = getattr(response_generator, "limits", None)
@@ -842,6 +846,7 @@ def stats(response_generator) -> dict[str, Any]:
             "truncate_prompt": limits.truncate_prompt, "max_tokens_cap": limits.max_tokens_cap,
             "max_body_bytes": limits.max_body_bytes},
         "requests": _STATS.requests(),
+        "decode_steps": None if provider.model is None else decode_steps(provider.model),
         "memory": _memory(),
     }
     if isinstance(pc, VeloxPromptCache):

@@ -197,3 +197,21 @@ def test_batch_generate_takes_it_for_a_joined_batch(tiny_llama):
         for a, b in zip(got, want):
             assert (a.offset, a.nbytes) == (b.offset, b.nbytes)
             np.testing.assert_array_equal(np.array(a.positions()), np.array(b.positions()))
+
+
+def test_decode_steps_counts_how_each_single_token_call_ran(tiny_llama):
+    model_step.reset(tiny_llama)
+    assert model_step.decode_steps(tiny_llama) == {"compiled": 0, "layer_by_layer": 0}
+    _decode(tiny_llama, make_cache(tiny_llama, "tova", budget=16), n=24)
+    tova = model_step.decode_steps(tiny_llama)
+    # the first steps fill the state layer by layer; once steady every step is compiled
+    assert tova["compiled"] > 20 and tova["layer_by_layer"] >= 1
+    _decode(tiny_llama, make_cache(tiny_llama, "snapkv", budget=16, obs_window=4), n=24)
+    after = model_step.decode_steps(tiny_llama)
+    assert after["compiled"] == tova["compiled"]  # a state that grows: never compiled
+    # the same loop makes the same single-token calls, all of them layer by layer
+    assert after["layer_by_layer"] == tova["layer_by_layer"] + sum(tova.values())
+    _decode(tiny_llama, make_prompt_cache(tiny_llama), n=8)  # mlx-lm's own caches: not counted
+    assert model_step.decode_steps(tiny_llama) == after
+    model_step.reset(tiny_llama)
+    assert model_step.decode_steps(tiny_llama) == {"compiled": 0, "layer_by_layer": 0}

@@ -244,3 +244,6 @@ def test_concurrent_requests_answer_as_each_alone_with_the_cache_at_its_budget(s
         assert rec["offset"] in (rec["tokens"], rec["tokens"] - 1)
     assert st["prompt_cache"]["fetches"]["prefix"] >= 2
     assert st["memory"]["rss_bytes"] > 0
+    # steady caches decode in the whole model's compiled step, batched requests too
+    steps = st["decode_steps"]
+    assert steps["compiled"] > 0 and steps["layer_by_layer"] >= 0, steps
