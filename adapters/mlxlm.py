@@ -77,7 +77,7 @@ from mlx_lm.models.cache import KVCache
 
 import velox
 from velox import evict
-from velox.decode import (arrays as _arrays, slot_count, split_step, split_step_with_row, split_update,
+from velox.decode import (StepInfo, arrays as _arrays, slot_count, step_info, split_step, split_step_with_row, split_update,
                           steady_rows, slack as decode_slack,
                           with_empty_slots as _with_empty_slots, with_state as _with_state,
                           write_row as _write_row)
@@ -166,6 +166,19 @@ class _Split(_Step):
         super().__init__(keys, values, new_only=True)
 
 
+class _Shared:
+    """A step observer held by a cache: copies of the cache share it (``copy.deepcopy``
+    returns it as is, so a bound method's object is never copied)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __deepcopy__(self, memo: dict) -> "_Shared":
+        return self
+
+
 class _Entry(NamedTuple):
     """Rollback: a cache's fields before one step. Every field is a reference: states, tails
     and rows are never changed in place (MLX writes into a buffer in place only when nothing
@@ -219,13 +232,21 @@ class VeloxCache(SteppedCache):
     ``last_step`` says how the last step ran (``"proxy"``, ``"deferred"``, ``"fused"``,
     ``"fill"``: a steady step into an empty slot of amortized eviction, or ``"tail"``);
     nothing reads it to choose a path.
+
+    ``observe`` (``None``, the default, or ``fn(layer, info)``): called after every update of
+    the method's state with the step's ``velox.decode.StepInfo`` (tokens held and dropped,
+    bytes, the quantization error of the step's rows), the seed's observers' figures. An
+    observed cache decodes layer by layer (never in the whole model's compiled step, whose
+    updates run inside one compiled call) and writes each step's row at once; copies of the
+    cache (``copy.deepcopy``, mlx-lm's batching) share the same ``fn``. Off, it costs nothing.
     """
 
     def __init__(self, method: str, params: dict[str, Any] | None = None, *,
                  backend: str = "auto", layer: int = 0, model: _Model | None = None,
                  compile: bool = True, real_queries: bool = True, decode: str = "evict",
                  decode_cap: int = DECODE_CAP, mode: Mode | str = Mode.PROXY,
-                 artifact: dict[str, Any] | None = None, rollback: int = 0):
+                 artifact: dict[str, Any] | None = None, rollback: int = 0,
+                 observe: Callable[[int, StepInfo], Any] | None = None):
         _check_decode(decode, decode_cap)
         _check_rollback(rollback)
         _check_flag("compile", compile)
@@ -272,6 +293,27 @@ class VeloxCache(SteppedCache):
         # Rollback: the cache's fields before each of its last ``rollback`` steps.
         self.rollback = rollback
         self._journal: list[_Entry] = []
+        self.observe = observe
+
+    @property
+    def observe(self) -> Callable[[int, StepInfo], Any] | None:
+        """The step observer (see the class docstring), or ``None``."""
+        held = self.__dict__.get("_observe")
+        return None if held is None else held.fn
+
+    @observe.setter
+    def observe(self, fn: Callable[[int, StepInfo], Any] | None) -> None:
+        if fn is not None and not callable(fn):
+            raise ValueError(f"observe={fn!r} must be None or a function fn(layer, info)")
+        self.__dict__["_observe"] = None if fn is None else _Shared(fn)
+        self.__dict__["_fast"] = None  # the fast path is decided again, with or without it
+
+    def _observed(self, before, keys: mx.array, values: mx.array) -> None:
+        """Call the observer with the StepInfo of an update from ``before`` taking ``keys``
+        and ``values`` to the state held now."""
+        held = self.__dict__.get("_observe")
+        if held is not None and before is not None:
+            held.fn(self.layer, step_info(self.method, before, self._state, keys, values))
 
     # -- the state, and a decode step's row not yet written into its slot -----------
     @property
@@ -308,6 +350,7 @@ class VeloxCache(SteppedCache):
         model-level record, and the state still at its steady size."""
         m = self.method
         ok = (not self.rollback and self.decode == "evict" and self._tail is None
+              and self.__dict__.get("_observe") is None
               and not self._route_unknown and m.layer_update is None
               and m.kv_slots(self.__dict__["_held"])[0].shape[2] == self.__dict__.get("_steady_rows"))
         self.__dict__["_fast"] = self.__dict__["_held"] if ok else None
@@ -490,11 +533,12 @@ class VeloxCache(SteppedCache):
         state after a fused step: no rollback journal, no append tail, the wrapper routing
         attention, no model-level record), nothing is pending, and no slot is empty (the
         layout the compiled step was traced for; amortized eviction's fill steps run layer
-        by layer)."""
+        by layer); an observed cache never offers it."""
         d = self.__dict__
         held = d.get("_held")
         if (held is None or d.get("_fast") is not held or self._pending is not None
-                or not _capture_installed() or evict.empty_slots(getattr(held, "policy", held))):
+                or not _capture_installed() or d.get("_observe") is not None
+                or evict.empty_slots(getattr(held, "policy", held))):
             return None
         return self.method, held, d.get("_row"), self._offset
 
@@ -599,6 +643,7 @@ class VeloxCache(SteppedCache):
             return out
         if step.fused and sinks is None and mask is None:
             d = self.__dict__
+            before = self._state if d.get("_observe") is not None else None  # (row written)
             held, row = d["_held"], d["_row"]
             steady = d.get("_fast") is held  # decided for this state: a fused step keeps it so
             backend = m.backends[held.backend]
@@ -616,6 +661,7 @@ class VeloxCache(SteppedCache):
                     k, v = evict.filled_rows(new.keys, new.values, new.empty)
                     out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
                 self._state = new
+                self._observed(before, step.keys, step.values)
                 self.last_step = "fill"
                 if steady:
                     d["_fast"] = new
@@ -629,6 +675,7 @@ class VeloxCache(SteppedCache):
                 fused = _compiled(m, "fused+row", held.backend)
                 out, new, row = fused(held, row, queries, step.keys, step.values, scale)
             self._state, self._row = new, row
+            self._observed(before, step.keys, step.values)
             self.last_step = "fused"
             if steady:  # nothing _note_fast reads changes in a fused step (same rows, same cache)
                 d["_fast"] = new
@@ -641,8 +688,10 @@ class VeloxCache(SteppedCache):
             if (not step.prefix and step.keys.shape[2] == queries.shape[2]
                     and m.layer_update is None and not self._steady(step.keys)):
                 # attention and update in one call (a method's decode kernels do both)
-                out, self._state = m.attend_update(self._state, queries, step.keys, step.values,
+                before = self._state
+                out, self._state = m.attend_update(before, queries, step.keys, step.values,
                                                    scale=scale, mask=mask)
+                self._observed(before, step.keys, step.values)
                 self.last_step = "deferred"
                 return _with_state(out, self._new_arrays())
             out = self._attend(queries, step.keys, step.values, mask, scale=scale)
@@ -778,6 +827,7 @@ class VeloxCache(SteppedCache):
         if step.prefix:
             queries = (None if queries is None or step.prefix_q is None
                        else mx.concatenate([step.prefix_q, queries], axis=2))
+        before = self._state if self.__dict__.get("_observe") is not None else None
         m = self.method
         if m.layer_update is not None and self._model is not None:
             model = self._model
@@ -793,6 +843,7 @@ class VeloxCache(SteppedCache):
         else:
             update = _compiled(m, "update+queries", self._state.backend)
             self._state, self._row = update(self._state, keys, values, queries)
+        self._observed(before, keys, values)
         if evaluate:
             mx.async_eval(self._new_arrays())
 
@@ -919,7 +970,8 @@ _FALLBACK_SAID: set[str] = set()
 
 def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool = True,
                compile: bool = True, decode: str = "evict", decode_cap: int = DECODE_CAP,
-               artifacts: str | Path | None = None, rollback: int = 0, **params: Any) -> list:
+               artifacts: str | Path | None = None, rollback: int = 0,
+               observe: Callable[[int, StepInfo], Any] | None = None, **params: Any) -> list:
     """One cache per layer of ``model``: velox caches where the model keeps a plain KV cache.
 
     Every argument is checked here, before any cache exists (a ``ValueError`` names it), so
@@ -956,6 +1008,10 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
             gives the greedy tokens of the run without a draft. The journal costs up to ``d``
             states beyond the cache's own in ``decode="evict"`` (each step makes a new
             state), hence the bound. Refused for cross-layer methods.
+        observe: ``fn(layer, info)`` called after every update of a layer's state with the
+            step's ``velox.decode.StepInfo`` (tokens held and dropped, bytes, the step's
+            quantization error); observed caches decode layer by layer. Also settable later
+            (``cache.observe = fn``; ``None`` turns it off).
         **params: the method's parameters; a list gives one value per attention layer.
             Methods with a schedule (``layer_params``) derive per-layer values themselves.
     Returns:
@@ -1010,7 +1066,7 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
                                   model=shared, compile=compile, real_queries=real_queries,
                                   decode=decode, decode_cap=decode_cap, mode=mode,
                                   artifact=None if fitted is None else fitted[layer],
-                                  rollback=rollback)
+                                  rollback=rollback, observe=observe)
         caches[slot]._routed = routed  # merge batches B > 1 rows only through the wrapper
     guards.install()
     if compile and mode is Mode.DEFERRED:
