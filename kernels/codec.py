@@ -23,6 +23,11 @@ stored token's codes are read once. A step is two kernel launches and no other G
   the queries' dtype (the splits shared among ``MERGE_THREADS / head_dim`` parts of a thread
   per coordinate, for loads in flight; the parts added in order).
 
+The stored tokens are the first ``held`` rows of each (batch row, kv head)'s arrays, ``held``
+an int32 ``[b, h]`` input (a codec cache holds its rows in chunks, ``velox.codec_cache``: the
+empty rows after its tokens are never read, and the arrays are read in place, unsliced; the
+count is data, so a compiled decode step does not change with it).
+
 Everything is float32; the sums run in another order than ``velox.codec_cache.attend``'s
 matmuls, so the two agree within float32 rounding (the tests' tolerance: ``TOLERANCE``).
 :func:`supports` says which states and queries the kernels take (the four codecs' own codes
@@ -67,10 +72,11 @@ template <typename T> __device__ void velox_put(T* p, float x) { *p = static_cas
 # placeholders are filled per codec (SHARED, LOAD, LOGITS) and per value layout (SIDE, VALUE).
 _SPLIT_BODY = """
     const unsigned int tid = threadIdx.x;
-    const int nb = knorm_shape[0], nh = knorm_shape[1], n = knorm_shape[2];
+    const int nb = knorm_shape[0], nh = knorm_shape[1], cap = knorm_shape[2];
     const int nsplit = (int)(gridDim.x / (unsigned int)(nb * nh));
     const size_t bh = blockIdx.x / nsplit;
     const int split = blockIdx.x % nsplit;
+    const int n = held[bh];  // the stored tokens: the first n of the row's cap rows
     const int span = (n + nsplit - 1) / nsplit;
     const int start = split * span;
     const int len = n - start >= span ? span : (n - start > 0 ? n - start : 0);
@@ -86,7 +92,7 @@ _SPLIT_BODY = """
     __syncthreads();
     // phase 1: a thread per stored token, the G logits from its codes
     for (int t = (int)tid; t < len; t += NT) {
-        const size_t row = bh * n + start + t;
+        const size_t row = bh * cap + start + t;
         float lgt[G];
         #pragma unroll
         for (int j = 0; j < G; ++j) lgt[j] = 0.0f;
@@ -140,7 +146,7 @@ _SPLIT_BODY = """
     for (int j = 0; j < G; ++j) acc[j] = 0.0f;
     #pragma unroll 4
     for (int t = part; t < len; t += PARTS) {
-        const size_t row = bh * n + start + t;
+        const size_t row = bh * cap + start + t;
         VALUE
         #pragma unroll
         for (int j = 0; j < G; ++j) acc[j] += lg[j * SPLIT + t] * v;
@@ -355,7 +361,7 @@ def split_spec(codec: str, values: str) -> dict:
            .replace("VALUE", _INT8_VALUE if values == "int8" else _EXACT_VALUE)
            .replace("NT", str(THREADS)))
     return dict(name=f"velox_codec_split_{codec}_{values}",
-                input_names=_CODEC_INPUTS[codec] + _VALUE_INPUTS[values] + ["params"],
+                input_names=_CODEC_INPUTS[codec] + _VALUE_INPUTS[values] + ["params", "held"],
                 output_names=["pm", "pl", "pa"], source=src, header=_HEADER)
 
 
@@ -500,12 +506,18 @@ def plan_splits(batch: int, kv_heads: int, n: int, split: int) -> int:
     return -(-n // span)
 
 
-def decode_attend(state, queries, keys, values, *, scale: float):
+def decode_attend(state, queries, keys, values, *, scale: float, held=None):
     """``velox.codec_cache.attend(state, queries, keys, values, scale=scale)`` for one query
     token (``queries [b, hq, 1, d]``, the step's ``keys`` / ``values [b, h, 1, d]``), by the
     kernels: ``[b, hq, 1, d]`` in the queries' dtype, equal to ``attend`` within
     :data:`TOLERANCE`. Refuses (``ValueError``) what :func:`supports` would not take (the
-    device aside)."""
+    device aside).
+
+    The kernels read the first ``held`` rows of the state's arrays in place (the rows after
+    them, empty rows of chunked storage, are never read): ``held`` an int, or int32 ``[b, h]``
+    counts (data: the splits are then planned over every row of the arrays); default the
+    state's own (``velox.codec_cache.held_rows``)."""
+    from velox import codec_cache
     lay = _layout(state, queries)
     if lay is None:
         raise ValueError("decode_attend does not take this state and queries (see supports)")
@@ -513,12 +525,18 @@ def decode_attend(state, queries, keys, values, *, scale: float):
     h, g = state.next_pos.shape[1], lay.groups
     check_step(queries, keys, values, h)
     t, kc, vc = state.tables, state.key_codes, state.value_codes
-    n = vc[0].shape[2]
+    if held is None:
+        held = codec_cache.held_rows(state)
+    if isinstance(held, int):
+        n = held  # the splits cover the held rows only
+        held = mx.full((b, h), n, mx.int32)
+    else:
+        n = vc[0].shape[2]
     if n == 0:
         return new_token_alone(queries, values)
     jl = t.jl_dim if lay.codec in ("prod", "qjl") else 0
     params = _params(d, jl, float(scale))
-    ins = {"params": params, "qry": queries}
+    ins = {"params": params, "qry": queries, "held": held.astype(mx.int32)}
     if lay.codec != "qjl":
         ins.update(rot=t.rotation, cent=t.centroids, idx=kc.idx, knorm=kc.norm)
     if lay.codec == "rvq":

@@ -189,10 +189,29 @@ def _per_token_dims(record_type: type) -> dict[str, bool]:
     return out
 
 
+def _held_rows(state: tuple, out: dict[str, Any]) -> dict[str, Any]:
+    """``out`` (the leaves of a codec cache's state, ``velox.codec_cache``) with the rows of
+    its code arrays cut to the tokens it holds, and its count of empty rows left out: its
+    storage in chunks observes as the state holding those tokens' codes alone."""
+    from velox import codec_cache
+
+    n, rows = codec_cache.stored_tokens(state), codec_cache.capacity(state)
+    out.pop("empty", None)
+    for name, x in list(out.items()):
+        if (name.startswith(("key_codes.", "value_codes.")) and isinstance(x, mx.array)
+                and x.ndim >= 3 and x.shape[2] == rows):
+            out[name] = x[:, :, :n]
+    return out
+
+
 def _canonical(state: tuple, out: dict[str, Any]) -> dict[str, Any]:
     """``out`` (the leaves of ``state``) with every per-token array ordered by position and
     empty slots dropped: a state of slots observes as the sorted state holding the same
-    tokens, rows and per-token fields."""
+    tokens, rows and per-token fields; a codec cache's, its held rows only (:func:`_held_rows`)."""
+    from velox import codec_cache
+
+    if codec_cache.is_chunked(state):
+        return _held_rows(state, out)
     found = _slot_positions(state)
     if found is None:
         return out
@@ -222,7 +241,9 @@ def observe(state: tuple) -> dict[str, Any]:
 
     Canonical: per-token fields of a state of slots ordered by position, empty slots and the
     ``empty`` count dropped (:func:`_canonical`), so a state holding the same tokens, rows and
-    per-token data in another slot order observes the same."""
+    per-token data in another slot order observes the same; a codec cache's code arrays cut to
+    the tokens it holds (its empty rows and their count dropped). ``nbytes()`` counts every
+    row held."""
     out = _canonical(state, dict(_leaves("", state)))
     keys, values = velox.get_kv(state)
     out["get_kv.keys"], out["get_kv.values"] = keys, values

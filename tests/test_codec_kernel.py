@@ -61,12 +61,14 @@ def _template(codec, head_dim=128, groups=4, bits=2, sign_words=2):
 def _split_dtypes(spec, dtype):
     """Input dtypes of a split launch for a cache and queries of ``dtype``: the value side data
     (scales, zeros, exact rows) in ``velox.quant.side_dtype`` of it; key norms and gains
-    float16 as the codecs store them; tables float32."""
+    float16 as the codecs store them; tables float32; the held counts int32."""
     side = "bfloat16" if dtype == "bfloat16" else "float16"
 
     def of(name):
         if name in ("idx", "ridx", "signs", "vq"):
             return "uint32"
+        if name == "held":  # the stored tokens of each (batch row, kv head)
+            return "int32"
         if name in ("knorm", "rnorm", "gain"):
             return "float16"
         if name in ("vs", "vz", "vr"):

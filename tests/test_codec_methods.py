@@ -85,7 +85,7 @@ def _by_hand(state, queries, keys, values, scale, mask):
     h = keys.shape[1]
     g = hq // h
     q = (queries.astype(mx.float32) * scale).reshape(b, h, g * s, d)
-    stored = codec.scores(state.tables, q, state.key_codes)
+    stored = codec.scores(state.tables, q, codec_cache.held_codes(state)[0])  # the tokens held
     new = q @ keys.astype(mx.float32).swapaxes(-1, -2)
     if mask == "causal":
         row = (np.arange(g * s) % s)[:, None]

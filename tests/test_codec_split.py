@@ -284,8 +284,9 @@ def test_no_split_is_the_plain_codec(key, backend):
     assert st.key_channels.shape == (1, 2, 0) and st.key_channels.nbytes == 0
     t = base.tables(32, dict(bits=2, seed=42, **({"jl_dim": 0} if key == "turboquant_prod" else {})))
     want = base.encode(t, mx.array(k)) if backend == "mlx" else base.encode_np(numpy_tables(t), k)
-    assert type(st.key_codes) is type(want)
-    for x, y in zip(st.key_codes, want):
+    held = codec_cache.held_codes(st)[0]  # the codes of the tokens held (the first rows)
+    assert type(held) is type(want)
+    for x, y in zip(held, want):
         np.testing.assert_array_equal(np.array(x), np.array(y))
     plain = velox.update(velox.init(key, 1, 2, 32, backend=backend), mx.array(k), mx.array(v))
     assert velox.nbytes(plain) == velox.nbytes(st)
@@ -313,12 +314,13 @@ def test_cache_chooses_on_the_first_update_and_keeps_it(key, backend):
     kk = split.gather_np(keys, np.array(st.key_channels))
     codes = codec.encode(st.tables, mx.array(kk)) if backend == "mlx" else codec.encode_np(
         numpy_tables(st.tables), kk)
-    for f, x, y in zip(st.key_codes._fields, st.key_codes, codes):
+    held = codec_cache.held_codes(st)[0]
+    for f, x, y in zip(held._fields, held, codes):
         x, y = np.array(x), np.array(y)
         if x.dtype == np.uint32:
             assert np.mean(np.any(x != y, axis=-1)) <= 0.1, f
     # get_kv: the codec's decode, channels back in place
-    dec = split.scatter_np(np.array(codec.decode(st.tables, st.key_codes)), np.array(st.key_channels))
+    dec = split.scatter_np(np.array(codec.decode(st.tables, held)), np.array(st.key_channels))
     np.testing.assert_array_equal(np.array(velox.get_kv(st)[0]), dec)
     assert np.sum((dec - keys) ** 2) < 0.5 * np.sum(keys ** 2)
 
@@ -333,7 +335,8 @@ def test_attention_reads_the_split_scores(key):
     q = _rows(rng, 1, 2, 3, d)
     got = np.array(codec_cache.key_scores(st, mx.array(q)))
     order = np.array(st.key_channels)
-    want = np.array(split.of(key).scores(st.tables, mx.array(split.gather_np(q, order)), st.key_codes))
+    want = np.array(split.of(key).scores(st.tables, mx.array(split.gather_np(q, order)),
+                                         codec_cache.held_codes(st)[0]))
     np.testing.assert_array_equal(got, want)
     # the same as q against the decoded keys (channels in place)
     kh = np.array(velox.get_kv(st)[0])
@@ -388,8 +391,9 @@ def test_bytes_by_hand(key, d, n_out, bits, ob):
     values = 2 * d if key == "turboquant_rvq" else d + 2 + 2
     per_token = _split_key_bytes(key, d, n_out, bits, ob) + values
     fixed = _split_tables_bytes(key, d, n_out, bits, ob) + b * h * d * 4  # tables, key_channels
-    assert codes_nbytes(st.key_codes) == b * h * n * _split_key_bytes(key, d, n_out, bits, ob)
-    assert abs(velox.nbytes(st) - (b * h * n * per_token + fixed)) <= 0.01 * velox.nbytes(st)
+    assert codes_nbytes(codec_cache.held_codes(st)[0]) == b * h * n * _split_key_bytes(key, d, n_out, bits, ob)
+    rows = codec_cache.capacity(st)  # the tokens' rows and the empty ones after them
+    assert abs(velox.nbytes(st) - (b * h * rows * per_token + fixed)) <= 0.01 * velox.nbytes(st)
     assert velox.state_nbytes(st.tables) == _split_tables_bytes(key, d, n_out, bits, ob)
     assert st.key_channels.nbytes == b * h * d * 4
 

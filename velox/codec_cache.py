@@ -10,8 +10,23 @@ leading ``[b, h, n]`` axes), ``value_codes`` (:class:`Int8Rows`: per-token 8-bit
 one group a row, scales and zeros in ``velox.quant.side_dtype``, float16 for float16 and float32
 caches; or :class:`ExactRows`: the rows in float16, bfloat16 for a bfloat16 cache), ``tables`` (the codec's static
 tables record, nested; its bytes count in the state's), ``key_channels`` (methods with outlier
-channels only, below), ``next_pos``, then every parameter of ``init`` as a static field,
-``cache_dtype`` and ``backend``. Every token is kept, in order.
+channels only, below), ``next_pos``, ``empty``, then every parameter of ``init`` as a static
+field, ``cache_dtype`` and ``backend``. Every token is kept, in order.
+
+Storage in chunks (``contract.storage = "chunked"`` in the methods' specs), as mlx-lm's
+``KVCache`` holds its rows: the code arrays (every array of ``key_codes`` and ``value_codes``)
+hold ``n`` rows, a multiple of :data:`CHUNK`; the first ``next_pos`` are the tokens, in order,
+and the last ``empty`` (a static field) are empty rows, zeros, never read: attention masks
+them out, and ``get_kv``, ``positions`` and :func:`stored_tokens` give the tokens only. An
+update whose tokens fit writes them in place, at an index that is an array (``mx.slice_update``
+at ``next_pos``: the position is data, so a compiled step is not traced again per token); one
+that does not fit copies the tokens once into arrays grown to fit, rounded up to a chunk (a
+prefill chunk grows them at once). A fresh state holds no row. ``nbytes`` counts every row.
+A state's count of empty rows may be left to the arrays (``empty = UNCOUNTED``): the record the
+whole model's compiled decode step is traced with (``velox.adapters.model_step``, which checks
+on the host, from the cache's offset, that the token fits), so that the record, and the trace,
+stay the same from token to token; its tokens are then ``next_pos`` (read from the device by
+the functions that need the count on the host, outside the compiled step).
 
 Outlier channels (``state_type(..., split=True)``: an ``init`` with ``n_outlier`` and
 ``outlier_bits``): with ``n_outlier > 0`` the key codec is the split codec of the method's codec
@@ -27,7 +42,7 @@ scored, and decoded keys back in place. With ``n_outlier = 0`` the codec is the 
 
 Backends: ``mlx`` encodes with the codec's MLX functions and quantizes values with
 ``velox.quant.quantize``; ``reference`` runs the codec's NumPy twins and
-``velox.reference.quantize`` on the same inputs, giving the same codes.
+``velox.reference.quantize`` on the same inputs, giving the same codes, stored the same way.
 
 Attention (:func:`attend`): logits over the stored tokens are the codec's ``scores`` of the
 scaled queries against the key codes (:func:`key_scores`, never decoding the keys); the ``s`` new tokens' logits
@@ -35,7 +50,16 @@ are exact; one softmax; the weights multiply the dequantized stored values and t
 Queries are processed in blocks of :data:`QUERY_BLOCK` rows per kv head, so a prefill chunk
 never holds more than one block's scores. A decode step (one query token) on a CUDA device
 runs the fused kernels of ``velox.kernels.codec`` where they take the state (TurboQuant mse,
-rvq and prod, QJL: ``supports``), with the same result within float32 rounding.
+rvq and prod, QJL: ``supports``), reading the held rows of the arrays in place, with the same
+result within float32 rounding. A step's attention and update together (``attend_update``,
+the adapter's decode step; the backend's ``steady_step``, ``velox.decode.split_step``; the
+backend's ``fill`` and ``fill_attention``, the adapter's single-token step into an empty row)
+write the new rows first and attend over the written arrays, the new rows masked out of the
+stored ones: nothing reads the arrays before the write, so MLX writes in place.
+
+Compositions (``velox.compose``: codes in an evictor's slots) use this module's encoding,
+``get_kv`` and attention over a layout of their own (no ``empty`` field): every row of their
+arrays is a token, and their updates append by concatenation.
 """
 
 from __future__ import annotations
@@ -55,14 +79,20 @@ from .kernels import codec as codec_kernel
 from .registry import Method, register
 from .spec import param_fields
 
-__all__ = ["Int8Rows", "ExactRows", "VALUE_BITS", "QUERY_BLOCK", "state_type", "empty",
-           "register_method", "codec_of", "codec_params", "get_kv", "positions", "dims",
-           "attend", "stored_tokens", "key_scores"]
+__all__ = ["Int8Rows", "ExactRows", "VALUE_BITS", "QUERY_BLOCK", "CHUNK", "UNCOUNTED", "state_type",
+           "empty", "register_method", "codec_of", "codec_params", "get_kv", "positions", "dims",
+           "attend", "stored_tokens", "capacity", "held_codes", "held_rows", "key_scores",
+           "uncounted", "is_chunked"]
 
 #: Bits of the per-token affine value codes.
 VALUE_BITS = 8
 #: Query rows (per kv head) scored at once by :func:`attend`.
 QUERY_BLOCK = 256
+#: Rows the code arrays grow by (mlx-lm's ``KVCache`` grows by 256 too).
+CHUNK = 256
+#: ``empty`` of a state whose count of empty rows is left to its arrays: ``next_pos`` holds
+#: its tokens (:func:`uncounted`).
+UNCOUNTED = -1
 
 
 class Int8Rows(NamedTuple):
@@ -84,7 +114,8 @@ class _Layout(NamedTuple):
     codec: str
     values: type
     rename: dict
-    split: bool = False   # n_outlier / outlier_bits parameters: the channel split
+    split: bool = False     # n_outlier / outlier_bits parameters: the channel split
+    chunked: bool = False   # rows in chunks, the last `empty` of them empty (state_type's)
 
 
 _LAYOUT: dict[type, _Layout] = {}
@@ -95,8 +126,9 @@ def state_type(name: str, init: Callable, doc: str, *, codec: str, codes: type, 
                split: bool = False) -> type:
     """The state record of a codec cache, from its ``init``: ``key_codes`` (a ``codes``
     record), ``value_codes`` (``values``: :class:`Int8Rows` or :class:`ExactRows`), ``tables``
-    (a ``tables`` record), ``key_channels`` (``split`` only), ``next_pos``, every parameter of
-    ``init``'s signature as a static field (its annotation), ``cache_dtype``, ``backend``.
+    (a ``tables`` record), ``key_channels`` (``split`` only), ``next_pos``, ``empty`` (the
+    arrays' empty rows, the last ones), every parameter of ``init``'s signature as a static
+    field (its annotation), ``cache_dtype``, ``backend``.
 
     ``codec`` names the key codec; ``rename`` maps a codec parameter name to the method's
     parameter of another name (default: the same names). ``split``: ``init`` has ``n_outlier``
@@ -109,11 +141,11 @@ def state_type(name: str, init: Callable, doc: str, *, codec: str, codes: type, 
         raise ValueError("a split codec cache's init has the parameters n_outlier and outlier_bits")
     fields = [("key_codes", codes), ("value_codes", values), ("tables", tables),
               *([("key_channels", Int[Array, "b h c"])] if split else []),
-              ("next_pos", Int[Array, "b h"])]
+              ("next_pos", Int[Array, "b h"]), ("empty", int)]
     record = NamedTuple(name, [*fields, *param_fields(init), ("cache_dtype", str), ("backend", str)])
     record.__doc__ = doc
     record.__module__ = init.__module__
-    _LAYOUT[record] = _Layout(codec, values, dict(rename or {}), split)
+    _LAYOUT[record] = _Layout(codec, values, dict(rename or {}), split, chunked=True)
     return record
 
 
@@ -141,7 +173,7 @@ def codec_params(state_or_type, params: dict[str, Any] | None = None) -> dict[st
 
 def empty(state_type: type, args: dict) -> tuple:
     """A fresh state from ``init``'s arguments (``locals()`` of an ``init``): the codec's
-    tables, no tokens, ``next_pos`` zero, the static fields from ``args`` by name."""
+    tables, no tokens (and no rows), ``next_pos`` zero, the static fields from ``args`` by name."""
     lay = _LAYOUT[state_type]
     codec = _codec(lay, args)
     b, h, d, dtype = args["batch"], args["kv_heads"], args["head_dim"], args["dtype"]
@@ -155,16 +187,73 @@ def empty(state_type: type, args: dict) -> tuple:
     else:
         value_codes = ExactRows(mx.zeros((b, h, 0, d), quant.side_dtype(dtype)))
     given = dict(key_codes=key_codes, value_codes=value_codes, tables=tables,
-                 next_pos=mx.zeros((b, h), mx.int32), cache_dtype=quant.dtype_name(dtype))
+                 next_pos=mx.zeros((b, h), mx.int32), empty=0, cache_dtype=quant.dtype_name(dtype))
     if lay.split:  # the identity until the first tokens choose the outlier channels
         c = d if args["n_outlier"] else 0
         given["key_channels"] = mx.zeros((b, h, c), mx.int32) + mx.arange(c, dtype=mx.int32)
     return state_type(**{f: given[f] if f in given else args[f] for f in state_type._fields})
 
 
-def stored_tokens(state) -> int:
-    """Tokens the state holds."""
+# --- the rows a state holds -----------------------------------------------------------
+
+def is_chunked(state) -> bool:
+    """Whether ``state`` holds its rows in chunks (a codec cache's own state, not a
+    composition's codes in slots)."""
+    lay = _LAYOUT.get(type(state))
+    return lay is not None and lay.chunked
+
+
+def capacity(state) -> int:
+    """Rows the state's code arrays hold: its tokens and its empty rows (a composition's:
+    its tokens)."""
     return state.value_codes[0].shape[2]
+
+
+def stored_tokens(state) -> int:
+    """Tokens the state holds: its rows less its empty ones (read on the host from the
+    arrays' shapes and ``empty``; from ``next_pos`` on the device for a state whose count is
+    left to its arrays, ``empty = UNCOUNTED``)."""
+    n = capacity(state)
+    if not is_chunked(state):
+        return n
+    e = state.empty
+    if e == UNCOUNTED:
+        return int(state.next_pos[0, 0].item()) if n else 0
+    if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e <= n:
+        raise ValueError(f"empty={e!r} must count the state's empty rows: 0 to its {n} rows "
+                         f"(or {UNCOUNTED}: left to next_pos)")
+    return n - e
+
+
+def held_rows(state) -> int | mx.array:
+    """The stored rows attention reads, the first ones of the arrays: their count where the
+    host knows it (an int), else the per-row counts ``next_pos`` (int32 ``[b, h]``, a state
+    whose count is left to its arrays: attention then masks the rows past them)."""
+    if is_chunked(state) and state.empty == UNCOUNTED:
+        return state.next_pos
+    return stored_tokens(state)
+
+
+def _cut(record, n: int):
+    """``record`` (codes or values) with its first ``n`` rows (views)."""
+    return type(record)(*(x[:, :, :n] for x in record))
+
+
+def held_codes(state) -> tuple[Any, Any]:
+    """``(key_codes, value_codes)`` of the tokens the state holds (the first rows of its
+    arrays: views, no copy)."""
+    n = stored_tokens(state)
+    if n == capacity(state):
+        return state.key_codes, state.value_codes
+    return _cut(state.key_codes, n), _cut(state.value_codes, n)
+
+
+def uncounted(state) -> tuple:
+    """``state`` with its count of empty rows left to its arrays (``empty = UNCOUNTED``):
+    the same arrays, a record that stays the same from token to token (what the whole
+    model's compiled decode step is traced with; its single-token step,
+    ``steady_step``, writes at ``next_pos`` and trusts its caller that the token fits)."""
+    return state._replace(empty=UNCOUNTED)
 
 
 def dims(state) -> tuple[int, int, int, mx.Dtype]:
@@ -178,12 +267,11 @@ def dims(state) -> tuple[int, int, int, mx.Dtype]:
 positions = quant.every_position(stored_tokens)
 
 
-def _values_f32(state) -> Float[Array, "b h n d"]:
-    v = state.value_codes
-    if isinstance(v, ExactRows):
-        return v.rows.astype(mx.float32)
-    d = dims(state)[2]
-    return quant.dequantize_f32(v.codes, v.scales, v.zeros, VALUE_BITS, d)
+def _values_f32(values, d: int) -> Float[Array, "b h n d"]:
+    """A value record's rows, dequantized to float32."""
+    if isinstance(values, ExactRows):
+        return values.rows.astype(mx.float32)
+    return quant.dequantize_f32(values.codes, values.scales, values.zeros, VALUE_BITS, d)
 
 
 def _split(state) -> bool:
@@ -193,8 +281,9 @@ def _split(state) -> bool:
 
 def _chosen(state, keys, reference: bool):
     """The state with its outlier channels chosen from ``keys`` if it is split and holds no
-    token yet (the first update that holds tokens); else the state."""
-    if not _split(state) or stored_tokens(state):
+    token yet (the first update that holds tokens); else the state. A state whose count is
+    left to its arrays holds tokens (it went through a compiled decode step)."""
+    if not _split(state) or state.empty == UNCOUNTED or stored_tokens(state):
         return state
     if reference:
         order = mx.array(split.channel_order_np(ref.to_np(keys, np.float32), state.n_outlier))
@@ -208,21 +297,31 @@ def _in_codec_order(state, x: Float[Array, "b h n d"]) -> Float[Array, "b h n d"
     return split.gather(x, state.key_channels) if _split(state) else x
 
 
+def _scores(state, q, codes):
+    """The key codec's ``scores`` of float32 queries ``q [b, h, m, d]`` against ``codes``."""
+    return codec_of(state).scores(state.tables, _in_codec_order(state, q), codes)
+
+
 def key_scores(state, q: Float[Array, "b h m d"]) -> Float[Array, "b h m n"]:
     """The key codec's ``scores`` of float32 queries ``q`` (scaled) against the stored keys."""
-    return codec_of(state).scores(state.tables, _in_codec_order(state, q), state.key_codes)
+    return _scores(state, q, held_codes(state)[0])
 
 
 def get_kv(state) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     """Decoded keys (the codec's float32 decode) and dequantized values, in the model's dtype."""
     cd = quant.dtype_of(state.cache_dtype)
-    keys = codec_of(state).decode(state.tables, state.key_codes)
+    kc, vc = held_codes(state)
+    keys = codec_of(state).decode(state.tables, kc)
     if _split(state):
         keys = split.scatter(keys, state.key_channels)
-    return keys.astype(cd), _values_f32(state).astype(cd)
+    return keys.astype(cd), _values_f32(vc, dims(state)[2]).astype(cd)
 
 
-def _update_mlx(state, keys, values, queries):
+# --- updates ------------------------------------------------------------------------
+
+def _encode_mlx(state, keys, values):
+    """``(state, key codes, value codes)`` of new rows on the ``mlx`` backend (the state with
+    its outlier channels chosen, if this is its first update holding tokens)."""
     cd, d = quant.dtype_of(state.cache_dtype), keys.shape[3]
     state = _chosen(state, keys, reference=False)
     kc = codec_of(state).encode(state.tables, _in_codec_order(state, keys))
@@ -230,12 +329,11 @@ def _update_mlx(state, keys, values, queries):
         vc = ExactRows(values.astype(quant.side_dtype(cd)))
     else:
         vc = Int8Rows(*quant.quantize(values, VALUE_BITS, d, cd))
-    return state._replace(key_codes=append(state.key_codes, kc),
-                          value_codes=append(state.value_codes, vc),
-                          next_pos=state.next_pos + keys.shape[2])
+    return state, kc, vc
 
 
-def _update_reference(state, keys, values, queries):
+def _encode_reference(state, keys, values):
+    """:func:`_encode_mlx` by the codec's NumPy twins and ``velox.reference.quantize``."""
     cd, d = quant.dtype_of(state.cache_dtype), keys.shape[3]
     state = _chosen(state, keys, reference=True)
     codec = codec_of(state)
@@ -252,10 +350,58 @@ def _update_reference(state, keys, values, queries):
         sd = quant.side_dtype(cd)
         c, s, z = ref.quantize(ref.to_np(values, np.float32), VALUE_BITS, d, sd)
         vc = Int8Rows(mx.array(c), ref.to_mx(s, sd), ref.to_mx(z, sd))
-    return state._replace(key_codes=append(state.key_codes, kc),
-                          value_codes=append(state.value_codes, vc),
-                          next_pos=state.next_pos + keys.shape[2])
+    return state, kc, vc
 
+
+def _write(record, new, at: mx.array):
+    """``record``'s arrays with ``new``'s rows written from row ``at`` (int32 ``[1]``): one
+    ``slice_update`` an array, in place when nothing else holds the array."""
+    return type(record)(*(mx.slice_update(x, y, at, (2,)) for x, y in zip(record, new)))
+
+
+def _grown(record, new, n: int, rows: int):
+    """``record``'s first ``n`` rows, then ``new``'s, then empty rows (zeros) up to ``rows``:
+    one copy an array."""
+    out = []
+    for x, y in zip(record, new):
+        parts = ([x[:, :, :n]] if n else []) + [y]
+        pad = rows - n - y.shape[2]
+        if pad:
+            parts.append(mx.zeros((*y.shape[:2], pad, *y.shape[3:]), y.dtype))
+        out.append(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2))
+    return type(record)(*out)
+
+
+def _store(state, kc, vc):
+    """``state`` holding the ``s`` new tokens' codes after its own: written in place while
+    they fit its empty rows, else with the arrays grown to fit, rounded up to :data:`CHUNK`
+    (a composition's layout: appended)."""
+    s = vc[0].shape[2]
+    next_pos = state.next_pos + s
+    if not is_chunked(state):
+        return state._replace(key_codes=append(state.key_codes, kc),
+                              value_codes=append(state.value_codes, vc), next_pos=next_pos)
+    n, rows = stored_tokens(state), capacity(state)
+    if n + s <= rows:
+        at = state.next_pos.reshape(-1)[:1]
+        return state._replace(key_codes=_write(state.key_codes, kc, at),
+                              value_codes=_write(state.value_codes, vc, at),
+                              next_pos=next_pos, empty=rows - n - s)
+    grown = -(-(n + s) // CHUNK) * CHUNK
+    return state._replace(key_codes=_grown(state.key_codes, kc, n, grown),
+                          value_codes=_grown(state.value_codes, vc, n, grown),
+                          next_pos=next_pos, empty=grown - n - s)
+
+
+def _update_mlx(state, keys, values, queries):
+    return _store(*_encode_mlx(state, keys, values))
+
+
+def _update_reference(state, keys, values, queries):
+    return _store(*_encode_reference(state, keys, values))
+
+
+# --- attention ------------------------------------------------------------------------
 
 def attend(state, queries: Float[Array, "b q s d"], keys: Float[Array, "b h s d"],
            values: Float[Array, "b h s d"], *, scale: float, mask=None) -> Float[Array, "b q s d"]:
@@ -264,15 +410,26 @@ def attend(state, queries: Float[Array, "b q s d"], keys: Float[Array, "b h s d"
     the new tokens up to ``i``)."""
     if mask is not None and not (isinstance(mask, str) and mask == "causal"):
         raise ValueError("attend takes mask=None or 'causal'")
+    return _attend(state, held_rows(state), queries, keys, values, scale, mask)
+
+
+def _attend(state, held, queries, keys, values, scale: float, mask):
+    """:func:`attend` over the first ``held`` rows of the state's arrays: an int (the rows
+    are cut to them, views), or int32 ``[b, h]`` counts (every row is scored and those past
+    the count masked out: the count is data)."""
     b, hq, s, d = queries.shape
     if s == 1 and codec_kernel.supports(state, queries):  # a decode step on a CUDA device
-        return codec_kernel.decode_attend(state, queries, keys, values, scale=scale)
+        return codec_kernel.decode_attend(state, queries, keys, values, scale=scale, held=held)
+    kc, vc = state.key_codes, state.value_codes
+    if isinstance(held, int) and held != capacity(state):
+        kc, vc = _cut(kc, held), _cut(vc, held)
     h = keys.shape[1]
     g = hq // h
     q = (queries.astype(mx.float32) * scale).reshape(b, h, g * s, d)
     kn, vn = keys.astype(mx.float32), values.astype(mx.float32)
-    vs = _values_f32(state)
+    vs = _values_f32(vc, d)
     n = vs.shape[2]
+    past = None if isinstance(held, int) else mx.arange(n)[None, None, None, :] >= held[:, :, None, None]
     outs = []
     for lo in range(0, g * s, QUERY_BLOCK):
         qb = q[:, :, lo:lo + QUERY_BLOCK]
@@ -281,8 +438,10 @@ def attend(state, queries: Float[Array, "b q s d"], keys: Float[Array, "b h s d"
             row = (mx.arange(lo, lo + qb.shape[2]) % s)[:, None]
             new = mx.where(mx.arange(s)[None, :] <= row, new, mx.array(-mx.inf, mx.float32))
         if n:
-            logits = mx.concatenate([key_scores(state, qb), new], axis=-1)
-            p = softmax(logits, axis=-1)
+            stored = _scores(state, qb, kc)
+            if past is not None:  # rows past the held ones: empty, or this step's own
+                stored = mx.where(past, mx.array(-mx.inf, mx.float32), stored)
+            p = softmax(mx.concatenate([stored, new], axis=-1), axis=-1)
             outs.append(p[..., :n] @ vs + p[..., n:] @ vn)
         else:
             outs.append(softmax(new, axis=-1) @ vn)
@@ -290,9 +449,60 @@ def attend(state, queries: Float[Array, "b q s d"], keys: Float[Array, "b h s d"
     return out.reshape(b, hq, s, d).astype(queries.dtype)
 
 
+def _attend_update(state, queries, keys, values, *, scale: float, mask=None):
+    """``(attend(state, ...), update(state, ...))`` of one step: the new rows written first,
+    then the attention over the written arrays' rows before them (the arrays are read after
+    the write only: MLX writes in place). The same output and state, to the bit."""
+    held = stored_tokens(state)
+    encode = _encode_reference if state.backend == "reference" else _encode_mlx
+    new = _store(*encode(state, keys, values))
+    return _attend(new, held, queries, keys, values, scale, mask), new
+
+
+def _steady_step(state, queries, keys, values, scale: float):
+    """A single-token decode step, ``(out, state)`` (``velox.decode.split_step``): the row
+    written at ``next_pos`` in place, then the attention over the written arrays. A state
+    whose count is left to its arrays (the compiled decode step's record: :func:`uncounted`)
+    is trusted to have room for the token (the adapter checks it on the host from its offset;
+    the write index is clamped to the arrays), and stays so; any other takes
+    :func:`_attend_update` (grown when full)."""
+    if state.empty != UNCOUNTED:
+        return _attend_update(state, queries, keys, values, scale=scale)
+    held = state.next_pos
+    state, kc, vc = _encode_mlx(state, keys, values)
+    at = mx.minimum(held.reshape(-1)[:1], capacity(state) - 1)
+    new = state._replace(key_codes=_write(state.key_codes, kc, at),
+                         value_codes=_write(state.value_codes, vc, at), next_pos=held + 1)
+    return _attend(new, held, queries, keys, values, scale, None), new
+
+
+def _fill(state, keys, values):
+    """The adapter's single-token step into an empty row (``velox.evict``'s ``fill``
+    protocol): the update, in place while the token fits (grown otherwise)."""
+    return _update_mlx(state, keys, values, None)
+
+
+def _fill_attention(state, new, queries, keys, values, scale: float):
+    """The attention of a :func:`_fill` step: over ``new``'s arrays (written), the token's
+    row masked out of the stored ones."""
+    return _attend(new, stored_tokens(new) - keys.shape[2], queries, keys, values, scale, None)
+
+
+def _update_mlx_backend(state, keys, values, queries):
+    return _update_mlx(state, keys, values, queries)
+
+
+_update_mlx_backend.steady_step = _steady_step
+_update_mlx_backend.fill = _fill
+_update_mlx_backend.fill_attention = _fill_attention
+
+
 def register_method(key: str, state: type, init: Callable, **hooks: Any) -> Method:
-    """Register a codec-cache method: both backends, ``get_kv``, ``positions``, ``dims`` and
-    ``attend`` of this module (``hooks`` add or replace any of them)."""
-    kw = dict(get_kv=get_kv, positions=positions, dims=dims, attend=attend)
+    """Register a codec-cache method: both backends, ``get_kv``, ``positions``, ``dims``,
+    ``attend`` and ``attend_update`` of this module (``hooks`` add or replace any of them),
+    and the ``capacity`` and ``uncounted`` of its chunked storage (``velox.decode``)."""
+    kw = dict(get_kv=get_kv, positions=positions, dims=dims, attend=attend,
+              attend_update=_attend_update, capacity=capacity, uncounted=uncounted)
     kw.update(hooks)
-    return register(key, state, init, {"reference": _update_reference, "mlx": _update_mlx}, **kw)
+    return register(key, state, init, {"reference": _update_reference, "mlx": _update_mlx_backend},
+                    **kw)

@@ -1,0 +1,256 @@
+"""Codec caches hold their rows in chunks (``velox.codec_cache``): a token is written in place
+into the next empty row, the arrays grow a chunk at a time, and the state holds what a cache
+that appends every token holds."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+import velox
+from velox import codec_cache, decode, quant
+from velox.adapters.mlxlm import load_cache, make_cache, save_cache
+from velox.registry import get_method
+
+CODECS = ["turboquant_mse", "turboquant_prod", "turboquant_rvq", "polar", "qjl", "spectral"]
+CHUNK = codec_cache.CHUNK
+
+
+def _rows(rng, *shape):
+    return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+
+def _shapes(st):
+    return [tuple(x.shape) for x in (*st.key_codes, *st.value_codes)]
+
+
+@pytest.mark.filterwarnings("ignore:.*no calibration artifact")
+@pytest.mark.parametrize("key", CODECS)
+def test_a_token_is_written_in_place_while_the_chunk_lasts(key):
+    """A prefill chunk grows the arrays to fit, rounded up to a chunk; single tokens keep every
+    shape until the arrays are full; the next one grows them by one chunk; a chunk that does
+    not fit grows them to fit at once. ``nbytes`` counts every row."""
+    m = get_method(key)
+    rng = np.random.default_rng(0)
+    st = m.init(1, 2, 32)
+    assert codec_cache.capacity(st) == 0 and st.empty == 0
+    st = m.update(st, _rows(rng, 1, 2, CHUNK - 3, 32), _rows(rng, 1, 2, CHUNK - 3, 32))
+    assert (codec_cache.capacity(st), st.empty, codec_cache.stored_tokens(st)) == (CHUNK, 3, CHUNK - 3)
+    shapes = _shapes(st)
+    for t in range(3):
+        st = m.update(st, _rows(rng, 1, 2, 1, 32), _rows(rng, 1, 2, 1, 32))
+        assert _shapes(st) == shapes and st.empty == 2 - t
+    st = m.update(st, _rows(rng, 1, 2, 1, 32), _rows(rng, 1, 2, 1, 32))
+    assert codec_cache.capacity(st) == 2 * CHUNK and st.empty == CHUNK - 1
+    st = m.update(st, _rows(rng, 1, 2, 2 * CHUNK, 32), _rows(rng, 1, 2, 2 * CHUNK, 32))
+    assert codec_cache.capacity(st) == 4 * CHUNK and codec_cache.stored_tokens(st) == 3 * CHUNK + 1
+    assert m.positions(st).shape == (1, 2, 3 * CHUNK + 1)
+    assert m.nbytes(st) == sum(x.nbytes for x in velox.decode.arrays(st))
+    np.testing.assert_array_equal(np.array(st.next_pos), 3 * CHUNK + 1)
+
+
+def test_the_write_does_not_copy_the_arrays():
+    """A single-token update of a large state allocates about a row, not a second cache (MLX
+    writes the row into the arrays in place when nothing else holds them)."""
+    m = get_method("turboquant_prod")
+    rng = np.random.default_rng(1)
+    st = m.init(1, 8, 128)
+    x = _rows(rng, 1, 8, 16 * CHUNK - 8, 128)
+    st = m.update(st, x, x)
+    mx.eval(st)
+    del x
+    size = m.nbytes(st)
+    assert size > 4 << 20
+    k = _rows(rng, 1, 8, 1, 128)
+    mx.eval(k)
+    for _ in range(3):
+        st = m.update(st, k, k)
+        mx.eval(st)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    for _ in range(4):
+        st = m.update(st, k, k)
+        mx.eval(st)
+    assert mx.get_peak_memory() - base < size // 8
+
+
+class _Appending:
+    """The cache without chunks, from the same codec: every step's codes appended (the
+    method's own encoding with no outlier channels), attention from ``scores`` over all of
+    them, the new tokens exact."""
+
+    def __init__(self, state):
+        self.tables, self.codec = state.tables, codec_cache.codec_of(state)
+        self.cd = quant.dtype_of(state.cache_dtype)
+        self.exact = isinstance(state.value_codes, codec_cache.ExactRows)
+        self.kc = self.vc = None
+
+    def add(self, keys, values):
+        d = keys.shape[3]
+        kc = self.codec.encode(self.tables, keys)
+        vc = (codec_cache.ExactRows(values.astype(quant.side_dtype(self.cd))) if self.exact
+              else codec_cache.Int8Rows(*quant.quantize(values, codec_cache.VALUE_BITS, d, self.cd)))
+        if self.kc is None:
+            self.kc, self.vc = kc, vc
+        else:
+            self.kc = type(kc)(*(mx.concatenate([a, b], axis=2) for a, b in zip(self.kc, kc)))
+            self.vc = type(vc)(*(mx.concatenate([a, b], axis=2) for a, b in zip(self.vc, vc)))
+
+    def kv(self):
+        d = self.vc[0].shape[3] if self.exact else self.vc.codes.shape[3] * 4
+        v = (self.vc.rows.astype(mx.float32) if self.exact else
+             quant.dequantize_f32(*self.vc, codec_cache.VALUE_BITS, d))
+        return self.codec.decode(self.tables, self.kc).astype(self.cd), v.astype(self.cd)
+
+    def attend(self, q, k, v, scale):
+        b, hq, _, d = q.shape
+        h = k.shape[1]
+        qs = (q * scale).reshape(b, h, hq // h, d)
+        logits = mx.concatenate([self.codec.scores(self.tables, qs, self.kc),
+                                 qs @ k.swapaxes(-1, -2)], axis=-1)
+        p = mx.softmax(logits, axis=-1, precise=True)
+        vals = mx.concatenate([self.kv()[1].astype(mx.float32), v], axis=2)
+        return (p @ vals).reshape(b, hq, 1, d)
+
+
+@pytest.mark.filterwarnings("ignore:.*no calibration artifact")
+@pytest.mark.parametrize("key", CODECS)
+def test_decoding_across_a_chunk_equals_appending(key):
+    """A prefill, 150 single tokens past the end of the first chunk, a chunk of 7, and more
+    single tokens: after every step ``get_kv`` and ``positions`` are those of the codes
+    appended step by step (the same codec), and each step's attention (the registered
+    ``attend``, ``attend_update``, and ``velox.decode``'s steady step on the state as it is and
+    with its count left to its arrays, as the compiled decode step takes it) is theirs."""
+    m = get_method(key)
+    rng = np.random.default_rng(2)
+    b, h, g, d = 1, 2, 2, 32
+    st = m.init(b, h, d)
+    plain = _Appending(st)
+    scale = d ** -0.5
+    steps = [150] + [1] * 150 + [7] + [1] * 20
+    for i, s in enumerate(steps):
+        k, v = _rows(rng, b, h, s, d), _rows(rng, b, h, s, d)
+        if s == 1:
+            q = _rows(rng, b, h * g, 1, d)
+            want = plain.attend(q, k, v, scale)
+            out, new = m.attend_update(st, q, k, v, scale=scale)
+            outs = [m.attend(st, q, k, v, scale=scale), out]
+            if i % 37 == 1 or codec_cache.stored_tokens(st) in (CHUNK - 1, CHUNK):
+                for form in (st, codec_cache.uncounted(st)):
+                    if form is not st and st.empty == 0:  # (the compiled step takes no full state)
+                        continue
+                    o, moved, row = decode.split_step(m, form, q, k, v, scale)
+                    assert row is None
+                    outs.append(o)
+                    if form is st:
+                        assert _shapes(moved) == _shapes(new)
+            for o in outs:
+                np.testing.assert_allclose(np.array(o), np.array(want), rtol=2e-5, atol=2e-5)
+            st = new
+        else:
+            st = m.update(st, k, v)
+        plain.add(k, v)
+        n = sum(steps[:i + 1])
+        assert codec_cache.stored_tokens(st) == n
+        np.testing.assert_array_equal(np.array(m.positions(st)), np.broadcast_to(np.arange(n), (b, h, n)))
+        for got, ref in zip(m.get_kv(st), plain.kv()):
+            np.testing.assert_array_equal(np.array(got), np.array(ref))
+    assert codec_cache.capacity(st) == 2 * CHUNK
+
+
+@pytest.mark.parametrize("key", ["turboquant_mse", "qjl"])
+def test_the_backends_store_the_same_way(key):
+    """The reference backend (NumPy codes) grows and fills the arrays as the mlx one does."""
+    m = get_method(key)
+    rng = np.random.default_rng(3)
+    a, r = m.init(1, 2, 32, backend="mlx"), m.init(1, 2, 32, backend="reference")
+    for s in (CHUNK - 2, 1, 1, 1, 5):
+        k, v = _rows(rng, 1, 2, s, 32), _rows(rng, 1, 2, s, 32)
+        a, r = m.update(a, k, v), m.update(r, k, v)
+        assert _shapes(a) == _shapes(r) and a.empty == r.empty and m.nbytes(a) == m.nbytes(r)
+        for x, y in zip(m.get_kv(a), m.get_kv(r)):
+            np.testing.assert_allclose(np.array(x), np.array(y), rtol=1e-5, atol=1e-5)
+
+
+def test_a_state_whose_count_is_left_to_its_arrays():
+    """``uncounted``: the same arrays, ``empty = UNCOUNTED``; the host reads the count from
+    ``next_pos`` where it needs it, and an update of it is the update of the counted state."""
+    m = get_method("turboquant_prod")
+    rng = np.random.default_rng(4)
+    st = m.init(1, 2, 32)
+    x = _rows(rng, 1, 2, 40, 32)
+    st = m.update(st, x, x)
+    u = codec_cache.uncounted(st)
+    assert u.empty == codec_cache.UNCOUNTED and m.nbytes(u) == m.nbytes(st)
+    assert codec_cache.stored_tokens(u) == 40 and codec_cache.held_rows(u) is u.next_pos
+    y = _rows(rng, 1, 2, 3, 32)
+    for got, want in zip(m.get_kv(m.update(u, y, y)), m.get_kv(m.update(st, y, y))):
+        np.testing.assert_array_equal(np.array(got), np.array(want))
+    assert m.update(u, y, y).empty == CHUNK - 43
+    with pytest.raises(ValueError, match="empty"):
+        codec_cache.stored_tokens(st._replace(empty=300))
+
+
+@pytest.mark.parametrize("key", ["turboquant_prod", "qjl"])
+def test_the_decode_kernels_read_the_held_rows(key, monkeypatch):
+    """The CUDA decode kernels (``velox.kernels.codec``), emulated on the CPU from their very
+    sources, read the held rows of the arrays in place: the count an int, or data (the
+    compiled step's record, the splits planned over every row), equal to ``attend``."""
+    from velox.kernels import codec as ck
+    from tests import test_codec_kernel as tk
+
+    if tk._CXX is None:
+        pytest.skip("needs a C++20 compiler (g++ or clang++)")
+    st = tk._state(key, 1, 2, 128, 300, mx.float32, seed=5)  # 300 tokens in 512 rows
+    assert codec_cache.capacity(st) == 2 * CHUNK
+    q, kn, vn = tk._step(1, 2, 4, 128, mx.float32)
+    want = tk._reference(st, q, kn, vn, 128 ** -0.5, monkeypatch)
+    monkeypatch.setattr(ck, "_run_kernel", tk._emulated_kernel)
+    for form, held in ((st, None), (codec_cache.uncounted(st), None), (st, st.next_pos)):
+        out = ck.decode_attend(form, q, kn, vn, scale=128 ** -0.5, held=held)
+        tk._check(out, want, mx.float32, f"{key} held={held}")
+
+
+# --- through mlx-lm --------------------------------------------------------------------------
+
+PROMPT = mx.array([(7 * i + 3) % 97 for i in range(200)])
+
+
+def _generate(model, caches, n, prompt=PROMPT):
+    toks, steps = [], []
+    for (y, _), _ in zip(generate_step(prompt, model, prompt_cache=caches), range(n)):
+        toks.append(int(y))
+        steps.append(caches[0].last_step)
+    return toks, steps
+
+
+def test_a_file_of_the_appending_layout_loads(tiny_llama, tmp_path):
+    """A prompt cache written before the codes were held in chunks (no ``empty`` field, arrays
+    of the tokens' rows only, format 3) loads and decodes as a cache of today: its arrays are
+    full, so its next token grows them."""
+    from velox.adapters import mlxlm
+
+    caches = make_cache(tiny_llama, "turboquant_mse")
+    tiny_llama(PROMPT[None, :50], cache=caches)
+    path = tmp_path / "new.safetensors"
+    save_cache(path, caches)
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    layers = json.loads(meta["0.layers"])
+    for i, entry in enumerate(layers):  # as the earlier format wrote it
+        del entry["state"]["empty"]
+        for name in list(arrays):
+            if name.startswith((f"{i}.key_codes.", f"{i}.value_codes.")):
+                arrays[name] = arrays[name][:, :, :50]
+    meta["0.layers"] = json.dumps(layers)
+    meta[mlxlm._DIGEST] = mlxlm._digest(arrays, meta)
+    old = tmp_path / "old.safetensors"
+    mx.save_safetensors(str(old), arrays, metadata=meta)
+    loaded, _ = load_cache(old, tiny_llama)
+    st = loaded[0].velox_state
+    assert st.empty == 0 and codec_cache.capacity(st) == 50
+    tok = mx.array([[5]])
+    a, b = tiny_llama(tok, cache=caches), tiny_llama(tok, cache=loaded)
+    np.testing.assert_array_equal(np.array(a), np.array(b))
+    assert codec_cache.capacity(loaded[0].velox_state) == CHUNK
