@@ -68,6 +68,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
+from velox.adapters import model_step
 from velox.adapters.cli import budget_params, parse_param
 from velox.adapters.mlxlm import VeloxCache, make_cache
 from velox.registry import get_method
@@ -303,6 +304,7 @@ class Run:
         self.decode_peak = 0
         self.live_before_decode: int | None = None
         self.finished: dict | None = None  # resident="one": its row, once measured and freed
+        self.steps = {"compiled": 0, "layer_by_layer": 0}  # velox single-token calls, by path
 
     def prefill(self, model, tokens: mx.array, chunk: int) -> None:
         gc.collect()
@@ -325,10 +327,13 @@ class Run:
         if self.live_before_decode is None:
             self.live_before_decode = self.live
         mx.reset_peak_memory()
+        counted = model_step.decode_steps(model)
         if loop == "generate":
             dt = self.generate_block(model, steps)
         else:
             dt, self.y = decode_block(model, self.caches, self.y, steps, loop)
+        for k, v in model_step.decode_steps(model).items():
+            self.steps[k] += v - counted[k]
         self.decode_peak = max(self.decode_peak, self.live + int(mx.get_peak_memory() - before))
         self.live += int(mx.get_active_memory() - before)
         if timed:
@@ -381,6 +386,7 @@ def finish_row(run: Run, batch: int, context: int, steps: int, full_tok_s: float
     r["decode_live_before_bytes"] = run.live_before_decode
     r["decode_live_after_bytes"] = run.live
     r["decode_peak_bytes"] = run.decode_peak
+    r["decode_steps"] = dict(run.steps)
     r["bw_limit_tok_s"] = batch * bandwidth / (shape["weight_read_bytes"] + held)
     r["of_limit"] = r["tok_s"] / r["bw_limit_tok_s"]
     return r
@@ -425,18 +431,30 @@ def rounds(r: dict) -> str:
     return f"{statistics.median(q):.2f} ({min(q):.2f}-{max(q):.2f})"
 
 
+def step_kind(r: dict) -> str:
+    """How the timed single-token steps ran: ``compiled`` (the whole model's compiled step),
+    ``layers`` (layer by layer), both with the count of each, or ``-`` (mlx-lm's caches)."""
+    n = r.get("decode_steps") or {}
+    c, lb = n.get("compiled", 0), n.get("layer_by_layer", 0)
+    if not c and not lb:
+        return "-"
+    if not lb:
+        return "compiled"
+    return "layers" if not c else f"compiled {c}, layers {lb}"
+
+
 def table(rows: list[dict]) -> str:
-    out = ["| batch | context | cache | backend | stored | KV MiB | tok/s | x full | x full per round "
+    out = ["| batch | context | cache | backend | step | stored | KV MiB | tok/s | x full | x full per round "
            "| BW-limit tok/s "
            "| of limit | prefill s | prefill peak MiB | decode peak MiB | live MiB before -> after |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "tok_s" not in r:
-            out.append(f"| {r['batch']} | {r['context']} | {r['cache']} | - | - | - | "
+            out.append(f"| {r['batch']} | {r['context']} | {r['cache']} | - | - | - | - | "
                        f"{r.get('error', 'not measured')} | - | - | - | - | - | - | - | - |")
             continue
         out.append(
-            f"| {r['batch']} | {r['context']} | {r['cache']} | {r.get('backend', '-')} "
+            f"| {r['batch']} | {r['context']} | {r['cache']} | {r.get('backend', '-')} | {step_kind(r)} "
             f"| {r['stored_tokens']} | {mib(r['kv_bytes'])} | {r['tok_s']:.1f} "
             f"| {'-' if r['x_full'] is None else format(r['x_full'], '.2f')} | {rounds(r)} | {r['bw_limit_tok_s']:.0f} | {r['of_limit']:.2f} "
             f"| {r['prefill_s']:.2f} | {mib(r['prefill_peak_bytes'])} | {mib(r['decode_peak_bytes'])} "
