@@ -31,6 +31,7 @@ import velox  # first: it loads OpenBLAS for MLX's CPU matmuls, before mlx.core 
 import mlx.core as mx
 import numpy as np
 
+from velox import codec_cache
 from velox.registry import get_method, method_keys
 
 TARGETS = (2.5, 3.5)
@@ -73,9 +74,11 @@ def measure(key: str, params: dict, k: mx.array, v: mx.array) -> dict:
     if "key_channels" in st._fields:  # the outlier channel order: per kv head, not per token
         tables += st.key_channels.nbytes
     key_bytes = velox.state_nbytes(st.key_codes) if "tables" in st._fields else None
-    per_token = (total - tables) * 8 / (b * h * n)
+    # a codec cache holds its rows in chunks (velox.codec_cache): its bytes a row, empty rows too
+    rows = codec_cache.capacity(st) if codec_cache.is_chunked(st) else n
+    per_token = (total - tables) * 8 / (b * h * rows)
     out = {"method": key, "params": params, "bits_per_token": per_token, "tables_bytes": tables}
-    out["key_bits_per_coord"] = None if key_bytes is None else key_bytes * 8 / (b * h * n * d)
+    out["key_bits_per_coord"] = None if key_bytes is None else key_bytes * 8 / (b * h * rows * d)
     return out
 
 

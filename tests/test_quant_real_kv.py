@@ -73,7 +73,7 @@ def _logits_unbiased(m, params, real_kv, seeds: int = 24) -> bool:
         means = []
         for seed in range(seeds):
             st = m.update(m.init(b, h, d, dtype=k.dtype, **dict(params, seed=seed)), k, v)
-            est = codec_cache.codec_of(st).scores(st.tables, q, st.key_codes)
+            est = codec_cache.codec_of(st).scores(st.tables, q, codec_cache.held_codes(st)[0])
             means.append(float(np.array(est - exact, np.float64).mean()))
         means = np.array(means)
         if abs(means.mean()) > 4 * means.std(ddof=1) / math.sqrt(seeds):
