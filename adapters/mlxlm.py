@@ -533,14 +533,32 @@ class VeloxCache(SteppedCache):
         state after a fused step: no rollback journal, no append tail, the wrapper routing
         attention, no model-level record), nothing is pending, and no slot is empty (the
         layout the compiled step was traced for; amortized eviction's fill steps run layer
-        by layer); an observed cache never offers it."""
+        by layer); an observed cache never offers it.
+
+        A state of chunked storage (the codecs: ``velox.decode.steady_room``) is steady while
+        its next token fits an empty row of its arrays: the same conditions, read from the
+        cache (no rollback journal, no append tail, the wrapper routing attention, the
+        compiled path allowed), and no step that would grow the arrays (those run layer by
+        layer); nothing is read from the device: the state holds the cache's offset in
+        tokens, and its arrays' shapes say their rows. The compiled step takes its record
+        with the count of empty rows left to the arrays (``velox.decode.steady_form``): the
+        same record from token to token, so one trace for each size of the arrays."""
         d = self.__dict__
-        held = d.get("_held")
-        if (held is None or d.get("_fast") is not held or self._pending is not None
-                or not _capture_installed() or d.get("_observe") is not None
-                or evict.empty_slots(getattr(held, "policy", held))):
+        held, m = d.get("_held"), self.method
+        if (held is None or self._pending is not None or not _capture_installed()
+                or d.get("_observe") is not None):
             return None
-        return self.method, held, d.get("_row"), self._offset
+        room = velox.decode.steady_room(m, held, self._offset)
+        if room is None:
+            if d.get("_fast") is not held or evict.empty_slots(getattr(held, "policy", held)):
+                return None
+        elif (room < 1 or not self.compile or self.rollback or self.decode != "evict"
+              or self._tail is not None or self._route_unknown or m.layer_update is not None
+              or d.get("_row") is not None):
+            return None
+        else:
+            held = velox.decode.steady_form(m, held)
+        return m, held, d.get("_row"), self._offset
 
     def stepped(self, state, row) -> None:
         """Take the state and pending row of a compiled whole-model step: one token more, the

@@ -1,6 +1,7 @@
 """Codec caches hold their rows in chunks (``velox.codec_cache``): a token is written in place
-into the next empty row, the arrays grow a chunk at a time, and the state holds what a cache
-that appends every token holds."""
+into the next empty row, the arrays grow a chunk at a time, the state holds what a cache that
+appends every token holds, and a state with an empty row takes the whole model's compiled
+decode step (``velox.adapters.model_step``)."""
 
 import json
 
@@ -11,6 +12,7 @@ from mlx_lm.generate import generate_step
 
 import velox
 from velox import codec_cache, decode, quant
+from velox.adapters import model_step
 from velox.adapters.mlxlm import load_cache, make_cache, save_cache
 from velox.registry import get_method
 
@@ -213,6 +215,44 @@ def test_the_decode_kernels_read_the_held_rows(key, monkeypatch):
         tk._check(out, want, mx.float32, f"{key} held={held}")
 
 
+def test_the_adapter_fill_leaves_the_compiled_steps_record():
+    """The adapter's single-token step outside the compiled step (the backend's ``fill``)
+    leaves the record the compiled step leaves (the count left to ``next_pos``), with the
+    count remembered on the host while that ``next_pos`` lives."""
+    import gc
+
+    m = get_method("qjl")
+    rng = np.random.default_rng(6)
+    st = m.update(m.init(1, 2, 32), _rows(rng, 1, 2, 30, 32), _rows(rng, 1, 2, 30, 32))
+    fill = m.backends["mlx"].fill
+    new = fill(st, _rows(rng, 1, 2, 1, 32), _rows(rng, 1, 2, 1, 32))
+    assert new.empty == codec_cache.UNCOUNTED and codec_cache.stored_tokens(new) == 31
+    key = id(new.next_pos)
+    assert codec_cache._COUNTS[key][1] == 31
+    again = fill(new, _rows(rng, 1, 2, 1, 32), _rows(rng, 1, 2, 1, 32))
+    assert codec_cache.stored_tokens(again) == 32 and _shapes(again) == _shapes(st)
+    del new, again
+    gc.collect()
+    assert key not in codec_cache._COUNTS
+
+
+def test_steady_and_not_steady():
+    """The codecs are steady (their spec's ``storage = "chunked"``) at any size while a row is
+    empty; ``steady_rows`` names no fixed size for them."""
+    for key in CODECS:
+        m = get_method(key)
+        assert decode.not_steady_because(m) is None and decode.chunked(m)
+        assert decode.steady_rows(m, m.spec.defaults) is None
+    m = get_method("turboquant_mse")
+    st = m.update(m.init(1, 1, 32), mx.zeros((1, 1, 5, 32)), mx.zeros((1, 1, 5, 32)))
+    assert decode.steady_room(m, st, 5) == CHUNK - 5 and decode.slot_count(m, st) == CHUNK
+    assert decode.steady_form(m, st).empty == codec_cache.UNCOUNTED
+    ref = m.update(m.init(1, 1, 32, backend="reference"), mx.zeros((1, 1, 5, 32)), mx.zeros((1, 1, 5, 32)))
+    assert decode.steady_room(m, ref, 5) is None  # no in-place step on the reference backend
+    assert decode.steady_room(get_method("tova"), st, 5) is None
+    assert decode.not_steady_because(get_method("kivi")) is not None
+
+
 # --- through mlx-lm --------------------------------------------------------------------------
 
 PROMPT = mx.array([(7 * i + 3) % 97 for i in range(200)])
@@ -224,6 +264,105 @@ def _generate(model, caches, n, prompt=PROMPT):
         toks.append(int(y))
         steps.append(caches[0].last_step)
     return toks, steps
+
+
+@pytest.mark.parametrize("key", ["turboquant_mse", "turboquant_prod"])
+def test_the_compiled_step_runs_codec_caches(tiny_llama, key):
+    """Through mlx-lm's ``generate_step``: a 199-token prefill (one chunk of rows), then 102
+    decode steps across the end of the chunk. Every step but the one that grows the arrays
+    runs in the whole model's compiled step, traced once per size of the arrays (and once more
+    for the prompt's last token, whose dtype is the prompt's), not per token; tokens, offsets,
+    positions, ``get_kv`` and bytes are those of the layer-by-layer path."""
+    plain = make_cache(tiny_llama, key, compile=False)
+    want, plain_steps = _generate(tiny_llama, plain, 100)
+    assert set(plain_steps) == {"deferred"}
+    model_step.reset(tiny_llama)
+    caches = make_cache(tiny_llama, key)
+    got, steps = _generate(tiny_llama, caches, 100)
+    assert got == want
+    # (generate_step runs a step ahead: at token i the step of token i + 1 has run) token
+    # 57 is the cache's 257th: its step grows the arrays, layer by layer
+    assert steps[56] == "fill" and steps[:56] + steps[57:] == ["compiled"] * 99
+    traces = model_step.compiled_steps(tiny_llama)
+    assert list(traces.values()) == [3]  # 256 rows (prompt token, sampled tokens), 512 rows
+    assert [c.offset for c in caches] == [c.offset for c in plain] == [301] * 3
+    for a, b in zip(caches, plain):
+        assert a.nbytes == b.nbytes and codec_cache.capacity(a.velox_state) == 2 * CHUNK
+        np.testing.assert_array_equal(np.array(a.positions()), np.array(b.positions()))
+        for x, y in zip(velox.get_kv(a.velox_state), velox.get_kv(b.velox_state)):
+            np.testing.assert_array_equal(np.array(x), np.array(y))
+
+
+def _address(x: mx.array) -> int:
+    """The address of an array's buffer (read through a NumPy view, let go at once)."""
+    view = np.asarray(x)
+    return view.__array_interface__["data"][0]
+
+
+def test_the_compiled_step_writes_in_place(tiny_llama):
+    """A compiled decode step writes its row into the arrays the cache holds: after it, every
+    code array of every layer is the same buffer (a copy would be a new one: the old is alive
+    while it is made)."""
+    caches = make_cache(tiny_llama, "turboquant_prod")
+    gen = generate_step(PROMPT, tiny_llama, prompt_cache=caches)
+    for _ in range(3):
+        next(gen)
+    for _ in range(5):
+        mx.eval([c.state for c in caches])
+        before = [[_address(x) for x in (*c.velox_state.key_codes, *c.velox_state.value_codes)]
+                  for c in caches]
+        next(gen)
+        mx.eval([c.state for c in caches])
+        assert caches[0].last_step == "compiled"
+        assert before == [[_address(x) for x in (*c.velox_state.key_codes, *c.velox_state.value_codes)]
+                          for c in caches]
+
+
+def test_no_trace_per_token(tiny_llama):
+    """Within one size of the arrays, more decode tokens add no trace."""
+    model_step.reset(tiny_llama)
+    caches = make_cache(tiny_llama, "turboquant_mse")
+    gen = generate_step(PROMPT[:40], tiny_llama, prompt_cache=caches)
+    for _ in range(5):
+        next(gen)
+    before = dict(model_step.compiled_steps(tiny_llama))
+    for _ in range(60):
+        next(gen)
+    assert caches[0].last_step == "compiled"
+    assert model_step.compiled_steps(tiny_llama) == before
+
+
+def test_steady_state_refuses_a_step_that_grows(tiny_llama):
+    """A cache whose arrays are full offers no steady state (its next step grows them, layer
+    by layer); nor does one with a rollback journal, an append tail or compile=False."""
+    caches = make_cache(tiny_llama, "turboquant_mse")
+    tiny_llama(mx.array([[(5 * i + 1) % 97 for i in range(CHUNK)]]), cache=caches)
+    assert caches[0].velox_state.empty == 0 and caches[0].steady_state() is None
+    tiny_llama(PROMPT[None, :1], cache=caches)  # grows the arrays
+    assert caches[0].last_step != "compiled" and caches[0].velox_state.empty == CHUNK - 1
+    got = caches[0].steady_state()
+    assert got is not None and got[1].empty == codec_cache.UNCOUNTED and got[3] == CHUNK + 1
+    for kw in ({"rollback": 2}, {"decode": "append"}, {"compile": False}):
+        other = make_cache(tiny_llama, "turboquant_mse", **kw)
+        tiny_llama(PROMPT[None, :40], cache=other)
+        assert other[0].steady_state() is None, kw
+
+
+def test_save_and_load_after_compiled_steps(tiny_llama, tmp_path):
+    """A cache saved after compiled steps (its count left to its arrays) loads and decodes as
+    the saved one."""
+    caches = make_cache(tiny_llama, "turboquant_prod")
+    gen = generate_step(PROMPT[:60], tiny_llama, prompt_cache=caches)
+    for _ in range(6):
+        next(gen)
+    assert caches[0].last_step == "compiled"
+    path = tmp_path / "c.safetensors"
+    save_cache(path, caches)
+    loaded, _ = load_cache(path, tiny_llama)
+    assert [c.offset for c in loaded] == [c.offset for c in caches]
+    tok = mx.array([[5]])
+    a, b = tiny_llama(tok, cache=caches), tiny_llama(tok, cache=loaded)
+    np.testing.assert_array_equal(np.array(a), np.array(b))
 
 
 def test_a_file_of_the_appending_layout_loads(tiny_llama, tmp_path):

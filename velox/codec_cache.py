@@ -64,6 +64,7 @@ arrays is a token, and their updates append by concatenation.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -209,15 +210,37 @@ def capacity(state) -> int:
     return state.value_codes[0].shape[2]
 
 
+# The counts of the states the host made with their count left to their arrays (the adapter's
+# single-token steps, :func:`_fill`), by the id of their ``next_pos`` array (an immutable value)
+# and dropped with it: such a state is counted without reading the device.
+_COUNTS: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def _uncounted_with(state, n: int) -> tuple:
+    """:func:`uncounted` of a state of ``n`` tokens, its count remembered on the host."""
+    pos, key = state.next_pos, id(state.next_pos)
+
+    def forget(ref, key=key):
+        if _COUNTS.get(key, (None,))[0] is ref:
+            del _COUNTS[key]
+
+    _COUNTS[key] = (weakref.ref(pos, forget), n)
+    return uncounted(state)
+
+
 def stored_tokens(state) -> int:
     """Tokens the state holds: its rows less its empty ones (read on the host from the
-    arrays' shapes and ``empty``; from ``next_pos`` on the device for a state whose count is
-    left to its arrays, ``empty = UNCOUNTED``)."""
+    arrays' shapes and ``empty``). A state whose count is left to its arrays (``empty =
+    UNCOUNTED``) holds ``next_pos`` tokens: the count the host remembers for it where it made
+    it (:func:`_fill`), else read from the device (a state out of the compiled decode step)."""
     n = capacity(state)
     if not is_chunked(state):
         return n
     e = state.empty
     if e == UNCOUNTED:
+        known = _COUNTS.get(id(state.next_pos))
+        if known is not None and known[0]() is state.next_pos:
+            return known[1]
         return int(state.next_pos[0, 0].item()) if n else 0
     if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e <= n:
         raise ValueError(f"empty={e!r} must count the state's empty rows: 0 to its {n} rows "
@@ -478,13 +501,16 @@ def _steady_step(state, queries, keys, values, scale: float):
 
 def _fill(state, keys, values):
     """The adapter's single-token step into an empty row (``velox.evict``'s ``fill``
-    protocol): the update, in place while the token fits (grown otherwise)."""
-    return _update_mlx(state, keys, values, None)
+    protocol): the update, in place while the token fits (grown otherwise), its count left to
+    its arrays as the compiled decode step leaves it (so that a cache holds the same record
+    whichever way its steps ran), and remembered on the host (no device read at the next)."""
+    new = _update_mlx(state, keys, values, None)
+    return _uncounted_with(new, stored_tokens(new))
 
 
 def _fill_attention(state, new, queries, keys, values, scale: float):
     """The attention of a :func:`_fill` step: over ``new``'s arrays (written), the token's
-    row masked out of the stored ones."""
+    row cut off from the stored ones."""
     return _attend(new, stored_tokens(new) - keys.shape[2], queries, keys, values, scale, None)
 
 

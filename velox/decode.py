@@ -26,7 +26,8 @@ from .spec import validate_params
 
 __all__ = ["step", "StepInfo", "step_info", "attend", "split_step", "split_step_with_row", "split_update", "write_row",
            "weights_attention", "attended_step", "with_empty_slots", "with_state", "arrays",
-           "steady_rows", "slot_count", "slack", "not_steady_because"]
+           "steady_rows", "slot_count", "slack", "not_steady_because", "chunked", "steady_room",
+           "steady_form"]
 
 
 class StepInfo(NamedTuple):
@@ -77,8 +78,8 @@ def step(m: Method, state, queries: mx.array, keys: mx.array, values: mx.array, 
     and the new rows up to its own, or as ``mask`` says), then ``m.update`` of the new rows
     with those queries: ``(out, state)``.
 
-    ``steady=True`` (a single token at a full bounded state, the steps a decode loop
-    compiles) takes :func:`split_step` with its row written at once: the same result (the
+    ``steady=True`` (a single token at a full bounded state, or a single token of chunked
+    storage, the steps a decode loop compiles) takes :func:`split_step` with its row written at once: the same result (the
     contract suite holds both to attention-then-update). ``info=True`` returns
     ``(out, state, info)`` with the step's :class:`StepInfo`."""
     if steady:
@@ -200,17 +201,24 @@ def write_row(state, row) -> tuple:
 
 
 def split_step(m: Method, state, queries, keys, values, scale):
-    """One decode step of a steady state (a single token at a full bounded cache): this
-    token's attention over stored + new, then the method's update with its query, the new
-    row's slot write left for the next step (:func:`split_update`): ``(out, state, row)``.
+    """One decode step of a steady state (a single token at a full bounded cache, or into an
+    empty row of chunked storage): this token's attention over stored + new, then the
+    method's update with its query, the new row's slot write left for the next step
+    (:func:`split_update`): ``(out, state, row)``.
 
     The output comes from the backend's fused kernel where it has one (the ``cuda`` evictors:
-    :func:`attended_step`), else from the weights the method scores by (the CPU:
-    :func:`weights_attention`), else the method's ``attend`` hook (codecs reading their codes),
+    :func:`attended_step`), else from the backend's own step where it has one (``steady_step``:
+    chunked storage, the codecs, writing the row in place first and attending over the written
+    arrays; no row left pending), else from the weights the method scores by (the CPU:
+    :func:`weights_attention`), else the method's ``attend`` hook (codes read in place),
     else MLX's attention over the stored slots (empty ones masked) and the new row."""
     attended = attended_step(m, state, queries, keys, values, scale)
     if attended is not None:
         return attended
+    own = getattr(m.backends[state.backend], "steady_step", None)
+    if own is not None:  # chunked storage: the row written in place, then attention over it
+        out, new = own(state, queries, keys, values, scale)
+        return out, new, None
     if m.attend is not None:
         out = m.attend(state, queries, keys, values, scale=scale, mask=None)
     else:  # the stored rows in storage order, empty slots masked, then the new token
@@ -279,22 +287,53 @@ def slack(m: Method, params: dict[str, Any]) -> int:
 def steady_rows(m: Method, params: dict[str, Any]) -> int | None:
     """The slots of a full state of ``m`` with (validated) ``params``, where its single-token
     steps keep every shape (capacity plus slack); ``None`` where no state of ``m`` is steady
-    (:func:`not_steady_because` says why)."""
-    if not_steady_because(m, params) is not None:
+    at one size (:func:`not_steady_because` says why; chunked storage is steady at any size
+    while its empty rows last: :func:`steady_room`)."""
+    if not_steady_because(m, params) is not None or chunked(m):
         return None
     return m.spec.capacity(params) + slack(m, params)
 
 
 def slot_count(m: Method, state) -> int:
     """Rows the state's arrays hold (its slots, empty ones included: ``kv_slots`` leaves out
-    the empty slots, which are the last ones)."""
+    the empty slots, which are the last ones; chunked storage: its capacity)."""
+    if chunked(m):
+        return m.extras["capacity"](state)
     return int(m.kv_slots(state)[0].shape[2]) + evict.empty_slots(getattr(state, "policy", state))
+
+
+def chunked(m: Method) -> bool:
+    """Whether ``m`` holds its rows in chunks (``contract.storage = "chunked"``: the codec
+    caches, ``velox.codec_cache``): arrays grown a chunk at a time, a token written in place
+    into the next empty row."""
+    return m.spec.contract.get("storage") == "chunked"
+
+
+def steady_room(m: Method, state, held: int) -> int | None:
+    """Empty rows of a state of chunked storage that holds ``held`` tokens (the caller's
+    count, e.g. an mlx-lm cache's offset: nothing is read from the device; the rows from the
+    arrays' shapes): its next ``room`` single-token steps keep every shape, and one more than
+    that grows the arrays. ``None`` for any other method, or a backend without an in-place
+    single-token step (``steady_step``: the ``reference`` backend)."""
+    backend = m.backends.get(getattr(state, "backend", None))  # (ragged rows: no backend field)
+    if not chunked(m) or getattr(backend, "steady_step", None) is None:
+        return None
+    return m.extras["capacity"](state) - held
+
+
+def steady_form(m: Method, state):
+    """The record of ``state`` a compiled decode step is traced with: for chunked storage the
+    same arrays with the count of empty rows left to them (``velox.codec_cache.uncounted``), so
+    that the record stays the same from token to token; others as they are."""
+    form = m.extras.get("uncounted") if chunked(m) else None
+    return state if form is None else form(state)
 
 
 def not_steady_because(m: Method, params: dict[str, Any] | None = None) -> str | None:
     """Why no state of ``m`` with (validated) ``params`` (default: the spec's defaults) is
     steady, so its decode steps cannot run in the whole model's compiled step
-    (``velox.adapters.model_step``), or ``None`` where a full state is steady."""
+    (``velox.adapters.model_step``), or ``None`` where a full state is steady, or (chunked
+    storage) a state with an empty row."""
     contract = m.spec.contract
     if m.layer_update is not None:
         return "it updates a record shared by every layer, layer by layer"
@@ -302,6 +341,8 @@ def not_steady_because(m: Method, params: dict[str, Any] | None = None) -> str |
         return contract.get("not_compilable_because", "its update is not compilable")
     if contract.get("bound_phase", "all") != "all":
         return "it bounds its prefill only: every decode token is kept, so its state grows"
+    if chunked(m):
+        return None
     if m.spec.capacity(validate_params(m.spec, {}) if params is None else params) is None:
         return "its state grows with the tokens (codes or rows appended at every step)"
     return None
