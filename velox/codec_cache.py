@@ -15,18 +15,26 @@ field, ``cache_dtype`` and ``backend``. Every token is kept, in order.
 
 Storage in chunks (``contract.storage = "chunked"`` in the methods' specs), as mlx-lm's
 ``KVCache`` holds its rows: the code arrays (every array of ``key_codes`` and ``value_codes``)
-hold ``n`` rows, a multiple of :data:`CHUNK`; the first ``next_pos`` are the tokens, in order,
-and the last ``empty`` (a static field) are empty rows, zeros, never read: attention masks
-them out, and ``get_kv``, ``positions`` and :func:`stored_tokens` give the tokens only. An
-update whose tokens fit writes them in place, at an index that is an array (``mx.slice_update``
-at ``next_pos``: the position is data, so a compiled step is not traced again per token); one
-that does not fit copies the tokens once into arrays grown to fit, rounded up to a chunk (a
-prefill chunk grows them at once). A fresh state holds no row. ``nbytes`` counts every row.
-A state's count of empty rows may be left to the arrays (``empty = UNCOUNTED``): the record the
-whole model's compiled decode step is traced with (``velox.adapters.model_step``, which checks
-on the host, from the cache's offset, that the token fits), so that the record, and the trace,
-stay the same from token to token; its tokens are then ``next_pos`` (read from the device by
-the functions that need the count on the host, outside the compiled step).
+hold :func:`capacity` rows, a multiple of :data:`CHUNK` (or the tokens' rows alone, a state of
+a file written before); the first ``next_pos`` are the tokens, in order, and the last ``empty``
+(a static field) are empty rows, zeros, never read: attention cuts them off (or masks them,
+where the count is data), and ``get_kv``, ``positions`` and :func:`stored_tokens` give the
+tokens only. An update whose tokens fit writes them in place, at an index that is an array
+(``mx.slice_update`` at ``next_pos``: the position is data, so a compiled step is not traced
+again per token); one that does not fit copies the tokens once into arrays grown to fit,
+rounded up to a chunk (a prefill chunk grows them at once). A fresh state holds no row.
+``nbytes`` counts every row.
+
+A state's count of empty rows may be left to its arrays (``empty = UNCOUNTED``,
+:func:`uncounted`): the record the whole model's compiled decode step is traced with
+(``velox.adapters.model_step``, which checks on the host, from the cache's offset, that the
+token fits), so that the record, and the trace, stay the same from token to token; the
+adapter's single-token steps outside it (the backend's ``fill``) leave the same record, so that
+a cache holds the same state whichever way its steps ran. Its tokens are then ``next_pos``:
+the count the host remembers where it made the state, else read from the device by the
+functions that need it on the host (a state out of the compiled step), never inside the step.
+Compiling an update of such a state (``mx.compile``) needs it counted; an update of a counted
+state is traced again at every count (``empty`` is static).
 
 Outlier channels (``state_type(..., split=True)``: an ``init`` with ``n_outlier`` and
 ``outlier_bits``): with ``n_outlier > 0`` the key codec is the split codec of the method's codec
