@@ -47,7 +47,7 @@ from typing import Any, NamedTuple, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .. import quant
+from .. import codec_cache, quant
 from .. import reference as ref
 from .._typing import Array, Float, Int, UInt
 from ..codec_cache import CHUNK, UNCOUNTED
@@ -163,6 +163,9 @@ def stored_tokens(state) -> int:
     is left to it (``empty = UNCOUNTED``: out of the compiled decode step)."""
     n, e = capacity(state), state.empty
     if e == UNCOUNTED:
+        known = codec_cache._COUNTS.get(id(state.next_pos))  # (made by the host: _fill)
+        if known is not None and known[0]() is state.next_pos:
+            return known[1]
         return int(state.next_pos.reshape(-1)[0].item()) if state.next_pos.size else 0
     if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e <= n:
         raise ValueError(f"empty={e!r} must count the state's empty rows: 0 to its {n} rows "
@@ -441,8 +444,12 @@ def error_bound(state: KiviState) -> tuple[Float[Array, "b h n d"], Float[Array,
 
 def _fill(state, keys, values):
     """The adapter's layer-by-layer single-token step (``velox.evict``'s ``fill`` protocol: a
-    step the compiled one does not take, e.g. a flush after compiled steps): ``update``."""
-    return _update_mlx(state, keys, values, None)
+    step the compiled one does not take, e.g. a flush after compiled steps): ``update``, its
+    count left to ``next_pos`` as the compiled step leaves it (so that a cache holds the same
+    record whichever way its steps ran) and remembered on the host (no device read at the
+    next)."""
+    new = _update_mlx(state, keys, values, None)
+    return codec_cache._uncounted_with(new, stored_tokens(new))
 
 
 def _fill_attention(state, new, queries, keys, values, scale: float):
