@@ -52,11 +52,18 @@ Backends: ``mlx`` encodes with the codec's MLX functions and quantizes values wi
 ``velox.quant.quantize``; ``reference`` runs the codec's NumPy twins and
 ``velox.reference.quantize`` on the same inputs, giving the same codes, stored the same way.
 
-Attention (:func:`attend`): logits over the stored tokens are the codec's ``scores`` of the
-scaled queries against the key codes (:func:`key_scores`, never decoding the keys); the ``s`` new tokens' logits
-are exact; one softmax; the weights multiply the dequantized stored values and the new values.
-Queries are processed in blocks of :data:`QUERY_BLOCK` rows per kv head, so a prefill chunk
-never holds more than one block's scores. A decode step (one query token) on a CUDA device
+Attention (:func:`attend`): a decode step's logits over the stored tokens are the codec's
+``scores`` of the scaled queries against the key codes (:func:`key_scores`, never decoding the
+keys); the ``s`` new tokens' logits are exact; one softmax; the weights multiply the
+dequantized stored values and the new values. A chunk of several tokens (a prefill) decodes
+the stored keys once instead (every codec's ``scores`` is the query's inner product with its
+decoded key, so the logits are the same to float32 rounding:
+``tests/test_codec_prefill.py``) and runs MLX's fused attention over them and the chunk's
+rows: scoring the codes per block of queries decoded the stored codes again for every block
+of :data:`QUERY_BLOCK` query rows and held a block's logits, which made a TurboQuant prefill
+slower than the full cache's and several times its peak memory (on this project's CPU, 8,192
+stored tokens and a 1,024-token chunk: TurboQuant prod 148 s and 3,150 MiB against 15 s and
+1,298 MiB decoded, the full cache's attention 18 s and 1,177 MiB). A decode step (one query token) on a CUDA device
 runs the fused kernels of ``velox.kernels.codec`` where they take the state (TurboQuant mse,
 rvq and prod, QJL: ``supports``), reading the held rows of the arrays in place, with the same
 result within float32 rounding. A step's attention and update together (``attend_update``,
@@ -454,6 +461,8 @@ def _attend(state, held, queries, keys, values, scale: float, mask):
     kc, vc = state.key_codes, state.value_codes
     if isinstance(held, int) and held != capacity(state):
         kc, vc = _cut(kc, held), _cut(vc, held)
+    if s > 1 and isinstance(held, int) and held:
+        return _chunk_attend(state, kc, vc, queries, keys, values, scale, mask)
     h = keys.shape[1]
     g = hq // h
     q = (queries.astype(mx.float32) * scale).reshape(b, h, g * s, d)
@@ -478,6 +487,26 @@ def _attend(state, held, queries, keys, values, scale: float, mask):
             outs.append(softmax(new, axis=-1) @ vn)
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
     return out.reshape(b, hq, s, d).astype(queries.dtype)
+
+
+def _chunk_attend(state, kc, vc, queries, keys, values, scale: float, mask):
+    """A chunk's attention (a prefill): the stored keys decoded once (the codec's ``decode``;
+    every codec's ``scores`` is the inner product of the query with its decoded key, so the
+    logits are the same to float32 rounding) and the values dequantized once, in float32,
+    then MLX's fused attention over them and the chunk's rows (bottom-right causal: each query
+    sees every stored token and the new ones up to its own). What it holds beyond the
+    chunk's: one float32 copy of the stored rows, as a full cache holds them; no
+    ``[queries, stored]`` logits where the fused kernel runs (a GPU), where scoring the
+    codes block by block held a block's logits and its decoded codes per query block."""
+    d = queries.shape[-1]
+    stored = codec_of(state).decode(state.tables, kc)
+    if _split(state):
+        stored = split.scatter(stored, state.key_channels)
+    k = mx.concatenate([stored, keys.astype(mx.float32)], axis=2)
+    v = mx.concatenate([_values_f32(vc, d), values.astype(mx.float32)], axis=2)
+    out = mx.fast.scaled_dot_product_attention(queries.astype(mx.float32), k, v, scale=scale,
+                                               mask=None if mask is None else "causal")
+    return out.astype(queries.dtype)
 
 
 def _attend_update(state, queries, keys, values, *, scale: float, mask=None):
