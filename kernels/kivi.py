@@ -517,20 +517,10 @@ def _on_device() -> bool:
     return device_supports("cuda") and mx.default_device() == mx.gpu
 
 
-def _held(state):
-    """``state`` with its arrays cut to the tokens it holds (views): a KIVI state whose
-    arrays hold empty rows (``empty``, ``velox.methods.kivi``'s storage in chunks); others as
-    they are. The kernels read every row of the arrays they are given."""
-    if getattr(state, "empty", 0) == 0:
-        return state
-    from velox.methods import kivi
-    return kivi.held_state(state)
-
-
 def step_plan(state, queries) -> _Plan | None:
     """The launch plan of a decode step of ``state`` and ``queries`` on this device (for
     :func:`decode_step`'s ``plan``), or None where :func:`supports` would say no."""
-    return _plan(_held(state), queries) if _on_device() else None
+    return _plan(state, queries) if _on_device() else None
 
 
 def supports(state, queries) -> bool:
@@ -545,7 +535,6 @@ def supports(state, queries) -> bool:
 def _launch(state, queries, keys, values, scale: float, append: bool, plan: _Plan | None = None):
     """The split kernel (appending or not), then the merge kernel: the output, and with
     ``append`` the new residual window and positions."""
-    state = _held(state)
     plan = plan or _plan(state, queries)
     if plan is None:
         raise ValueError("the KIVI decode kernels do not take this state and queries (see supports)")

@@ -204,35 +204,14 @@ def _held_rows(state: tuple, out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-_KIVI_ARRAYS = ("key_codes", "key_scales", "key_zeros", "value_codes", "value_scales",
-                "value_zeros", "residual_keys", "residual_values")
-
-
-def _kivi_held(state: tuple, out: dict[str, Any]) -> dict[str, Any]:
-    """``out`` (the leaves of a state holding KIVI's arrays in chunks, ``velox.methods.kivi``:
-    KIVI, KIVI + KVSink) with its quantized arrays and residual window cut to the tokens they
-    hold, and its count of empty rows left out: it observes as the state of the appending
-    layout holding those tokens alone."""
-    from velox.methods import kivi
-
-    held = kivi.held_state(state)
-    out.pop("empty", None)
-    for name in _KIVI_ARRAYS:
-        out[name] = getattr(held, name)
-    return out
-
-
 def _canonical(state: tuple, out: dict[str, Any]) -> dict[str, Any]:
     """``out`` (the leaves of ``state``) with every per-token array ordered by position and
     empty slots dropped: a state of slots observes as the sorted state holding the same
-    tokens, rows and per-token fields; a codec cache's, its held rows only (:func:`_held_rows`);
-    KIVI's, its arrays cut to its tokens (:func:`_kivi_held`)."""
+    tokens, rows and per-token fields; a codec cache's, its held rows only (:func:`_held_rows`)."""
     from velox import codec_cache
 
     if codec_cache.is_chunked(state):
         return _held_rows(state, out)
-    if all(f in getattr(state, "_fields", ()) for f in (*_KIVI_ARRAYS, "empty", "residual_length")):
-        return _kivi_held(state, out)
     found = _slot_positions(state)
     if found is None:
         return out
@@ -262,9 +241,9 @@ def observe(state: tuple) -> dict[str, Any]:
 
     Canonical: per-token fields of a state of slots ordered by position, empty slots and the
     ``empty`` count dropped (:func:`_canonical`), so a state holding the same tokens, rows and
-    per-token data in another slot order observes the same; a codec cache's code arrays, and
-    KIVI's quantized arrays and residual window, cut to the tokens they hold (their empty rows
-    and their count dropped). ``nbytes()`` counts every row held."""
+    per-token data in another slot order observes the same; a codec cache's code arrays cut to
+    the tokens it holds (its empty rows and their count dropped). ``nbytes()`` counts every
+    row held."""
     out = _canonical(state, dict(_leaves("", state)))
     keys, values = velox.get_kv(state)
     out["get_kv.keys"], out["get_kv.values"] = keys, values

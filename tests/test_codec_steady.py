@@ -250,7 +250,7 @@ def test_steady_and_not_steady():
     ref = m.update(m.init(1, 1, 32, backend="reference"), mx.zeros((1, 1, 5, 32)), mx.zeros((1, 1, 5, 32)))
     assert decode.steady_room(m, ref, 5) is None  # no in-place step on the reference backend
     assert decode.steady_room(get_method("tova"), st, 5) is None
-    assert decode.not_steady_because(get_method("gear")) is not None
+    assert decode.not_steady_because(get_method("kivi")) is not None
 
 
 # --- through mlx-lm --------------------------------------------------------------------------

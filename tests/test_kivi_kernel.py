@@ -277,7 +277,7 @@ def test_emulated_kernels_match_attend(case, monkeypatch):
     monkeypatch.setattr(kk, "_run_kernel", _emulated_kernel)
     st = _compare(case, monkeypatch)
     b, h, g, d, n, dtype, params = case
-    nq, r = kivi.held_counts(st)
+    r, nq = st.residual_keys.shape[2], kivi.quantized_tokens(st)
     assert r + nq == n
 
 
@@ -316,15 +316,14 @@ STEP_CASES = [  # b, h, g, d, n, dtype, params: 40 steps cross group flushes
 @_marks(needs_emulation)
 @pytest.mark.parametrize("case", STEP_CASES, ids=lambda c: f"{c[:5]}-{c[5]}-{c[6]}")
 def test_emulated_attend_update_is_attend_then_update(case, monkeypatch):
-    """The decode step: the token written into the window (or the flush), then the kernels'
-    two launches (``decode_attend``) over the written arrays' rows held before it:
-    ``update``'s state to the bit and ``attend``'s output, step after step, from an empty
-    state on, through group flushes."""
+    """The decode step's two launches (``decode_step``: attention, and the residual window
+    with the token appended) then the flush: ``update``'s state to the bit and ``attend``'s
+    output, step after step, from an empty state on, through group flushes."""
     monkeypatch.setattr(kk, "_run_kernel", _emulated_kernel)
     monkeypatch.setattr(kk, "_on_device", lambda: True)
     calls = []
-    real = kk.decode_attend
-    monkeypatch.setattr(kk, "decode_attend", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = kk.decode_step
+    monkeypatch.setattr(kk, "decode_step", lambda *a, **k: calls.append(1) or real(*a, **k))
     assert _steps(case, monkeypatch, 40) >= 1
     assert len(calls) == 40
 
@@ -371,8 +370,7 @@ def test_the_adapter_decodes_through_attend_update(monkeypatch):
     prompt = mx.array([1, 5, 7, 9, 11, 13, 2, 4, 6, 8] * 4)
 
     def run():
-        # layer by layer (the compiled whole-model step attends on the MLX path)
-        caches = make_cache(model, "kivi", bits=4, residual_length=8, compile=False)
+        caches = make_cache(model, "kivi", bits=4, residual_length=8)
         toks = [int(t) for t, _ in generate_step(prompt, model, prompt_cache=caches, max_tokens=36,
                                                  prefill_step_size=16)]
         return toks, caches
@@ -381,8 +379,8 @@ def test_the_adapter_decodes_through_attend_update(monkeypatch):
     monkeypatch.setattr(kk, "_run_kernel", _emulated_kernel)
     monkeypatch.setattr(kk, "_on_device", lambda: True)
     calls = []
-    real = kk.decode_attend
-    monkeypatch.setattr(kk, "decode_attend", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = kk.decode_step
+    monkeypatch.setattr(kk, "decode_step", lambda *a, **k: calls.append(1) or real(*a, **k))
     on_toks, on = run()
     assert on_toks == off_toks
     assert len(calls) >= 2 * 35 and len(calls) % 2 == 0  # every single-token step, both layers

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 import velox
-from velox.methods import kivi
 
 from tests._helpers import (BACKENDS, _data, _planted, same_state, token_rows as rows,
                             feed_in_chunks as feed)
@@ -28,14 +27,12 @@ def test_kivi_sink_by_hand(backend):
     assert np.allclose(np.array(st.key_scales)[0, 0, :, 0], 31 / 3, rtol=2 ** -11)
     codes = np.array([0] * 6 + [1] * 10 + [2] * 10 + [3] * 6)
     words = [sum(int(c) << (2 * i) for i, c in enumerate(codes[16 * w:16 * w + 16])) for w in range(2)]
-    assert np.array(kivi.held_state(st).key_codes)[0, 0, 0].tolist() == words
+    assert np.array(st.key_codes)[0, 0, 0].tolist() == words
     k, v = velox.kivi_sink_get_kv(st)
     assert np.array(k)[0, 0, 5, 0] == 775 and np.array_equal(np.array(v)[0, 0], np.array(x)[0, 0])
-    # Bytes: KIVI's arrays hold room for a chunk of 256 tokens (the 32 held and 224 empty):
-    # codes 2 x 2048, float16 scales and zeros 2 x 2 x 256 x 2 B, next_pos 4 (6148; no window
-    # row: residual_length 0) + the sink row (keys and values) 2 x 32 x 2 B (float16
-    # residual_dtype) + its position 4 B.
-    assert velox.kivi_sink_bytes(st) == 6148 + 128 + 4
+    # Bytes: KIVI's codes 2 x 256, float16 scales and zeros 2 x 2 x 32 x 2 B, next_pos 4 (772)
+    # + the sink row (keys and values) 2 x 32 x 2 B (float16 residual_dtype) + its position 4 B.
+    assert velox.kivi_sink_bytes(st) == 772 + 128 + 4
     plain = velox.kivi_update(velox.kivi_init(1, 1, 32, bits=2, group_size=32, residual_length=0), x, x)
     assert np.allclose(np.array(plain.key_scales)[0, 0, :, 0], 775 / 3, rtol=2 ** -11)
 

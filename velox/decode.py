@@ -304,8 +304,8 @@ def slot_count(m: Method, state) -> int:
 
 def chunked(m: Method) -> bool:
     """Whether ``m`` holds its rows in chunks (``contract.storage = "chunked"``: the codec
-    caches, ``velox.codec_cache``, and KIVI, ``velox.methods.kivi``): arrays grown a chunk at a
-    time, a token written in place into the next empty row."""
+    caches, ``velox.codec_cache``): arrays grown a chunk at a time, a token written in place
+    into the next empty row."""
     return m.spec.contract.get("storage") == "chunked"
 
 
@@ -314,16 +314,10 @@ def steady_room(m: Method, state, held: int) -> int | None:
     count, e.g. an mlx-lm cache's offset: nothing is read from the device; the rows from the
     arrays' shapes): its next ``room`` single-token steps keep every shape, and one more than
     that grows the arrays. ``None`` for any other method, or a backend without an in-place
-    single-token step (``steady_step``: the ``reference`` backend). A method whose rows are
-    not one run of arrays (KIVI: quantized groups and a residual window) says its own
-    (``steady_room`` among its registered extras: the steps before one that flushes a group
-    or grows a buffer)."""
+    single-token step (``steady_step``: the ``reference`` backend)."""
     backend = m.backends.get(getattr(state, "backend", None))  # (ragged rows: no backend field)
     if not chunked(m) or getattr(backend, "steady_step", None) is None:
         return None
-    own = m.extras.get("steady_room")
-    if own is not None:
-        return own(state, held)
     return m.extras["capacity"](state) - held
 
 

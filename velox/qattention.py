@@ -105,26 +105,18 @@ def dequantized(seg, dtype) -> Dense:
 
 def attend_blocks(queries: Float[Array, "b q s d"], segments: list,
                   keys: Float[Array, "b h s d"], values: Float[Array, "b h s d"], *,
-                  scale: float, mask=None, held: list | None = None) -> Float[Array, "b q s d"]:
+                  scale: float, mask=None) -> Float[Array, "b q s d"]:
     """:func:`attend_segments` on the codes themselves: scores and outputs of affine segments
     through ``mx.quantized_matmul``, one float32 softmax over every segment and the new
-    tokens, the queries in blocks of rows (:func:`query_block`).
-
-    ``held`` (one per segment: ``None``, or int32 ``[b, h]`` counts) reads a segment's rows
-    past its count as none: their logits masked out (rows of a buffer whose count is data,
-    the compiled decode step's; they must be finite)."""
+    tokens, the queries in blocks of rows (:func:`query_block`)."""
     b, hq, s, d = queries.shape
     h = keys.shape[1]
     g = hq // h
     q = (queries * scale).reshape(b, h, g * s, d)
-    held = [None] * len(segments) if held is None else list(held)
-    if len(held) != len(segments):
-        raise ValueError(f"held gives {len(held)} counts for {len(segments)} segments")
-    kept = [(x, c) for x, c in zip(segments, held) if _length(x) > 0]
-    segs, counts = [x for x, _ in kept], [c for _, c in kept]
+    segs = [x for x in segments if _length(x) > 0]
     n = sum(_length(x) for x in segs) + s
     rows = query_block(b * h, n, g * s)
-    outs = [_attend_block(q[:, :, lo:lo + rows], lo, s, segs, keys, values, mask, queries.dtype, counts)
+    outs = [_attend_block(q[:, :, lo:lo + rows], lo, s, segs, keys, values, mask, queries.dtype)
             for lo in range(0, g * s, rows)]
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
     return out.reshape(b, hq, s, d).astype(queries.dtype)
@@ -137,12 +129,11 @@ def query_block(heads: int, n: int, rows: int, tile_bytes: int | None = None) ->
     return max(1, min(rows, tile // max(1, 4 * heads * n)))
 
 
-def _attend_block(q, lo: int, s: int, segs: list, keys, values, mask, dtype, counts=None):
+def _attend_block(q, lo: int, s: int, segs: list, keys, values, mask, dtype):
     """Output of the query rows ``lo .. lo + q.shape[2] - 1`` (row ``i`` is the chunk's token
-    ``i % s``) over the segments and the new tokens (a segment's rows past its count in
-    ``counts`` masked out)."""
+    ``i % s``) over the segments and the new tokens."""
     logits = []
-    for i, seg in enumerate(segs):
+    for seg in segs:
         if isinstance(seg, Dense):
             logits.append(q @ seg.keys.swapaxes(-1, -2))
         elif isinstance(seg, AffineRows):
@@ -153,10 +144,6 @@ def _attend_block(q, lo: int, s: int, segs: list, keys, values, mask, dtype, cou
             logits.append(mx.quantized_matmul(q, seg.key_codes, seg.key_scales, seg.key_zeros,
                                               transpose=False, group_size=seg.group_size,
                                               bits=seg.bits))
-        count = None if counts is None else counts[i]
-        if count is not None:
-            past = mx.arange(_length(seg))[None, None, None, :] >= count[:, :, None, None]
-            logits[-1] = mx.where(past, mx.array(-mx.inf, logits[-1].dtype), logits[-1])
     new = q @ keys.swapaxes(-1, -2)
     if mask is not None and s > 1:
         i = mx.arange(lo, lo + q.shape[2])[:, None] % s

@@ -15,10 +15,8 @@ absorbed in one chunk chooses among all its quantized tokens, token-by-token dec
 the first group; everything else follows KIVI, bit for bit. ``n_sink_tokens=0`` is KIVI:
 the same codes, scales and zeros, the same bytes (the sink arrays are empty).
 
-Storage: KIVI's arrays (in chunks, with their empty rows: ``velox.methods.kivi``), the sink
-rows ``[b, h, S, d]`` (keys and values) and their positions ``[b, h, S]``. Each sink also
-leaves a placeholder code row in its group (the static layout). Its decode steps run layer by
-layer (attention over ``get_kv``).
+Storage: KIVI's arrays, the sink rows ``[b, h, S, d]`` (keys and values) and their positions
+``[b, h, S]``. Each sink also leaves a placeholder code row in its group (the static layout).
 """
 
 from __future__ import annotations
@@ -78,7 +76,7 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
 
 def _first_flush(state: KiviSinkState, s: int) -> int:
     """Tokens this update quantizes if it is the first to quantize (else 0)."""
-    if state.n_sink_tokens == 0 or kivi.quantized_tokens(_kivi(state)):
+    if state.n_sink_tokens == 0 or state.key_scales.shape[-1]:
         return 0
     return flush_count(_kivi(state), s)
 
@@ -87,7 +85,6 @@ def _update_mlx(state: KiviSinkState, keys, values, queries) -> KiviSinkState:
     f = _first_flush(state, keys.shape[2])
     if not f:
         return _with(state, kivi.update(_kivi(state), keys, values))
-    state = kivi.held_state(state)  # (the window's rows only: views)
     r, g, n = state.residual_keys.shape[2], state.group_size, min(state.n_sink_tokens, f)
     rd = state.residual_keys.dtype
     ck = mx.concatenate([state.residual_keys, keys.astype(rd)], axis=2)
@@ -118,7 +115,6 @@ def _update_reference(state: KiviSinkState, keys, values, queries) -> KiviSinkSt
     f = _first_flush(state, keys.shape[2])
     if not f:
         return _with(state, kivi.update(_kivi(state), keys, values))
-    state = kivi.held_state(state)  # (the window's rows only: views)
     dtype = state.residual_keys.dtype
     r, g, n = state.residual_keys.shape[2], state.group_size, min(state.n_sink_tokens, f)
     new = lambda x: ref.round_to(ref.to_np(x, np.float32), dtype)  # noqa: E731  (held in dtype)
