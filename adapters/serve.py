@@ -34,7 +34,10 @@ duration of the call (:func:`installed`):
   with its tokens, the tokens each layer holds and its bytes, the prompt cache's hits, the
   recent requests (tokens generated and sent, cancelled or not), the model's decode steps by
   how they ran (``compiled``: the whole model's compiled step, ``velox.adapters.model_step``;
-  ``layer_by_layer``) and the process memory.
+  ``layer_by_layer``), with ``--observe-steps`` what the caches' updates did
+  (``observed_steps``: layer updates, tokens dropped, the largest error of a step's rows, from
+  each update's ``velox.decode.StepInfo``; observed caches decode layer by layer) and the
+  process memory.
 
 Requests: every request is served by the server's model and method. A ``model`` field may
 name the served model by any of its names (``--model`` as given, its folder, mlx-lm's
@@ -131,6 +134,7 @@ class ServeConfig:
     truncate_prompt: bool = False
     max_tokens_cap: int | None = None  # None: the model's context length
     max_body_bytes: int = MAX_BODY_BYTES
+    observe_steps: bool = False  # every cache reports its steps' StepInfo to /velox/stats
 
     def cache_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``velox.adapters.mlxlm.make_cache`` besides the model and
@@ -142,6 +146,8 @@ class ServeConfig:
             kw["rollback"] = self.rollback
         if self.artifacts is not None:
             kw["artifacts"] = self.artifacts
+        if self.observe_steps:
+            kw["observe"] = _STATS.observe_step
         return {**kw, **self.params}
 
     def capacity(self) -> int | None:
@@ -157,7 +163,7 @@ class ServeConfig:
         return {"method": self.method, "params": dict(self.params), "backend": self.backend,
                 "decode": self.decode, "decode_cap": self.decode_cap, "rollback": self.rollback,
                 "artifacts": self.artifacts, "capacity": self.capacity(), "model": self.model,
-                "model_id": self.model_id}
+                "model_id": self.model_id, "observe_steps": self.observe_steps}
 
 
 def _count(text: str) -> int:
@@ -210,6 +216,10 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--max-tokens-cap", type=_positive_int, metavar="N",
                    help="largest max_tokens a request may ask for; more is answered 400 "
                         "(default: the model's context length, as --max-prompt-tokens)")
+    v.add_argument("--observe-steps", action="store_true",
+                   help="every cache reports each update's StepInfo (tokens dropped, the "
+                        "largest quantization error of the step's rows) to /velox/stats; "
+                        "observed caches decode layer by layer, slower")
     v.add_argument("--max-body-bytes", type=_positive_int, default=MAX_BODY_BYTES, metavar="N",
                    help="largest request body accepted; more is answered 413 (default %d)"
                         % MAX_BODY_BYTES)
@@ -262,11 +272,12 @@ def parse_args(argv: list[str]) -> tuple[ServeConfig, list[str], bool]:
                       artifacts=args.artifacts, model=args.model, model_id=args.model,
                       max_prompt_tokens=args.max_prompt_tokens,
                       truncate_prompt=args.truncate_prompt, max_tokens_cap=args.max_tokens_cap,
-                      max_body_bytes=args.max_body_bytes)
+                      max_body_bytes=args.max_body_bytes, observe_steps=args.observe_steps)
     if args.method == FULL:
         given = [f for f, v in (("--budget", args.budget), ("--param", args.param),
                                 ("--decode-cap", args.decode_cap), ("--artifacts", args.artifacts),
-                                ("--rollback", args.rollback)) if v]
+                                ("--rollback", args.rollback),
+                                ("--observe-steps", args.observe_steps)) if v]
         if given or args.decode != "evict":
             raise ValueError(f"--method full (mlx-lm's own caches) takes no "
                              f"{', '.join(given) or '--decode'}")
@@ -847,6 +858,8 @@ def stats(response_generator) -> dict[str, Any]:
             "max_body_bytes": limits.max_body_bytes},
         "requests": _STATS.requests(),
         "decode_steps": None if provider.model is None else decode_steps(provider.model),
+        "observed_steps": (_STATS.observed() if _STATS.config is not None
+                           and _STATS.config.observe_steps else None),
         "memory": _memory(),
     }
     if isinstance(pc, VeloxPromptCache):
@@ -940,6 +953,26 @@ class _Stats:
         self._recent: deque[_Request] = deque(maxlen=REQUESTS_KEPT)
         self._counts = {"done": 0, "cancelled": 0, "failed": 0}
         self._refused: dict[str, int] = {}
+        self._observed = {"updates": 0, "tokens_evicted": 0, "max_key_error": 0.0,
+                          "max_value_error": 0.0}
+
+    def observe_step(self, layer: int, info) -> None:
+        """The caches' step observer (``--observe-steps``): one update of one layer's state,
+        its ``velox.decode.StepInfo`` evaluated here (the generation thread waits for it)."""
+        evicted = int(info.evicted.sum())
+        k, v = float(info.key_error.max()), float(info.value_error.max())
+        with self._lock:
+            o = self._observed
+            o["updates"] += 1
+            o["tokens_evicted"] += evicted
+            o["max_key_error"] = max(o["max_key_error"], k)
+            o["max_value_error"] = max(o["max_value_error"], v)
+
+    def observed(self) -> dict[str, Any]:
+        """What the step observer has seen: layer updates, tokens they dropped (over every
+        layer, batch row and kv head) and the largest error of a step's rows."""
+        with self._lock:
+            return dict(self._observed)
 
     def open_request(self, path: str, stream: bool, max_tokens: Any,
                      client_gone: Callable[[], bool]) -> _Request:

@@ -36,6 +36,7 @@ BUDGET = 16
     (["--method", "tova", "--budget", "8", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--method", "tova", "--max-tokens-cap", "0"], "expected a positive integer"),
     (["--method", "tova", "--max-prompt-tokens", "x"], "expected an integer"),
+    (["--method", "full", "--observe-steps"], "takes no --observe-steps"),
 ])
 def test_bad_flags_exit_2_with_a_message(capsys, argv, message):
     assert cli.main(["serve", *argv]) == 2
@@ -247,3 +248,27 @@ def test_concurrent_requests_answer_as_each_alone_with_the_cache_at_its_budget(s
     # steady caches decode in the whole model's compiled step, batched requests too
     steps = st["decode_steps"]
     assert steps["compiled"] > 0 and steps["layer_by_layer"] >= 0, steps
+
+
+def test_observe_steps_reports_what_every_cache_update_did(tiny_llama):
+    """``--observe-steps``: the caches the server builds report each layer update's StepInfo,
+    summed in /velox/stats' ``observed_steps`` (here the hook and the collector, in process)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    cfg, _, _ = serve.parse_args(["--method", "tova", "--budget", "16", "--observe-steps"])
+    assert cfg.observe_steps and cfg.describe()["observe_steps"]
+    before = serve._STATS.observed()
+    caches = serve.velox_caches(tiny_llama, cfg)()
+    prompt = mx.array([(7 * i + 3) % 97 for i in range(40)])
+    for _, _ in zip(generate_step(prompt, tiny_llama, prompt_cache=caches), range(10)):
+        pass
+    after = serve._STATS.observed()
+    layers = len(caches)
+    assert after["updates"] - before["updates"] >= layers * 10
+    # every token beyond the budget was dropped once, in every layer and kv head
+    heads = caches[0].velox_state.keys.shape[1]
+    dropped = sum(c.offset - 16 for c in caches) * heads
+    assert after["tokens_evicted"] - before["tokens_evicted"] == dropped
+    assert after["max_key_error"] == 0.0  # TOVA holds its rows exactly
+    assert serve.ServeConfig().cache_kwargs().get("observe") is None  # off by default
