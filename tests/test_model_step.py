@@ -12,6 +12,8 @@ import velox  # noqa: F401
 from velox.adapters import model_step
 from velox.adapters.mlxlm import make_cache
 
+from tests._helpers import every_method
+
 PROMPT = mx.array([(7 * i + 3) % 97 for i in range(40)])
 STEADY = [("tova", {"budget": 16}), ("h2o", {"budget": 16, "grace": 4}), ("knorm", {"budget": 16, "recent": 4}),
           ("streaming_llm", {"window_size": 12}), ("tova", {"budget": 16, "per_head": True})]
@@ -107,7 +109,7 @@ def _steady_keys():
 
 
 @pytest.mark.filterwarnings("ignore:.*no calibration artifact")
-@pytest.mark.parametrize("key", _steady_keys())
+@pytest.mark.parametrize("key", every_method(_steady_keys()))
 def test_every_steady_method_takes_it_at_its_defaults(tiny_llama, key):
     """Every method whose full state is steady (``velox.decode.not_steady_because`` is
     ``None``) decodes at its defaults in the whole model's compiled step, with the tokens of
