@@ -67,10 +67,11 @@ def check_speculative(model, prompt_cache, *, num_draft_tokens: int, kv_bits=Non
         return
     n = len(model.layers)
     for c in _velox(prompt_cache[:n]):
-        if getattr(c, "rollback", 0) < k:
+        depth = getattr(c, "rollback", 0)  # (a batch cache has none: it never trims)
+        if depth < k:
             raise ValueError(
                 f"speculative decoding with num_draft_tokens={k} trims up to {k} tokens of the "
-                f"model's cache; these velox caches keep rollback={c.rollback} steps: make them "
+                f"model's cache; these velox caches keep rollback={depth} steps: make them "
                 f"with make_cache(..., rollback={k}) (or more)")
         if getattr(c, "mode", None) is not Mode.DEFERRED or not capture_installed():
             raise ValueError(
@@ -78,10 +79,11 @@ def check_speculative(model, prompt_cache, *, num_draft_tokens: int, kv_bits=Non
                 "through mlx-lm's scaled_dot_product_attention), which runs the verify call as "
                 "one-token steps; these caches are in proxy mode")
     for c in _velox(prompt_cache[n:]):
-        if getattr(c, "rollback", 0) < k - 1:
+        depth = getattr(c, "rollback", 0)
+        if depth < k - 1:
             raise ValueError(
                 f"speculative decoding with num_draft_tokens={k} trims up to {k - 1} tokens of "
-                f"the draft's cache; this velox draft cache keeps rollback={c.rollback} steps: "
+                f"the draft's cache; this velox draft cache keeps rollback={depth} steps: "
                 f"make it with rollback={k - 1} (or use mlx-lm's own caches for the draft, "
                 "make_prompt_cache(draft_model))")
 

@@ -348,12 +348,18 @@ class VeloxCache(SteppedCache):
         in place). It may where nothing but the fused step can run next: no rollback
         journal, no append tail, the wrapper routing attention, a method without a
         model-level record, and the state still at its steady size."""
-        m = self.method
-        ok = (not self.rollback and self.decode == "evict" and self._tail is None
-              and self.__dict__.get("_observe") is None
-              and not self._route_unknown and m.layer_update is None
-              and m.kv_slots(self.__dict__["_held"])[0].shape[2] == self.__dict__.get("_steady_rows"))
+        ok = (self._plain_steps()
+              and self.method.kv_slots(self.__dict__["_held"])[0].shape[2] == self.__dict__.get("_steady_rows"))
         self.__dict__["_fast"] = self.__dict__["_held"] if ok else None
+
+    def _plain_steps(self) -> bool:
+        """Whether a single-token step of this cache is the method's step alone: no rollback
+        journal, ``decode="evict"`` with no append tail, no observer, the wrapper known to
+        route attention, and no model-level record (what both the fast path and the
+        compiled step of chunked storage need)."""
+        return (not self.rollback and self.decode == "evict" and self._tail is None
+                and self.__dict__.get("_observe") is None and not self._route_unknown
+                and self.method.layer_update is None)
 
     # -- protocol (getters: none of them updates) ----------------------------------
     @property
@@ -552,9 +558,7 @@ class VeloxCache(SteppedCache):
         if room is None:
             if d.get("_fast") is not held or evict.empty_slots(getattr(held, "policy", held)):
                 return None
-        elif (room < 1 or not self.compile or self.rollback or self.decode != "evict"
-              or self._tail is not None or self._route_unknown or m.layer_update is not None
-              or d.get("_row") is not None):
+        elif room < 1 or not self.compile or not self._plain_steps() or d.get("_row") is not None:
             return None
         else:
             held = velox.decode.steady_form(m, held)
