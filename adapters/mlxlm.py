@@ -669,7 +669,7 @@ class VeloxCache(SteppedCache):
             held, row = d["_held"], d["_row"]
             steady = d.get("_fast") is held  # decided for this state: a fused step keeps it so
             backend = m.backends[held.backend]
-            fill = getattr(backend, "fill", None) if row is None else None
+            fill = backend.fill if row is None else None
             new = step.filled
             if new is None and fill is not None:
                 new = fill(held, step.keys, step.values)
@@ -677,7 +677,7 @@ class VeloxCache(SteppedCache):
                 # the row written in place and attention over the filled slots: the backend's
                 # kernel reading the buffers in place (cuda), else MLX's over a view of the
                 # first slots (kv_slots'; the steps of mlx-lm's own cache)
-                attend = getattr(backend, "fill_attention", None)
+                attend = backend.fill_attention
                 out = None if attend is None else attend(held, new, queries, step.keys, step.values, scale)
                 if out is None:
                     k, v = evict.filled_rows(new.keys, new.values, new.empty)
@@ -905,7 +905,7 @@ class VeloxCache(SteppedCache):
         if (not self.compile or step.prefix or step.keys.shape[2] != 1 or m.layer_update is not None
                 or not evict.empty_slots(st)):
             return False
-        fill = getattr(m.backends[st.backend], "fill", None)
+        fill = m.backends[st.backend].fill
         step.filled = None if fill is None else fill(st, step.keys, step.values)
         return step.filled is not None
 
@@ -1691,7 +1691,7 @@ def _check_state(where: str, m: Method, st: tuple, params: dict[str, Any], offse
     if tuple(pos.shape) != (b, h, n) or not {tuple(keys.shape), tuple(values.shape)} == {(b, h, n, d)}:
         raise ValueError(f"{where}: the state's arrays disagree with each other: positions "
                          f"{tuple(pos.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}")
-    if getattr(m.backends.get("mlx"), "slots", False):
+    if "mlx" in m.backends and m.backends["mlx"].slots:
         _check_slots(where, m, st, b, h, d)
     p = np.array(pos)
     if p.size and (p.min() < 0 or p.max() >= offset or (np.diff(p, axis=-1) <= 0).any()):

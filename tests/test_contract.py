@@ -78,8 +78,8 @@ def test_invariants(case):
     vt.check_slots(case, states)
 
 
-SLOTTED = [k for k in KEYS if getattr(get_method(k).backends.get("mlx"), "slots", False)
-           and hasattr(get_method(k).backends["mlx"], "skeleton")]
+SLOTTED = [k for k in KEYS if "mlx" in get_method(k).backends and get_method(k).backends["mlx"].slots
+           and get_method(k).backends["mlx"].skeleton is not None]
 
 
 @pytest.mark.parametrize("key", SLOTTED)

@@ -1,12 +1,15 @@
-"""Backend names, availability and resolution (done once, at ``init``)."""
+"""Backend names, availability and resolution (done once, at ``init``), and :class:`Backend`,
+the record of what one backend of a method offers."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Iterable
 
 import mlx.core as mx
 
-__all__ = ["BACKENDS", "BackendUnavailable", "device_supports", "resolve_backend"]
+__all__ = ["BACKENDS", "Backend", "BackendUnavailable", "device_supports", "resolve_backend"]
 
 #: Every backend name; ``auto`` picks the fastest available one at init.
 BACKENDS = ("reference", "mlx", "metal", "cuda")
@@ -52,3 +55,72 @@ def resolve_backend(requested: str, key: str, implemented: Iterable[str]) -> str
     if not device_supports(requested):
         raise BackendUnavailable(f"backend {requested!r} is not available: {_why_not(requested)}")
     return requested
+
+
+@dataclass(frozen=True, eq=False)
+class Backend:
+    """One backend of a method: its update, and the decode-step parts it offers besides.
+
+    A method's ``backends`` map names to these records (``velox.registry.register`` wraps a
+    plain update function into one with nothing else). Every field but ``update`` is
+    optional; the decode step (``velox.decode``), the registry and the adapter read them
+    by name, and a field left ``None`` (``False``) means the backend does not offer it.
+
+    Attributes:
+        update: ``update(state, keys, values, queries) -> state`` (the record is also
+            callable that way).
+        with_move: ``(state, keys, values, queries) -> (state, velox.slots.Move)``: the
+            update and how the rows moved (a state of slots: compositions follow the move,
+            the decode step defers the slot write).
+        with_attention: ``(state, keys, values, queries) -> (out, state, Move) | None``: a
+            decode step whose attention output comes from the kernel that scores
+            (``None`` where the step is not one it takes).
+        fill: ``(state, keys, values) -> state | None``: a single token written into an
+            empty row or slot, in place (``None`` where the step is another).
+        fill_attention: ``(state, filled, queries, keys, values, scale) -> out | None``: the
+            attention of a ``fill`` step over the written arrays.
+        steady_step: ``(state, queries, keys, values, scale) -> (out, state)``: a single
+            token written in place into chunked storage, then attended over.
+        ragged: ``(state, keys, values, queries, valid) -> state``: the update of rows
+            taking ``valid[i]`` new tokens each (``velox.ragged``).
+        slots: the state keeps rows in slots (``velox.evict``): ``get_kv`` and
+            ``positions`` gather them by position.
+        logits_only: the method's score reads stored keys only as attention logits
+            (``velox.evict.scores_by_logits``).
+        skeleton: ``spec -> {name: Backend}``: the backends built for another spec (the
+            contract suite builds a method's ``"sorted"`` twin with it).
+    """
+
+    update: Callable[..., Any]
+    with_move: Callable[..., Any] | None = None
+    with_attention: Callable[..., Any] | None = None
+    fill: Callable[..., Any] | None = None
+    fill_attention: Callable[..., Any] | None = None
+    steady_step: Callable[..., Any] | None = None
+    ragged: Callable[..., Any] | None = None
+    slots: bool = False
+    logits_only: bool = False
+    skeleton: Callable[..., Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.update is None:
+            raise TypeError("Backend.update is required")
+        for name in ("update", "with_move", "with_attention", "fill", "fill_attention",
+                     "steady_step", "ragged", "skeleton"):
+            fn = getattr(self, name)
+            if fn is not None and not callable(fn):
+                raise TypeError(f"Backend.{name} must be callable or None, got {type(fn).__name__}")
+
+    def __call__(self, state, keys, values, queries=None):
+        return self.update(state, keys, values, queries)
+
+    @classmethod
+    def of(cls, backend: Any) -> "Backend":
+        """``backend`` as a record: a :class:`Backend` as it is, a plain update function
+        wrapped (it offers nothing else); anything else is a ``TypeError``."""
+        if isinstance(backend, Backend):
+            return backend
+        if not callable(backend):
+            raise TypeError(f"a backend is a velox.backend.Backend or an update function, "
+                            f"got {type(backend).__name__}")
+        return cls(update=backend)

@@ -90,6 +90,7 @@ from . import quant
 from . import reference as ref
 from ._typing import Array, Float, Int, UInt
 from .attention import softmax
+from .backend import Backend
 from .codecs import Codec, append, get_codec, numpy_tables, split
 from .kernels import codec as codec_kernel
 from .registry import Method, register
@@ -551,13 +552,8 @@ def _fill_attention(state, new, queries, keys, values, scale: float):
     return _attend(new, stored_tokens(new) - keys.shape[2], queries, keys, values, scale, None)
 
 
-def _update_mlx_backend(state, keys, values, queries):
-    return _update_mlx(state, keys, values, queries)
-
-
-_update_mlx_backend.steady_step = _steady_step
-_update_mlx_backend.fill = _fill
-_update_mlx_backend.fill_attention = _fill_attention
+# the mlx backend: its single-token steps written in place (fill, steady_step)
+_MLX = Backend(_update_mlx, steady_step=_steady_step, fill=_fill, fill_attention=_fill_attention)
 
 
 def register_method(key: str, state: type, init: Callable, **hooks: Any) -> Method:
@@ -567,5 +563,5 @@ def register_method(key: str, state: type, init: Callable, **hooks: Any) -> Meth
     kw = dict(get_kv=get_kv, positions=positions, dims=dims, attend=attend,
               attend_update=_attend_update, capacity=capacity, uncounted=uncounted)
     kw.update(hooks)
-    return register(key, state, init, {"reference": _update_reference, "mlx": _update_mlx_backend},
+    return register(key, state, init, {"reference": _update_reference, "mlx": _MLX},
                     **kw)

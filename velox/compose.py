@@ -98,7 +98,7 @@ def _kept_index(cand: mx.array, kept: mx.array) -> mx.array:
 def _slot_policy(P: Method) -> bool:
     """Whether the policy keeps its rows in slots (``velox.evict``): its update writes a
     decode step's row into the loser's slot and reports how it moved the rows."""
-    return bool(getattr(P.backends.get("mlx"), "slots", False))
+    return "mlx" in P.backends and P.backends["mlx"].slots
 
 
 def _per_token(record, n_axes: tuple) -> list[str]:

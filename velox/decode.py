@@ -172,7 +172,7 @@ def split_update(m: Method, state, keys, values, queries):
     ``(slot, keys, values)`` (the slot's row if the new token lost); ``None`` when the step
     writes no slot (a method without slots, a composed state, a chunk)."""
     backend = m.backends[state.backend]
-    with_move = getattr(backend, "with_move", None)
+    with_move = backend.with_move
     if with_move is None or not isinstance(getattr(state, "keys", None), mx.array):
         return m.update(state, keys, values, queries=queries), None
     return _deferred_row(state, *with_move(state, keys, values, queries), keys, values)
@@ -215,7 +215,7 @@ def split_step(m: Method, state, queries, keys, values, scale):
     attended = attended_step(m, state, queries, keys, values, scale)
     if attended is not None:
         return attended
-    own = getattr(m.backends[state.backend], "steady_step", None)
+    own = m.backends[state.backend].steady_step
     if own is not None:  # chunked storage: the row written in place, then attention over it
         out, new = own(state, queries, keys, values, scale)
         return out, new, None
@@ -264,7 +264,7 @@ def attended_step(m: Method, state, queries, keys, values, scale):
     one kernel (``with_attention``: the ``cuda`` backend of the score-and-keep evictors),
     ``(out, state, row)``; ``None`` where it does not apply (another backend, a state with
     empty slots, a scale other than ``head_dim ** -0.5``)."""
-    fused = getattr(m.backends[state.backend], "with_attention", None)
+    fused = m.backends[state.backend].with_attention
     if fused is None or m.attend is not None or not isinstance(getattr(state, "keys", None), mx.array):
         return None
     if not math.isclose(scale, keys.shape[-1] ** -0.5, rel_tol=1e-6):
@@ -316,7 +316,7 @@ def steady_room(m: Method, state, held: int) -> int | None:
     that grows the arrays. ``None`` for any other method, or a backend without an in-place
     single-token step (``steady_step``: the ``reference`` backend)."""
     backend = m.backends.get(getattr(state, "backend", None))  # (ragged rows: no backend field)
-    if not chunked(m) or getattr(backend, "steady_step", None) is None:
+    if not chunked(m) or backend is None or backend.steady_step is None:
         return None
     return m.extras["capacity"](state) - held
 

@@ -47,6 +47,8 @@ a cache that grows a token a step never keeps one array per length alive.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import dataclasses
+from dataclasses import dataclass
 import math
 import operator
 from typing import Any, NamedTuple
@@ -56,7 +58,7 @@ import numpy as np
 
 from . import reference as ref
 from ._typing import Array, Bool, Float, Int, Shaped
-from .backend import device_supports
+from .backend import Backend, device_supports
 from .coded import CodedKeys
 from .consts import CONST_BYTES, cached_const
 from .ordering import order_key
@@ -503,8 +505,29 @@ def _grown(state, carry: tuple[str, ...]):
     return state._replace(positions=pad(state.positions, EMPTY), empty=grow, **fields)
 
 
+@dataclass(frozen=True, eq=False)
+class ScoreKernel:
+    """The ``cuda`` backend's scores of a score-and-keep method at a decode step of a full
+    cache (:func:`score_and_keep`'s ``kernel``).
+
+    Attributes:
+        inputs: ``inputs(state, keys, values, queries) -> dict``: ``by=`` the candidates'
+            scores, ``carry=`` the carried field over them, ``profiles=`` MorphKV's (stored,
+            new column), ``drop=`` a fixed loser; with ``attends``, also called with
+            ``attend=True`` and then gives ``out=``, the step's attention output.
+        attends: ``inputs`` computes the attention output with the scores.
+        select_args: ``state -> dict | None``: the arguments of the one-launch step
+            (``velox.kernels.evict.attend_select``: which score it ranks by), or ``None``
+            where the method's step does not fit it.
+    """
+
+    inputs: Callable[..., dict]
+    attends: bool = False
+    select_args: Callable[[Any], dict | None] | None = None
+
+
 def score_and_keep(score: Callable | None, reference: Callable | None, *,
-                   kernel: Callable | None = None, carry: tuple[str, ...] = (),
+                   kernel: ScoreKernel | None = None, carry: tuple[str, ...] = (),
                    fields: tuple[str, ...] = (), logits_only: bool = False) -> Callable:
     """The backends of a score-and-keep eviction method, built from its score.
 
@@ -533,8 +556,9 @@ def score_and_keep(score: Callable | None, reference: Callable | None, *,
             ``carry`` and ``fields`` fields, float64). Called on the same updates as ``score``;
             its updates are per head (``[N, ...]`` for carried fields, the field's per-head
             shape for the others). ``None`` with ``score=None``.
-        kernel: the ``cuda`` backend's input for a decode step at a full cache,
-            ``kernel(state, keys, values, queries) -> dict``: ``by=`` the scores (from
+        kernel: the ``cuda`` backend's input for a decode step at a full cache, a
+            :class:`ScoreKernel` whose ``inputs(state, keys, values, queries) -> dict`` gives
+            ``by=`` the scores (from
             ``velox.kernels.evict.weights`` or MLX ops), ``carry=`` the carried field over the
             candidates, ``profiles=`` MorphKV's (stored, new column); ``drop=`` (a fixed loser)
             is the protected-tokens rule itself. The loser and the slot write are MLX ops, as
@@ -554,14 +578,17 @@ def score_and_keep(score: Callable | None, reference: Callable | None, *,
             the codec's logit estimates. Without it a score sees the decoded rows.
 
     Returns:
-        ``spec -> {backend: update}``, for :func:`velox.registry.register`'s ``backends``;
-        the ``reference`` and ``mlx`` updates carry ``logits_only`` as an attribute (read by
-        :func:`scores_by_logits`), every update ``slots`` (read by the registry: ``get_kv``,
-        ``positions`` and ``kv_slots`` of a state of slots) and ``with_move(state, keys,
-        values, queries) -> (state, Move)`` (how the rows moved: compositions follow it, the
-        adapter defers the slot write); the ``mlx`` update ``skeleton``, this ``spec ->``
-        function (the contract suite builds the ``"sorted"`` twin with it).
+        ``spec -> {backend: Backend}``, for :func:`velox.registry.register`'s ``backends``
+        (:class:`velox.backend.Backend` records): the ``reference`` and ``mlx`` ones with
+        ``logits_only`` (read by :func:`scores_by_logits`), every one with ``slots`` (read by
+        the registry: ``get_kv``, ``positions`` and ``kv_slots`` of a state of slots) and
+        ``with_move(state, keys, values, queries) -> (state, Move)`` (how the rows moved:
+        compositions follow it, the decode step defers the slot write); the ``mlx`` one with
+        ``skeleton``, this ``spec ->`` function (the contract suite builds the ``"sorted"``
+        twin with it).
     """
+    if kernel is not None and not isinstance(kernel, ScoreKernel):
+        raise TypeError(f"score_and_keep: kernel must be a velox.evict.ScoreKernel, got {type(kernel).__name__}")
     if score is None and (carry or fields or reference is not None):
         raise ValueError("a rule without a score keeps the protected slots only: it carries nothing")
 
@@ -573,7 +600,8 @@ def score_and_keep(score: Callable | None, reference: Callable | None, *,
         if "cuda" in spec.backends:
             out["cuda"] = _cuda_update(mlx_update, plan,
                                        _kernel_step(score, kernel, carry, fields, plan))
-        mlx_update.skeleton = build  # the backends of another spec (tests: contract.slots)
+        # the backends of another spec (tests: contract.slots)
+        out["mlx"] = dataclasses.replace(mlx_update, skeleton=build)
         return out
 
     return build
@@ -583,7 +611,7 @@ def scores_by_logits(method) -> bool:
     """Whether ``method`` (a registered method) is a score-and-keep method whose scores read
     the stored keys only as attention logits (:func:`score_and_keep`'s ``logits_only``): its
     state's ``keys`` may be :class:`velox.attention.CodedKeys`."""
-    return all(getattr(method.backends.get(b), "logits_only", False) for b in ("reference", "mlx"))
+    return all(b in method.backends and method.backends[b].logits_only for b in ("reference", "mlx"))
 
 
 def _rows_and_scored(state, logits_only: bool) -> tuple:
@@ -762,14 +790,10 @@ def _mlx_backend(score, carry, fields, plan: _Plan, logits_only: bool = False) -
         return state._replace(keys=write_slot(state.keys, keys, i), values=write_slot(state.values, values, i),
                               positions=positions, next_pos=nxt + 1, empty=state.empty - 1)
 
-    update.logits_only = logits_only
-    update.slots = plan.slots
-    update.with_move = step
-    update.ragged = ragged(update)  # valid counts per row (velox.ragged)
-    if not (carry or fields):  # the rule scores nothing between selections
-        update.fill = fill
-        update.fill_attention = fill_attention
-    return update
+    quiet = not (carry or fields)  # the rule scores nothing between selections: fill steps
+    return Backend(update, with_move=step, ragged=ragged(update), slots=plan.slots,
+                   logits_only=logits_only, fill=fill if quiet else None,
+                   fill_attention=fill_attention if quiet else None)
 
 
 def fill_attention(state, filled, queries, keys, values, scale):
@@ -861,11 +885,8 @@ def _reference_backend(reference, carry, fields, plan: _Plan, logits_only: bool 
     def update(state, keys, values, queries):
         return step(state, keys, values, queries)[0]
 
-    update.logits_only = logits_only
-    update.slots = plan.slots
-    update.with_move = step
-    update.ragged = ragged(update)  # valid counts per row (velox.ragged)
-    return update
+    return Backend(update, with_move=step, ragged=ragged(update), slots=plan.slots,
+                   logits_only=logits_only)
 
 
 def _cuda_update(mlx_update, plan: _Plan, decode_step) -> Callable:
@@ -894,15 +915,13 @@ def _cuda_update(mlx_update, plan: _Plan, decode_step) -> Callable:
             return None
         return decode_step.with_attention(state, keys, values, queries)
 
-    update.slots = plan.slots
-    update.with_move = lambda state, keys, values, queries: (  # noqa: E731
-        decode_step.with_move(state, keys, values, queries) if full_decode(state, keys)
-        else mlx_update.with_move(state, keys, values, queries))
-    update.with_attention = with_attention
-    if hasattr(mlx_update, "fill"):
-        update.fill = mlx_update.fill
-        update.fill_attention = mlx_update.fill_attention
-    return update
+    def with_move(state, keys, values, queries):
+        if full_decode(state, keys):
+            return decode_step.with_move(state, keys, values, queries)
+        return mlx_update.with_move(state, keys, values, queries)
+
+    return Backend(update, with_move=with_move, with_attention=with_attention, slots=plan.slots,
+                   fill=mlx_update.fill, fill_attention=mlx_update.fill_attention)
 
 
 def _kernel_step(score, kernel, carry, fields, plan: _Plan) -> Callable:
@@ -920,11 +939,11 @@ def _kernel_step(score, kernel, carry, fields, plan: _Plan) -> Callable:
             state = state._replace(**{name: scored.updates[name] for name in fields})
             by, updates = scored.scores, {name: scored.updates[name] for name in carry}
         else:
-            if attend and getattr(kernel, "attends", False):
-                args = kernel(state, keys, values, queries, attend=True)
+            if attend and kernel.attends:
+                args = kernel.inputs(state, keys, values, queries, attend=True)
                 out = args.get("out")
             else:
-                args = kernel(state, keys, values, queries)
+                args = kernel.inputs(state, keys, values, queries)
             by, updates = args.get("by"), {}
             if "carry" in args:
                 updates[carry[0]] = args["carry"]
@@ -999,8 +1018,7 @@ def _kernel_step(score, kernel, carry, fields, plan: _Plan) -> Callable:
                 return None
             args = dict(by="given", given=by)
         else:
-            spec = getattr(kernel, "select_args", None)
-            args = None if spec is None else spec(state)
+            args = None if kernel.select_args is None else kernel.select_args(state)
             if args is None or bool(args.get("carry")) != bool(carry):
                 return None
             if carry and (len(carry) > 1 or getattr(state, carry[0]).dtype != mx.float32):
@@ -1028,9 +1046,7 @@ def _kernel_step(score, kernel, carry, fields, plan: _Plan) -> Callable:
     def update(state, keys, values, queries):
         return step(state, keys, values, queries)[0]
 
-    update.with_move = step
-    update.with_attention = with_attention
-    return update
+    return Backend(update, with_move=step, with_attention=with_attention)
 
 
 def state_type(name: str, init: Callable, doc: str, *, grows: bool = False, **carried: Any) -> type:

@@ -20,7 +20,7 @@ from . import evict
 from . import reference as ref
 from .attention import accumulated_scores, candidate_mass, head_weights, scoring_queries
 
-__all__ = ["heavy_hitter_scores", "heavy_hitter_reference", "heavy_hitter_kernel"]
+__all__ = ["heavy_hitter_scores", "heavy_hitter_reference", "heavy_hitter_inputs", "heavy_hitter_kernel"]
 
 
 def heavy_hitter_scores(state, keys, values, queries, evicting=True, mass=candidate_mass) -> evict.Scored:
@@ -59,7 +59,7 @@ def heavy_hitter_reference(state, head: ref.Head) -> tuple:
     return acc, {"scores": acc}
 
 
-def heavy_hitter_kernel(state, keys, values, queries, gumbel=None, attend: bool = False) -> dict:
+def heavy_hitter_inputs(state, keys, values, queries, gumbel=None, attend: bool = False) -> dict:
     """The fused decode step's input (``velox.kernels.evict``): the step's attention
     accumulated into the scores (with ``gumbel``, Keyformer's noise added to its logits);
     with ``attend`` (and no noise) also the step's attention output, ``out``."""
@@ -73,7 +73,8 @@ def heavy_hitter_kernel(state, keys, values, queries, gumbel=None, attend: bool 
     return dict(by=scores, carry=scores)
 
 
-heavy_hitter_kernel.attends = True
 # a whole decode step in kernels.evict.attend_select: ranked by the decayed sum it carries
-heavy_hitter_kernel.select_args = lambda state: dict(by="carried", accumulate="decay", old=state.scores,
-                                                     decay=state.decay, carry=True)
+heavy_hitter_kernel = evict.ScoreKernel(
+    heavy_hitter_inputs, attends=True,
+    select_args=lambda state: dict(by="carried", accumulate="decay", old=state.scores,
+                                   decay=state.decay, carry=True))

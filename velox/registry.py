@@ -12,6 +12,7 @@ import functools
 import inspect
 import sys
 import textwrap
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ import mlx.core as mx
 
 from . import ragged as rg
 from .accounting import state_nbytes
+from .backend import Backend
 from .ragged import RowStates, check_valid, filled_nbytes, is_ragged, rows_update, split_rows
 from .registered import _BY_STATE, _REGISTRY
 from .slots import filled_rows
@@ -42,7 +44,7 @@ class Method:
     nbytes: Callable[[State], int]
     positions: Callable[[State], mx.array]
     kv_slots: Callable[[State], tuple[mx.array, mx.array, mx.array | None]] | None = None
-    backends: dict[str, Callable[..., State]] = field(default_factory=dict)
+    backends: dict[str, Backend] = field(default_factory=dict)
     error_bound: Callable[[State], tuple[mx.array, mx.array]] | None = None
     dims: Callable[[State], tuple[int, int, int, mx.Dtype]] | None = None
     # Cross-layer hooks (see docs/adding-a-method.md):
@@ -160,7 +162,7 @@ def register(key: str, state_type: type, init: Callable, backends: Any = None, *
     * ``get_kv``: the state's ``keys`` and ``values``; ``nbytes``: the bytes of every array
       the state holds; ``positions``: the state's ``positions``; ``dims``: from ``keys``.
       For a method whose ``mlx`` backend keeps rows in slots (``velox.evict``'s
-      ``score_and_keep``; its update's ``slots`` attribute), ``get_kv`` and ``positions``
+      ``score_and_keep``; its record's ``slots``), ``get_kv`` and ``positions``
       gather the filled slots in increasing position.
     * ``kv_slots(state) -> (keys, values, mask)``: the stored rows in storage order, every
       one older than the next update's tokens (what attention reads: it is invariant to the
@@ -182,8 +184,10 @@ def register(key: str, state_type: type, init: Callable, backends: Any = None, *
         key: the method key (``velox/specs/<key>.toml`` is its spec, unless ``spec`` is given).
         state_type: the method's state record (a ``typing.NamedTuple``).
         init: ``init(batch, kv_heads, head_dim, *, dtype, <params>, backend)``.
-        backends: ``{name: update(state, keys, values, queries)}``, or a function of the
-            method's spec returning that dict (``velox.evict.score_and_keep`` builds one).
+        backends: ``{name: backend}``, each a :class:`velox.backend.Backend` record or an
+            update function ``update(state, keys, values, queries)`` (a record offering
+            nothing else), or a function of the method's spec returning that dict
+            (``velox.evict.score_and_keep`` builds one).
         update: replaces the generated update (compositions do).
         get_kv, nbytes, positions, kv_slots, dims: replace the defaults above.
         error_bound: per-element bound ``(keys, values)`` on ``|get_kv - input|`` (lossy methods).
@@ -222,17 +226,18 @@ def register(key: str, state_type: type, init: Callable, backends: Any = None, *
     _REGISTRY[key] = m
     _BY_STATE[state_type] = m
     try:
-        m.backends.update(backends(m.spec) if callable(backends) else dict(backends or {}))
-        if getattr(m.backends.get("mlx"), "slots", False):  # rows in slots (velox.evict)
+        given = backends(m.spec) if callable(backends) else dict(backends or {})
+        m.backends.update({name: Backend.of(b) for name, b in given.items()})
+        if "mlx" in m.backends and m.backends["mlx"].slots:  # rows in slots (velox.evict)
             m.get_kv = get_kv or _slot_kv
             m.positions = positions or _slot_positions
             m.kv_slots = kv_slots or _slot_kv_slots
             m.nbytes = nbytes or _slot_nbytes
         if m.spec.contract.get("ragged", False) and (update is not None or not all(
-                hasattr(fn, "ragged") for name, fn in m.backends.items() if name != "cuda")):
+                b.ragged is not None for name, b in m.backends.items() if name != "cuda")):
             if spec is None:
-                raise ValueError(f"{key}: contract.ragged needs every backend's update to take valid "
-                                 f"counts (its ``ragged`` attribute: velox.evict.score_and_keep builds them)")
+                raise ValueError(f"{key}: contract.ragged needs every backend to take valid counts "
+                                 f"(its Backend record's ``ragged``: velox.evict.score_and_keep builds them)")
             # a generated spec (a composition's) inherits its policy's contract: its own
             # updates take no valid counts
             m.spec_override = dataclasses.replace(
@@ -270,7 +275,7 @@ def _take_row_states(m: Method) -> None:
             if type(state) is not own and _foreign(m, name, state, rows=True):
                 return rows(plain, state, *args, **kwargs)
             return plain(state, *args, **kwargs)
-        fn._checks_state = True
+        _CHECKS_STATE.add(fn)
         return fn
 
     m.get_kv = either("get_kv", m.get_kv, rg.rows_kv)
@@ -312,6 +317,9 @@ def _foreign(m: Method, name: str, state: Any, rows: bool = False) -> bool:
                     f"{rows_ok}, got {what}{hint}")
 
 
+# The functions that refuse another method's state themselves (built here): not wrapped again.
+_CHECKS_STATE: weakref.WeakSet = weakref.WeakSet()
+
 _STATE_FIRST = ("update", "get_kv", "nbytes", "positions", "kv_slots", "dims", "error_bound",
                 "attend", "attend_update", "calibrate")
 _STATE_ONLY = ("get_kv", "nbytes", "positions", "kv_slots", "dims", "error_bound")  # fn(state)
@@ -340,7 +348,7 @@ def _checked(m: Method, name: str, fn: Callable, at: int = 0) -> Callable:
             if type(state) is not own:
                 _foreign(m, name, state)
             return fn(*args, **kwargs)
-    checked._checks_state = True
+    _CHECKS_STATE.add(checked)
     return checked
 
 
@@ -363,9 +371,9 @@ def _own_states_only(m: Method) -> None:
     (the generated update, those taking ragged rows) are left as they are."""
     for name in _STATE_FIRST:
         fn = getattr(m, name)
-        if fn is not None and not getattr(fn, "_checks_state", False):
+        if fn is not None and fn not in _CHECKS_STATE:
             setattr(m, name, _checked(m, name, fn))
-    if m.layer_update is not None and not getattr(m.layer_update, "_checks_state", False):
+    if m.layer_update is not None and m.layer_update not in _CHECKS_STATE:
         m.layer_update = _checked(m, "layer_update", m.layer_update, at=2)
 
 
@@ -416,16 +424,16 @@ def _dispatching_update(m: Method, module: str) -> Callable:
         s = keys.shape[2]
         if ragged and (valid is not None or is_ragged(state)):
             v = _full(b, s) if valid is None else check_valid(valid, b, s, m.key)
-            step = getattr(backends[state.backend], "ragged", None) or backends["mlx"].ragged  # cuda: mlx ops
+            step = backends[state.backend].ragged or backends["mlx"].ragged  # cuda: mlx ops
             return step(state, keys, values, queries, v)
         v = None if valid is None else check_valid(valid, b, s, m.key)
         if isinstance(state, RowStates) or (v is not None and (v != s).any()):
             rows = state if isinstance(state, RowStates) else split_rows(m, state)
             return rows_update(update, rows, keys, values, queries, _full(b, s) if v is None else v)
-        return backends[state.backend](state, keys, values, queries)
+        return backends[state.backend].update(state, keys, values, queries)
 
     update.__module__, update.__qualname__ = module, "update"
-    update._checks_state = True
+    _CHECKS_STATE.add(update)
     rows = ("a state of ragged rows (``velox.ragged``): row ``i`` takes its first ``valid[i]`` "
             "tokens and evolves as that row alone" if ragged else
             "unequal counts make ragged rows, one batch-of-one state per row "
@@ -459,7 +467,7 @@ def _attend_update(m: Method, fast: Callable | None) -> Callable:
                 m.update(state, keys, values, queries=queries))
 
     attend_update.__qualname__ = "attend_update"
-    attend_update._checks_state = True
+    _CHECKS_STATE.add(attend_update)
     attend_update.__doc__ = (f"{m.key}'s attention over its state plus ``s`` new tokens and the "
                              f"state that absorbs them: ``(attend(state, queries, keys, values, "
                              f"scale=scale, mask=mask), update(state, keys, values, queries="
@@ -494,9 +502,10 @@ def _document(m: Method, module: str) -> None:
         mod.__doc__ = (mod.__doc__ or "").rstrip() + "\n\n" + "\n\n".join(parts) + "\n"
 
 
-def register_backend(key: str, backend: str, update: Callable) -> None:
-    """Attach a backend implementation of ``key``'s update (used by kernel modules)."""
-    get_method(key).backends[backend] = update
+def register_backend(key: str, backend: str, update: Backend | Callable) -> None:
+    """Attach a backend of ``key`` (used by kernel modules): a :class:`velox.backend.Backend`
+    record, or an update function (a record offering nothing else)."""
+    get_method(key).backends[backend] = Backend.of(update)
 
 
 def get_method(key: str) -> Method:

@@ -338,7 +338,7 @@ def check_slots(case: Case, states: list) -> None:
     filled slots (no mask), and ``get_kv`` and ``positions`` are ``kv_slots``' rows in
     increasing position."""
     m = get_method(case.key)
-    if not getattr(m.backends.get("mlx"), "slots", False):
+    if "mlx" not in m.backends or not m.backends["mlx"].slots:
         return
     for t, state in enumerate(states):
         raw = np.array(state.positions)

@@ -169,6 +169,7 @@ def _score_reference(state: CurDKVState, head: ref.Head) -> evict.Scored:
 
 
 method = register("curdkv", CurDKVState, init,
-                  evict.score_and_keep(_score, _score_reference, kernel=_kernel, carry=("scores",),
+                  evict.score_and_keep(_score, _score_reference, kernel=evict.ScoreKernel(_kernel),
+                                       carry=("scores",),
                                        fields=("key_basis", "value_basis")))
 init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes

@@ -25,7 +25,7 @@ from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float
 from ..attention import candidate_mass
-from ..heavy_hitters import heavy_hitter_kernel, heavy_hitter_scores
+from ..heavy_hitters import heavy_hitter_inputs, heavy_hitter_scores
 from ..noise import hash_uniform, hash_uniform_np
 from ..registry import register
 
@@ -123,9 +123,10 @@ def _kernel(state: KeyformerState, keys, values, queries) -> dict:
     gumbel = dict(seed=state.seed, tau_init=state.tau_init, tau_end=state.tau_end,
                   anneal_steps=state.anneal_steps, positions=state.positions,
                   next_pos=state.next_pos)
-    return heavy_hitter_kernel(state, keys, values, queries, gumbel=gumbel)
+    return heavy_hitter_inputs(state, keys, values, queries, gumbel=gumbel)
 
 
 method = register("keyformer", KeyformerState, init,
-                  evict.score_and_keep(_score, _score_reference, kernel=_kernel, carry=("scores",)))
+                  evict.score_and_keep(_score, _score_reference, kernel=evict.ScoreKernel(_kernel),
+                                       carry=("scores",)))
 init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes

@@ -102,7 +102,7 @@ def _score_reference(state: KVzipState, head: ref.Head) -> evict.Scored:
                         {"importance": importance})
 
 
-def _kernel(state: KVzipState, keys, values, queries) -> dict:
+def _kernel_inputs(state: KVzipState, keys, values, queries) -> dict:
     """The fused decode step's input: the probe's weights (mean over the group with
     ``probe="latest"``, else the max) and the running maximum."""
     from ..kernels.evict import weights
@@ -120,7 +120,7 @@ def _select_args(state: KVzipState) -> dict:
                 group="mean" if latest else "max", carry=True)
 
 
-_kernel.select_args = _select_args
+_kernel = evict.ScoreKernel(_kernel_inputs, select_args=_select_args)
 
 
 method = register("kvzip", KVzipState, init,

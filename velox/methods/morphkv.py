@@ -121,6 +121,6 @@ def _kernel(state: MorphKVState, keys, values, queries) -> dict:
 
 State = MorphKVState
 method = register("morphkv", MorphKVState, init,
-                  evict.score_and_keep(_score, _score_reference, kernel=_kernel,
+                  evict.score_and_keep(_score, _score_reference, kernel=evict.ScoreKernel(_kernel),
                                        carry=("profiles",)))
 init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes

@@ -37,14 +37,14 @@ StreamingLLMState = State = evict.state_type(
     "Sinks + recency window. ``positions`` are absolute; ``next_pos`` = tokens seen.")
 
 
-def _kernel(state: StreamingLLMState, keys, values, queries):
+def _kernel_inputs(state: StreamingLLMState, keys, values, queries):
     # the loser is the oldest non-sink token, or the new one when there is no window
     return dict(drop=state.n_sink if state.window_size else state.keys.shape[2])
 
 
 # a whole decode step in kernels.evict.attend_select: no score, the protected tokens stay and
 # the oldest other goes, as the per-token select decides it
-_kernel.select_args = lambda state: dict(by="none")
+_kernel = evict.ScoreKernel(_kernel_inputs, select_args=lambda state: dict(by="none"))
 
 
 method = register("streaming_llm", StreamingLLMState, init,

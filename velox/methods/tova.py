@@ -50,7 +50,7 @@ def _score_reference(state: TovaState, head: ref.Head):
     return head_weights(head.probes[:, -1:], head.keys, pos, pos[-1:])[:, 0].mean(0)
 
 
-def _kernel(state: TovaState, keys, values, queries, attend: bool = False):
+def _kernel_inputs(state: TovaState, keys, values, queries, attend: bool = False):
     from ..kernels.evict import attend_weights, weights
     if attend:  # the step's attention output from the same softmax
         out, w, _ = attend_weights(queries, state.keys, state.values, keys, values)
@@ -58,8 +58,8 @@ def _kernel(state: TovaState, keys, values, queries, attend: bool = False):
     return dict(by=weights(queries, state.keys, keys)[0])
 
 
-_kernel.attends = True
-_kernel.select_args = lambda state: dict(by="weights")  # a whole decode step: kernels.evict.attend_select
+# a whole decode step in kernels.evict.attend_select: ranked by the step's weights
+_kernel = evict.ScoreKernel(_kernel_inputs, attends=True, select_args=lambda state: dict(by="weights"))
 
 
 method = register("tova", TovaState, init,
