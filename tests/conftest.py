@@ -5,6 +5,12 @@ import os
 # cosine can flip a near-tie such as CaM's merge target). Read by MLX at its first matmul.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
+# MLX's CPU kernel builds read a precompiled header of its preamble (tests/_kernel_builds.py):
+# set up before anything compiles, inherited by the test workers and subprocesses.
+from tests._kernel_builds import install as _precompiled_preamble  # noqa: E402
+
+_precompiled_preamble()
+
 import velox  # noqa: E402,F401  (before any test module imports mlx.core: loads OpenBLAS, velox._blas)
 from hypothesis import HealthCheck, settings
 
