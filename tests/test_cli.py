@@ -110,6 +110,22 @@ def test_import_velox_loads_openblas_in_process(tmp_path):
     assert on[2] * 3 < off[2], (on, off)  # 512x512 fp32: ~1 ms against ~45 ms on 2 cores
 
 
+@pytest.mark.skipif(not os.path.exists(_blas.OPENBLAS), reason="OpenBLAS is not installed "
+                    "(apt-get install libopenblas0-pthread)")
+def test_a_late_import_warns_that_openblas_was_not_loaded(tmp_path):
+    """``import mlx.core`` (or mlx_lm) before velox leaves MLX's bundled BLAS under the CPU
+    matmuls: velox says so once, with what to do; imported first, it says nothing."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "VELOX_NO_OPENBLAS")}
+
+    def stderr(code: str) -> str:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=clean, timeout=300, check=True, cwd=tmp_path).stderr
+
+    late = stderr("import mlx.core; import velox")
+    assert "RuntimeWarning" in late and "Import velox before mlx" in late and _blas.OPENBLAS in late
+    assert "OpenBLAS" not in stderr("import velox; import mlx.core")
+
+
 def _no_model(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the arguments were checked")

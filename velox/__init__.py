@@ -42,6 +42,14 @@ if (not (Path(__file__).parent / "kernels").exists()
 
 from . import _blas  # noqa: E402,F401  (first of velox's modules: OpenBLAS loads before mlx.core)
 
+if _blas.loaded is None and _blas.reason.startswith("mlx.core was imported before velox"):
+    import warnings
+
+    warnings.warn(f"OpenBLAS ({_blas.OPENBLAS}) is installed but was not loaded: mlx.core was "
+                  f"imported before velox, so MLX's CPU matmuls use its bundled BLAS (a prefill "
+                  f"several times slower). Import velox before mlx and mlx_lm, or set "
+                  f"LD_PRELOAD={_blas.OPENBLAS}.", RuntimeWarning, stacklevel=2)
+
 import mlx.core as mx
 
 from . import compose

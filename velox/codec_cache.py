@@ -493,19 +493,21 @@ def _attend(state, held, queries, keys, values, scale: float, mask):
 def _chunk_attend(state, kc, vc, queries, keys, values, scale: float, mask):
     """A chunk's attention (a prefill): the stored keys decoded once (the codec's ``decode``;
     every codec's ``scores`` is the inner product of the query with its decoded key, so the
-    logits are the same to float32 rounding) and the values dequantized once, in float32,
-    then MLX's fused attention over them and the chunk's rows (bottom-right causal: each query
-    sees every stored token and the new ones up to its own). What it holds beyond the
-    chunk's: one float32 copy of the stored rows, as a full cache holds them; no
-    ``[queries, stored]`` logits where the fused kernel runs (a GPU), where scoring the
-    codes block by block held a block's logits and its decoded codes per query block."""
+    logits are the same to float32 rounding) and the values dequantized once, then MLX's fused
+    attention over them and the chunk's rows (bottom-right causal: each query sees every
+    stored token and the new ones up to its own). The decoded rows are in the model's dtype
+    where it is a half-precision one (as a full cache holds its rows; MLX's fused prefill
+    attention on a GPU takes half precision only, and in float32 falls back to materialising
+    the ``[queries, stored]`` logits), else in float32. What it holds beyond the chunk's: one
+    copy of the stored rows, as a full cache holds them."""
     d = queries.shape[-1]
+    dt = queries.dtype if queries.dtype in (mx.float16, mx.bfloat16) else mx.float32
     stored = codec_of(state).decode(state.tables, kc)
     if _split(state):
         stored = split.scatter(stored, state.key_channels)
-    k = mx.concatenate([stored, keys.astype(mx.float32)], axis=2)
-    v = mx.concatenate([_values_f32(vc, d), values.astype(mx.float32)], axis=2)
-    out = mx.fast.scaled_dot_product_attention(queries.astype(mx.float32), k, v, scale=scale,
+    k = mx.concatenate([stored.astype(dt), keys.astype(dt)], axis=2)
+    v = mx.concatenate([_values_f32(vc, d).astype(dt), values.astype(dt)], axis=2)
+    out = mx.fast.scaled_dot_product_attention(queries.astype(dt), k, v, scale=scale,
                                                mask=None if mask is None else "causal")
     return out.astype(queries.dtype)
 
