@@ -50,7 +50,7 @@ import mlx.core as mx
 import numpy as np
 
 import velox
-from velox.adapters.mlxlm import VeloxCache, _dims, cache_nbytes
+from velox.adapters.cache import VeloxCache, _dims, cache_nbytes
 
 __all__ = [
     "Memory", "Perplexity", "Continuation", "Agreement", "PasskeyTrial", "Passkey", "Evaluation",

@@ -67,7 +67,7 @@ def profile(model, velox_caches, kv_caches) -> dict[str, float]:
     mx.eval(k1, v1, q1)
     update = mx.compile(lambda s, k, v, q: m.update(s, k, v, queries=q))
     try:
-        from velox.adapters.mlxlm import _split_step, _write_row
+        from velox.decode import split_update as _split_step, write_row as _write_row
     except ImportError:  # a version before slots (a comparison run)
         _split_step = _write_row = None
     split_update = _split_step and mx.compile(lambda s, k, v, q: _split_step(m, s, k, v, q))

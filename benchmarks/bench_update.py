@@ -112,7 +112,7 @@ def bench_method(key: str, budget: int, steps: int, ref_steps: int, dtype: mx.Dt
     t_kern = []
     # the adapter's decode update: the slot write left for the next step
     try:
-        from velox.adapters.mlxlm import _split_step, _write_row
+        from velox.decode import split_update as _split_step, write_row as _write_row
     except ImportError:  # a version before slots (a comparison run): no split step
         _split_step = None
     split_fn = _split_step and mx.compile(lambda s, k, v: _split_step(m, s, k, v, None))

@@ -19,6 +19,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from velox import decode
 from velox.adapters import mlxlm, routing
+from velox.adapters import cache as adapter_cache, cache_files
 from velox.adapters.mlxlm import (Mode, VeloxCache, cache_fp16_bytes, cache_nbytes, load_cache,
                                   make_cache, query_capture, save_cache)
 from velox.registry import get_method
@@ -77,7 +78,7 @@ def unrouted(tiny_llama):
     for layer in m.layers:
         layer.self_attn.__class__ = PlainAttention
     mx.eval(m.parameters())
-    assert not mlxlm._routes_attention(m)
+    assert not adapter_cache._routes_attention(m)
     return m
 
 
@@ -85,7 +86,7 @@ def unrouted(tiny_llama):
 
 def test_make_cache_chooses_the_mode(model, unrouted):
     assert {c.mode for c in make_cache(model, "tova", budget=24)} == {Mode.DEFERRED}
-    assert mlxlm._routes_attention(model)  # make_cache installed the wrapper
+    assert adapter_cache._routes_attention(model)  # make_cache installed the wrapper
     assert {c.mode for c in make_cache(model, "tova", budget=24, real_queries=False)} == {Mode.PROXY}
     # a method with its own attention needs the wrapper, whatever real_queries says
     assert {c.mode for c in make_cache(model, "kivi", real_queries=False)} == {Mode.DEFERRED}
@@ -180,7 +181,7 @@ def _rewrite(src, dst, edit):
     for e in layers:
         edit(e)
     raw["0.layers"] = json.dumps(layers)
-    raw["0.sha256"] = mlxlm._digest(arrays_, raw)
+    raw["0.sha256"] = cache_files._digest(arrays_, raw)
     mx.save_safetensors(str(dst), arrays_, metadata=raw)
     return dst
 
@@ -292,21 +293,21 @@ def test_query_capture_installs_for_its_body_and_nests(model):
 # --- one bounded cache of compiled steps -------------------------------------------------------
 
 def test_compiled_steps_live_in_one_bounded_cache(model, monkeypatch, layer_by_layer):
-    monkeypatch.setattr(mlxlm, "_COMPILED", OrderedDict())
+    monkeypatch.setattr(adapter_cache, "_COMPILED", OrderedDict())
     caches = make_cache(model, "h2o", budget=24, grace=4)
     greedy(model, caches, n=6)
     backend = caches[0].velox_state.backend
     # the first decode step, then the later ones (each writes the last one's row first)
-    assert list(mlxlm._COMPILED) == [("h2o", "fused", backend), ("h2o", "fused+row", backend)]
+    assert list(adapter_cache._COMPILED) == [("h2o", "fused", backend), ("h2o", "fused+row", backend)]
     m = get_method("h2o")
-    fused = mlxlm._compiled(m, "fused", backend)
-    assert mlxlm._compiled(m, "fused", backend) is fused  # built once
+    fused = adapter_cache._compiled(m, "fused", backend)
+    assert adapter_cache._compiled(m, "fused", backend) is fused  # built once
     other = copy.copy(m)  # another method object under the same key: its own step
-    assert mlxlm._compiled(other, "fused", backend) is not fused
-    monkeypatch.setattr(mlxlm, "COMPILED_STEPS_MAX", 2)
+    assert adapter_cache._compiled(other, "fused", backend) is not fused
+    monkeypatch.setattr(adapter_cache, "COMPILED_STEPS_MAX", 2)
     for kind in ("update", "update+queries", "fused"):
-        mlxlm._compiled(m, kind, backend)
-    assert list(mlxlm._COMPILED) == [("h2o", "update+queries", backend), ("h2o", "fused", backend)]
+        adapter_cache._compiled(m, kind, backend)
+    assert list(adapter_cache._COMPILED) == [("h2o", "update+queries", backend), ("h2o", "fused", backend)]
 
 
 def test_arrays_of_a_record_in_tree_flatten_order():

@@ -151,7 +151,9 @@ def test_the_fallback_says_so_once(smollm2, monkeypatch):
 
     from velox.adapters import mlxlm
 
-    monkeypatch.setattr(mlxlm, "_FALLBACK_SAID", set())
+    from velox.adapters import cache as adapter_cache
+
+    monkeypatch.setattr(adapter_cache, "_FALLBACK_SAID", set())
     model, _ = smollm2
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

@@ -157,7 +157,10 @@ def smol(smollm2):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("key,params", [("tova", dict(budget=10)), ("kivi", dict(residual_length=2))])
+@pytest.mark.parametrize("key,params", [
+    ("tova", dict(budget=10)),
+    # a quantizer on the real model too (every family runs on the tiny model by default)
+    pytest.param("kivi", dict(residual_length=2), marks=pytest.mark.slow)])
 def test_batch_generate_on_smollm2(smol, key, params):
     model, tok, prompts = smol
     check_batch(model, tok, prompts, [10, 6, 12], key, params, eos=set(tok.eos_token_ids))

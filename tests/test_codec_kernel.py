@@ -4,7 +4,7 @@
 Three checks, from any machine to the GPU:
 
 * the sources: every variant (codec x value layout x dtype x head_dim x bits class) has its
-  placeholders filled and compiles with NVRTC for sm_90 (no GPU needed; skipped without the
+  placeholders filled and compiles with NVRTC to PTX for compute_90 (no GPU needed; skipped without the
   NVRTC wheel);
 * an emulation: the very kernel sources compiled as C++ for the CPU (a thread per CUDA
   thread, a barrier for ``__syncthreads``, shared memory as static storage, blocks one after
@@ -143,7 +143,7 @@ def split_ptx():
 @needs_nvrtc
 @pytest.mark.parametrize("codec,values,dtype,head_dim,k", COMPILE_CASES, ids=str)
 def test_split_sources_compile(split_ptx, codec, values, dtype, head_dim, k):
-    """Every split variant compiles for sm_90 as MLX wraps it at a launch (no GPU needed)."""
+    """Every split variant compiles to PTX for compute_90 as MLX wraps it at a launch (no GPU needed)."""
     got = split_ptx[(codec, values, dtype, head_dim, k)]
     if isinstance(got, Exception):
         raise got

@@ -369,7 +369,7 @@ def test_a_file_of_the_appending_layout_loads(tiny_llama, tmp_path):
     """A prompt cache written before the codes were held in chunks (no ``empty`` field, arrays
     of the tokens' rows only, format 3) loads and decodes as a cache of today: its arrays are
     full, so its next token grows them."""
-    from velox.adapters import mlxlm
+    from velox.adapters import cache_files
 
     caches = make_cache(tiny_llama, "turboquant_mse")
     tiny_llama(PROMPT[None, :50], cache=caches)
@@ -383,7 +383,7 @@ def test_a_file_of_the_appending_layout_loads(tiny_llama, tmp_path):
             if name.startswith((f"{i}.key_codes.", f"{i}.value_codes.")):
                 arrays[name] = arrays[name][:, :, :50]
     meta["0.layers"] = json.dumps(layers)
-    meta[mlxlm._DIGEST] = mlxlm._digest(arrays, meta)
+    meta[cache_files._DIGEST] = cache_files._digest(arrays, meta)
     old = tmp_path / "old.safetensors"
     mx.save_safetensors(str(old), arrays, metadata=meta)
     loaded, _ = load_cache(old, tiny_llama)

@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import _BaseCache
 
 import velox
-from velox.adapters import mlxlm
+from velox.adapters import cache_files
 from velox.adapters.mlxlm import VeloxCache, cache_nbytes, load_cache, make_cache, save_cache
 from velox.registry import get_method, method_keys
 
@@ -272,7 +272,7 @@ def _rewrite(src, dst, edit):
     layers = json.loads(raw["0.layers"])
     edit(layers[0], arrays_)
     raw["0.layers"] = json.dumps(layers)
-    raw["0.sha256"] = mlxlm._digest(arrays_, raw)
+    raw["0.sha256"] = cache_files._digest(arrays_, raw)
     mx.save_safetensors(str(dst), arrays_, metadata=raw)
     return dst
 
@@ -310,7 +310,7 @@ def test_files_from_before_decode_modes_load_as_evict(saved, tmp_path, model):
     for e in layers:
         strip(e, None)
     raw["0.layers"] = json.dumps(layers)
-    raw["0.sha256"] = mlxlm._digest(arrays_, raw)
+    raw["0.sha256"] = cache_files._digest(arrays_, raw)
     mx.save_safetensors(str(tmp_path / "old.safetensors"), arrays_, metadata=raw)
     caches, _ = load_cache(tmp_path / "old.safetensors", model)
     assert all(c.decode == "evict" and c.tail is None for c in caches)

@@ -175,7 +175,8 @@ def test_kernel_attended_decode_step_matches_attention_then_update(key, shape, d
     in the scores' kernel (``with_attention``): the output equals MLX's attention over the
     stored rows and the new token, and the state (with its deferred row written) equals the
     plain update's, step after step."""
-    from velox.adapters import mlxlm
+    from velox.adapters import cache as adapter_cache
+    from velox.decode import write_row
     b, h, g, d = shape
     budget, steps = 40, 12
     dt = getattr(mx, dtype)
@@ -186,7 +187,7 @@ def test_kernel_attended_decode_step_matches_attention_then_update(key, shape, d
     m = get_method(key)
     st = m.init(b, h, d, dtype=dt, backend="cuda", **_params(key, budget, ""))
     st = m.update(st, arr(b, h, budget + 5, d), arr(b, h, budget + 5, d), queries=arr(b, h * g, budget + 5, d))
-    fused = mx.compile(mlxlm._fused_step(m))
+    fused = mx.compile(adapter_cache._fused_step(m))
     tol = 2e-5 if dt == mx.float32 else 2e-2
     for step in range(steps):
         q, k, v = arr(b, h * g, 1, d), arr(b, h, 1, d), arr(b, h, 1, d)
@@ -196,7 +197,7 @@ def test_kernel_attended_decode_step_matches_attention_then_update(key, shape, d
         plain = m.update(st, k, v, queries=q)
         out, new, row = fused(st, q, k, v, d ** -0.5)
         if row is not None:
-            new = decode.write_row(new, row)
+            new = write_row(new, row)
         mx.eval(out, new, plain, want)
         np.testing.assert_allclose(np.array(out.astype(mx.float32)), np.array(want.astype(mx.float32)),
                                    rtol=tol, atol=tol, err_msg=f"{key} step {step}")
@@ -439,8 +440,8 @@ def variant_ptx():
 @needs_nvrtc
 @pytest.mark.parametrize("variant", KERNEL_VARIANTS, ids=str)
 def test_kernel_sources_compile(variant_ptx, variant):
-    """Every variant compiles with NVRTC for an H100/H200 (sm_90), for float32, float16 and
-    bfloat16 rows, wrapped as MLX wraps it at a launch (no GPU needed)."""
+    """Every variant compiles with NVRTC to PTX for an H100/H200 (``compute_90``), for float32,
+    float16 and bfloat16 rows, wrapped as MLX wraps it at a launch (no GPU needed)."""
     _, spec = _spec(variant)
     for dtype, mode, ptx in variant_ptx[variant]:
         if isinstance(ptx, Exception):

@@ -5,7 +5,7 @@ CUDA sources), for KIVI's layout:
 
 * the sources: every variant (bits x group_size x head_dim, the dtypes of queries, scales and
   residual rows, steps without quantized tokens or without residual rows, 1 and 32 query
-  heads per kv head) compiles with NVRTC for sm_90 (no GPU needed);
+  heads per kv head) compiles with NVRTC to PTX for compute_90 (no GPU needed);
 * the emulation: the kernel sources compiled as C++ for the CPU, run through
   ``decode_attend``'s wrapper and compared with ``attend``'s MLX path: within
   ``TOLERANCE`` of ``attend`` evaluated in float32 (the queries, keys and values upcast) and
@@ -82,7 +82,7 @@ COMPILE_CASES = (
 @needs_nvrtc
 @pytest.mark.parametrize("bits,gs,head_dim,dtypes,groups,quant,resid", COMPILE_CASES, ids=str)
 def test_split_source_compiles(bits, gs, head_dim, dtypes, groups, quant, resid):
-    """Every variant, and the appending one, compiles for sm_90 as MLX wraps it at a launch
+    """Every variant, and the appending one, compiles to PTX for compute_90 as MLX wraps it at a launch
     (no GPU needed)."""
     append = "knew" in dtypes
     spec = kk.split_spec(append)

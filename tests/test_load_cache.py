@@ -19,6 +19,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 from velox.adapters import mlxlm
+
+from velox.adapters import cache_files
 from velox.adapters.mlxlm import load_cache, make_cache, save_cache
 from velox.backend import BackendUnavailable, device_supports
 
@@ -128,7 +130,7 @@ def _rewrite(src, dst, edit=None, *, checksum=True):
     meta = dict(raw)
     meta.update({f"0.{k}": json.dumps(v) for k, v in fields.items()})
     if checksum:
-        meta["0.sha256"] = mlxlm._digest(arrays, meta)
+        meta["0.sha256"] = cache_files._digest(arrays, meta)
     mx.save_safetensors(str(dst), arrays, metadata=meta)
     return dst
 
@@ -171,7 +173,7 @@ def _older(layers: str) -> str:
 
 def test_a_file_from_before_the_checksum_loads_with_a_warning(tiny_llama, saved, tmp_path):
     arrays, raw = mx.load(str(saved / "tova.safetensors"), return_metadata=True)
-    del arrays[mlxlm._MARKER]
+    del arrays[cache_files._MARKER]
     old = {k[2:]: v for k, v in raw.items() if k.startswith("0.") and k != "0.sha256"}
     old["format"] = "velox-prompt-cache-1"
     old["layers"] = _older(old["layers"])
@@ -268,7 +270,7 @@ def test_stray_arrays_bad_metadata_and_foreign_files(tiny_llama, saved, tmp_path
     bad = {**raw, "0.layers": "[{"}
     mx.save_safetensors(str(p), arrays, metadata=bad)
     _refused(p, "do not match the sha256 checksum")
-    mx.save_safetensors(str(p), arrays, metadata={**bad, "0.sha256": mlxlm._digest(arrays, bad)})
+    mx.save_safetensors(str(p), arrays, metadata={**bad, "0.sha256": cache_files._digest(arrays, bad)})
     _refused(p, "'layers' is not valid JSON")
     mlx_file = tmp_path / "mlx.safetensors"
     cache = make_prompt_cache(tiny_llama)
@@ -405,7 +407,7 @@ def _as_format_2(src, dst, edit=None):
         layers = json.loads(meta["0.layers"])
         edit(layers)
         meta["0.layers"] = json.dumps(layers)
-    meta["0.sha256"] = mlxlm._checksum(arrays)
+    meta["0.sha256"] = cache_files._checksum(arrays)
     mx.save_safetensors(str(dst), arrays, metadata=meta)
     return dst
 

@@ -14,6 +14,7 @@ from mlx.utils import tree_flatten
 
 from velox import decode
 from velox.adapters import mlxlm, routing
+from velox.adapters import cache_files
 from velox.adapters.mlxlm import VeloxCache, load_cache, make_cache, save_cache
 from velox.registry import get_method, method_keys
 from velox.spec import validate_params
@@ -254,7 +255,7 @@ def test_load_cache_refuses_a_depth_beyond_the_maximum(tmp_path):
     layers = json.loads(raw["0.layers"])
     layers[0]["rollback"] = 10**6
     raw["0.layers"] = json.dumps(layers)
-    raw["0.sha256"] = mlxlm._digest(arrays, raw)  # a consistent file: the depth is what is refused
+    raw["0.sha256"] = cache_files._digest(arrays, raw)  # a consistent file: the depth is what is refused
     mx.save_safetensors(str(tmp_path / "deep.safetensors"), arrays, metadata=raw)
     with pytest.raises(ValueError, match="layer 0: rollback=1000000 must be an integer from 0 to "
                                          "ROLLBACK_MAX=64"):
