@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache
 
 from velox.adapters import mlxlm
 from velox.adapters.batch import VeloxBatchCache
@@ -219,7 +220,7 @@ def test_merge_refuses_what_one_batch_cannot_run(tiny_llama):
     with pytest.raises(ValueError, match="different layer"):
         VeloxCache.merge([tova[0], tova[1]])
     with pytest.raises(ValueError, match="velox caches"):
-        VeloxCache.merge([tova[0], mlxlm.KVCache()])
+        VeloxCache.merge([tova[0], KVCache()])
     with pytest.raises(ValueError, match="different method"):
         VeloxCache.merge([tova[0], tova[0]]).extend(VeloxCache.merge([h2o[0]]))
 
