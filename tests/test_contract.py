@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import velox
-from velox import decode
+from velox import decode, wrap
 from velox import testing as vt
 from velox.backend import BackendUnavailable
 from velox.registry import get_method, method_keys
@@ -17,7 +17,13 @@ from velox.spec import spec_keys, validate_params
 
 from tests._helpers import every_method
 
-KEYS = method_keys()
+# Methods made of methods (velox.wrap) are checked like any other: a tail over a slot
+# evictor, a quantizer with its own attention, and a codec cache of chunked storage; a journal
+# over an evictor and a quantizer.
+WRAPPED = tuple(w(get_method(k), n).key for w, k, n in (
+    (wrap.with_tail, "tova", 4), (wrap.with_tail, "kivi", 3), (wrap.with_tail, "turboquant_mse", 3),
+    (wrap.with_rollback, "tova", 3), (wrap.with_rollback, "kivi", 2)))
+KEYS = method_keys() + WRAPPED
 
 
 def test_every_spec_has_a_method_and_back():

@@ -339,6 +339,8 @@ def not_steady_because(m: Method, params: dict[str, Any] | None = None) -> str |
         return "it updates a record shared by every layer, layer by layer"
     if not contract.get("compilable", True):
         return contract.get("not_compilable_because", "its update is not compilable")
+    if not contract.get("steady", True):  # a method made of methods (velox.wrap)
+        return contract["not_steady_because"]
     if contract.get("bound_phase", "all") != "all":
         return "it bounds its prefill only: every decode token is kept, so its state grows"
     if chunked(m):

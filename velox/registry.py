@@ -516,9 +516,10 @@ def get_method(key: str) -> Method:
         raise ValueError(f"unknown method {key!r}; registered: {', '.join(sorted(_REGISTRY))}") from None
 
 
-def method_keys() -> tuple[str, ...]:
-    """Keys of every registered method, sorted."""
-    return tuple(sorted(_REGISTRY))
+def method_keys(*, wrappers: bool = False) -> tuple[str, ...]:
+    """Keys of every registered method, sorted; methods made by ``velox.wrap`` (keys with
+    ``@``: ``"tova@tail64"``) only with ``wrappers=True``."""
+    return tuple(sorted(k for k in _REGISTRY if wrappers or "@" not in k))
 
 
 def method_of(state: State) -> Method:
