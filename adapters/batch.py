@@ -162,7 +162,7 @@ def _joinable(rows: list) -> list | None:
         return None
     states = []
     for r in rows:
-        if (r.rollback or r.decode != "evict" or r._tail is not None or r._pending is not None
+        if (r.rollback or r.decode != "evict" or r._pending is not None
                 or r.mode is not Mode.DEFERRED or r.artifact is not None):
             return None
         st = r._state  # (writes a decode step's pending row into its slot)

@@ -55,7 +55,9 @@ Protocol facts this class honours:
   does, but appends single-token steps uncompressed to a tail of at most ``decode_cap``
   tokens, which attention reads after the stored tokens; the step that fills the tail hands
   it to the method as one chunk (with the tail's real queries), after its attention. A
-  multi-token call takes the tail with it the same way: one update of tail + chunk.
+  multi-token call takes the tail with it the same way: one update of tail + chunk. The tail
+  is a method of its own, ``velox.wrap.with_tail(method, decode_cap)``, which the cache steps
+  (``_m``); ``velox_state`` is the method's state inside it.
 * ``save_cache`` / ``load_cache``: one ``.safetensors`` file whose checksum covers its
   metadata and arrays; a loaded cache is checked against its method (and a given model's
   dims) and decodes as the saved one would have.
@@ -76,7 +78,7 @@ from mlx_lm.models import base as _mlx_base
 from mlx_lm.models.cache import KVCache
 
 import velox
-from velox import evict
+from velox import evict, wrap
 from velox.decode import (StepInfo, arrays as _arrays, slot_count, step_info, split_step, split_step_with_row, split_update,
                           steady_rows,
                           with_empty_slots as _with_empty_slots, with_state as _with_state,
@@ -132,20 +134,15 @@ def _check_decode(decode: Any, decode_cap: Any) -> None:
 class _Step:
     """Tokens one ``update_and_fetch`` took, before the method's update absorbs them.
 
-    ``keys``/``values`` are what the update absorbs: an append-mode tail taken along
-    (``prefix`` tokens, with ``prefix_q`` their queries, ``None`` for the proxy), then the
-    call's tokens. In deferred mode a step is pending until the wrapped attention completes
-    it; ``keys is None`` then means the call's token joined the tail (the wrapper attends and
-    records its query), ``fused`` that the wrapper runs the compiled attention + update (or
-    the fill step), ``new_only`` that ``update_and_fetch`` handed out only the call's tokens,
-    and ``filled`` the state after a fill step (the token written into an empty slot by the
-    backend's ``fill``) when that was decided at the call.
+    ``keys``/``values`` are the call's tokens. In deferred mode a step is pending until the
+    wrapped attention completes it: ``fused`` says the wrapper runs the compiled attention +
+    update (or the fill step), ``new_only`` that ``update_and_fetch`` handed out only the
+    call's tokens, and ``filled`` the state after a fill step (the token written into an empty
+    slot by the backend's ``fill``) when that was decided at the call.
     """
 
     keys: mx.array | None = None
     values: mx.array | None = None
-    prefix: int = 0
-    prefix_q: mx.array | None = None
     fused: bool = False
     new_only: bool = False
     filled: Any = None
@@ -155,7 +152,7 @@ class _Step:
         return 0 if self.keys is None else int(self.keys.shape[2])
 
     def arrays(self) -> list[mx.array]:
-        return [x for x in (self.keys, self.values, self.prefix_q) if x is not None]
+        return [x for x in (self.keys, self.values) if x is not None]
 
 
 class _Split(_Step):
@@ -187,8 +184,6 @@ class _Entry(NamedTuple):
     held: tuple | None             # the method's state, as stored (its pending row not written)
     row: tuple | None              # a decode step's slot write left for the next step
     offset: int
-    tail: tuple[mx.array, mx.array] | None
-    tail_q: mx.array | None
 
 
 # The most steps a cache journals (``rollback=``). Speculative decoding trims at most
@@ -258,6 +253,9 @@ class VeloxCache(SteppedCache):
         self.decode = decode
         self.decode_cap = decode_cap
         self.method = get_method(method)
+        # The method the cache steps: in append mode the method behind its decode tail
+        # (velox.wrap.with_tail; a cap of 1 holds no tail: the method itself).
+        self._m = wrap.with_tail(self.method, decode_cap) if decode == "append" else self.method
         self.mode = _check_mode(mode)
         if self.mode is Mode.PROXY and self.method.attend is not None:
             raise ValueError(f"{self.method.key} attends through its own hook: it needs "
@@ -286,10 +284,6 @@ class VeloxCache(SteppedCache):
         self._fast: tuple | None = None  # the state held, while the fast path holds for it
         self._pending: _Step | None = None
         self._offset = 0
-        # Append mode: decoded tokens not yet handed to the method, and their queries (None
-        # once a step's query is missing).
-        self._tail: tuple[mx.array, mx.array] | None = None
-        self._tail_q: mx.array | None = None
         # Rollback: the cache's fields before each of its last ``rollback`` steps.
         self.rollback = rollback
         self._journal: list[_Entry] = []
@@ -313,7 +307,7 @@ class VeloxCache(SteppedCache):
         and ``values`` to the state held now."""
         held = self.__dict__.get("_observe")
         if held is not None and before is not None:
-            held.fn(self.layer, step_info(self.method, before, self._state, keys, values))
+            held.fn(self.layer, step_info(self._m, before, self._state, keys, values))
 
     # -- the state, and a decode step's row not yet written into its slot -----------
     @property
@@ -349,7 +343,7 @@ class VeloxCache(SteppedCache):
         journal, no append tail, the wrapper routing attention, a method without a
         model-level record, and the state still at its steady size."""
         ok = (self._plain_steps()
-              and self.method.kv_slots(self.__dict__["_held"])[0].shape[2] == self.__dict__.get("_steady_rows"))
+              and self._m.kv_slots(self.__dict__["_held"])[0].shape[2] == self.__dict__.get("_steady_rows"))
         self.__dict__["_fast"] = self.__dict__["_held"] if ok else None
 
     def _plain_steps(self) -> bool:
@@ -357,7 +351,7 @@ class VeloxCache(SteppedCache):
         journal, ``decode="evict"`` with no append tail, no observer, the wrapper known to
         route attention, and no model-level record (what both the fast path and the
         compiled step of chunked storage need)."""
-        return (not self.rollback and self.decode == "evict" and self._tail is None
+        return (not self.rollback and self._m is self.method
                 and self.__dict__.get("_observe") is None and not self._route_unknown
                 and self.method.layer_update is None)
 
@@ -372,25 +366,35 @@ class VeloxCache(SteppedCache):
         raise AttributeError("the offset of a velox cache follows the tokens it absorbed")
 
     def size(self) -> int:
-        """Tokens held: stored (after the last update), the append-mode tail, and the tokens
-        of a pending step (deferred mode, before its attention)."""
-        return self._stored_count() + self._tail_len() + self._pending_len()
+        """Tokens held: stored (after the last update, the append-mode tail included) and
+        the tokens of a pending step (deferred mode, before its attention)."""
+        return self._stored_count() + self._pending_len()
 
     def empty(self) -> bool:
-        return self._state is None and self._pending is None and self._tail is None
+        return self._state is None and self._pending is None
 
     @property
     def tail(self) -> tuple[mx.array, mx.array] | None:
-        """Append mode: the decoded ``(keys, values)`` ``[b, h, t, d]`` not yet compressed."""
-        return self._tail
+        """Append mode: the decoded ``(keys, values)`` ``[b, h, t, d]`` not yet compressed
+        (``None`` when there are none)."""
+        st = self._state
+        return None if not isinstance(st, wrap.TailState) or not st.tail_len else (st.keys, st.values)
+
+    @property
+    def tail_queries(self) -> mx.array | None:
+        """Append mode: the real queries of the tail's tokens (``None`` when there is no tail,
+        or one of its steps came without its query: the tail is then absorbed with the
+        key-as-query proxy)."""
+        st = self._state
+        return st.queries if isinstance(st, wrap.TailState) and st.tail_len else None
 
     def positions(self) -> mx.array:
-        """Absolute positions ``[b, h, n]`` of what the cache holds: stored, then the tail,
+        """Absolute positions ``[b, h, n]`` of what the cache holds: stored (the tail last),
         then the tokens of a pending step."""
         if self._state is None:
             return mx.zeros((1, 1, 0), mx.int32)
-        pos = self.method.positions(self._state)
-        t = self._tail_len() + self._pending_len()
+        pos = self._m.positions(self._state)
+        t = self._pending_len()
         if not t:
             return pos
         b, h = pos.shape[:2]
@@ -448,7 +452,7 @@ class VeloxCache(SteppedCache):
             if e.offset == self._offset - n:
                 del self._journal[k:]
                 self.__dict__.update(_held=e.held, _row=e.row, _fast=None)
-                self._offset, self._tail, self._tail_q = e.offset, e.tail, e.tail_q
+                self._offset = e.offset
                 self._pending = None
                 return n
         steps = [self._offset - e.offset for e in reversed(self._journal)]
@@ -472,8 +476,7 @@ class VeloxCache(SteppedCache):
         if not self.rollback:
             return
         d = self.__dict__
-        self._journal.append(_Entry(d.get("_held"), d.get("_row"), self._offset, self._tail,
-                                    self._tail_q))
+        self._journal.append(_Entry(d.get("_held"), d.get("_row"), self._offset))
         if len(self._journal) > self.rollback:
             del self._journal[0]
 
@@ -481,11 +484,10 @@ class VeloxCache(SteppedCache):
         """Bytes of the journal's arrays that the current fields do not hold."""
         if not self._journal:
             return 0
-        own = {id(x) for x in _arrays((self.__dict__.get("_held"), self.__dict__.get("_row"),
-                                       self._tail, self._tail_q))}
+        own = {id(x) for x in _arrays((self.__dict__.get("_held"), self.__dict__.get("_row")))}
         seen: dict[int, int] = {}
         for e in self._journal:
-            for x in _arrays((e.held, e.row, e.tail, e.tail_q)):
+            for x in _arrays((e.held, e.row)):
                 if id(x) not in own:
                     seen[id(x)] = x.nbytes
         return sum(seen.values())
@@ -496,7 +498,7 @@ class VeloxCache(SteppedCache):
         if N == 1:
             return None
         if return_array:
-            return _mlx_base.create_causal_mask(N, offset=self._stored_count() + self._tail_len())
+            return _mlx_base.create_causal_mask(N, offset=self._stored_count())
         return "causal"
 
     @property
@@ -506,22 +508,22 @@ class VeloxCache(SteppedCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes the velox state really holds, plus new tokens not yet absorbed, the
-        append-mode tail (its keys, values and kept queries) and the rollback journal's arrays
+        """Bytes the velox state really holds (the append-mode tail's keys, values and kept
+        queries included), plus new tokens not yet absorbed and the rollback journal's arrays
         that the current fields do not hold."""
-        total = 0 if self._state is None else self.method.nbytes(self._state)  # (row written)
-        if self._pending is not None and self._pending.keys is not None:
-            total += self._pending.keys.nbytes + self._pending.values.nbytes
-        return total + sum(x.nbytes for x in self._tail_arrays()) + self._journal_nbytes()
+        total = 0 if self._state is None else self._m.nbytes(self._state)  # (row written)
+        if self._pending is not None:
+            total += sum(x.nbytes for x in self._pending.arrays())
+        return total + self._journal_nbytes()
 
     @property
     def state(self) -> list[mx.array]:
-        """Every array of the velox state, of the tail and of a pending step (mlx-lm
+        """Every array of the velox state (the tail's included) and of a pending step (mlx-lm
         evaluates these)."""
         if self._state is None:
             return []
         pending = [] if self._pending is None else self._pending.arrays()
-        return _arrays(self._state) + self._tail_arrays() + pending
+        return _arrays(self._state) + pending
 
     @state.setter
     def state(self, v) -> None:
@@ -529,8 +531,10 @@ class VeloxCache(SteppedCache):
 
     @property
     def velox_state(self) -> tuple | None:
-        """The method's state record (without the tail and a pending step's tokens)."""
-        return self._state
+        """The method's state record (without the append-mode tail and a pending step's
+        tokens)."""
+        st = self._state
+        return st.inner if isinstance(st, wrap.TailState) else st
 
     # -- the compiled whole-model step (velox.adapters.model_step) -------------------
     def steady_state(self) -> tuple | None:
@@ -550,7 +554,7 @@ class VeloxCache(SteppedCache):
         with the count of empty rows left to the arrays (``velox.decode.steady_form``): the
         same record from token to token, so one trace for each size of the arrays."""
         d = self.__dict__
-        held, m = d.get("_held"), self.method
+        held, m = d.get("_held"), self._m
         if (held is None or self._pending is not None or not _capture_installed()
                 or d.get("_observe") is not None):
             return None
@@ -580,8 +584,8 @@ class VeloxCache(SteppedCache):
         mode (while the wrapper is installed) leaves the step to the wrapped attention; when
         the wrapper does the work itself (the method's ``attend`` hook, or the fused compiled
         decode step) only the new tokens are returned, as the wrapper ignores what it is
-        handed. In append mode a single-token step below the cap joins the tail and the
-        method's update does not run.
+        handed. In append mode the method is behind its decode tail (``velox.wrap.with_tail``):
+        what is stored includes the tail, and a single-token step below the cap joins it.
 
         With ``rollback=d`` (deferred mode), a call of 2 to ``d + 1`` tokens on a cache that
         holds tokens (a speculative verify call) waits whole for the wrapper, which runs it as
@@ -608,35 +612,21 @@ class VeloxCache(SteppedCache):
     def _fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """:meth:`update_and_fetch` of one step (journaled first, with ``rollback``)."""
         self._remember()
-        m = self.method
-        defer = self.mode is Mode.DEFERRED and _capture_installed()
-        # Until the first forward shows the wrapper runs, hand out what attention reads.
-        wrapper_attends = m.attend is not None and not self._route_unknown
-        if (self.decode == "append" and keys.shape[2] == 1
-                and self._tail_len() + 1 < self.decode_cap):
-            self._append(keys, values)
-            if defer:
-                self._pending = _Step(new_only=wrapper_attends)
-                if wrapper_attends:
-                    return keys, values
-            else:
-                self.last_step = "tail"
-            k, v = self._stored_rows(defer)
-            tk, tv = self._tail
-            return evict.append_rows(k, tk), evict.append_rows(v, tv)
         step = self._take(keys, values)
-        if defer:
-            step.fused = self._steady(step.keys) or self._fills(step)
+        if self.mode is Mode.DEFERRED and _capture_installed():
+            # until the first forward shows the wrapper runs, hand out what attention reads
+            wrapper_attends = self._m.attend is not None and not self._route_unknown
+            step.fused = self._steady(keys) or self._fills(step)
             step.new_only = wrapper_attends or (step.fused and not self._route_unknown)
             self._pending = step
             if step.new_only:
                 return keys, values
-        # Stored + new (lazy: never computed if the wrapper attends itself).
-        k, v = self._stored_rows(defer)
-        out = evict.append_rows(k, step.keys), evict.append_rows(v, step.values)
-        if not defer:
-            self._absorb(step, None)
-            self.last_step = "proxy"
+            k, v = self._stored_rows(True)  # (lazy: never computed if the wrapper attends itself)
+            return evict.append_rows(k, keys), evict.append_rows(v, values)
+        k, v = self._stored_rows(False)
+        out = evict.append_rows(k, keys), evict.append_rows(v, values)
+        self._absorb(step, None)
+        self.last_step = self._kind("proxy")
         return out
 
     def attention(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
@@ -650,19 +640,7 @@ class VeloxCache(SteppedCache):
                                                         mask=mask, sinks=sinks)
         if isinstance(step, _Split):
             return self._verify(step, queries, scale=scale, sinks=sinks)
-        m = self.method
-        if step.keys is None:  # append mode: a decode step that joined the tail
-            if m.attend is not None:
-                if sinks is not None:
-                    raise ValueError(f"{m.key} does not support attention sinks")
-                out = self._attend(queries, *self._tail, mask, scale=scale)
-            else:
-                mask = _with_empty_slots(mask, self._empty_mask(), queries, keys.shape[2])
-                out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
-                                                           mask=mask, sinks=sinks)
-            self._keep_query(queries)
-            self.last_step = "tail"
-            return out
+        m = self._m
         if step.fused and sinks is None and mask is None:
             d = self.__dict__
             before = self._state if d.get("_observe") is not None else None  # (row written)
@@ -707,16 +685,16 @@ class VeloxCache(SteppedCache):
         if m.attend is not None:
             if sinks is not None:
                 raise ValueError(f"{m.key} does not support attention sinks")
-            if (not step.prefix and step.keys.shape[2] == queries.shape[2]
-                    and m.layer_update is None and not self._steady(step.keys)):
+            if (step.keys.shape[2] == queries.shape[2] and m.layer_update is None
+                    and not self._steady(step.keys)):
                 # attention and update in one call (a method's decode kernels do both)
                 before = self._state
                 out, self._state = m.attend_update(before, queries, step.keys, step.values,
                                                    scale=scale, mask=mask)
                 self._observed(before, step.keys, step.values)
-                self.last_step = "deferred"
+                self.last_step = self._kind("deferred")
                 return _with_state(out, self._new_arrays())
-            out = self._attend(queries, step.keys, step.values, mask, scale=scale)
+            out = m.attend(self._state, queries, step.keys, step.values, scale=scale, mask=mask)
         else:
             if step.new_only:  # handed the new tokens only; rebuild what attention reads
                 k, v, _ = m.kv_slots(self._state)
@@ -725,8 +703,13 @@ class VeloxCache(SteppedCache):
             out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                        mask=mask, sinks=sinks)
         self._absorb(step, queries, evaluate=False)
-        self.last_step = "deferred"
+        self.last_step = self._kind("deferred")
         return _with_state(out, self._new_arrays())
+
+    def _kind(self, kind: str) -> str:
+        """``last_step`` of an update: ``"tail"`` where the step's token joined the tail."""
+        st = self.__dict__.get("_held")
+        return "tail" if isinstance(st, wrap.TailState) and st.tail_len else kind
 
     def _verify(self, step: _Split, queries: mx.array, *, scale: float, sinks) -> mx.array:
         """A verify call as the one-token steps it stands for: token ``i``'s update and
@@ -768,7 +751,7 @@ class VeloxCache(SteppedCache):
             return
         if self._route_unknown:
             self._route_unknown = False
-            self.mode = _choose_mode(self.method, real_queries=self.real_queries, routed=False)
+            self.mode = _choose_mode(self._m, real_queries=self.real_queries, routed=False)
         if step.new_only:
             raise RuntimeError(
                 f"{self.method.key} attends through mlx-lm's scaled_dot_product_attention, "
@@ -778,79 +761,22 @@ class VeloxCache(SteppedCache):
             self._absorb(step, None)
 
     def _take(self, keys: mx.array, values: mx.array) -> _Step:
-        """Create the state on the first tokens, advance the offset, and return the step:
-        these tokens after the tail, which they take with them."""
-        self._init_state(keys)
-        self._offset += keys.shape[2]
-        step = _Step(keys, values)
-        if self._tail is not None:
-            tk, tv = self._tail
-            step.prefix, step.prefix_q = tk.shape[2], self._full_tail_queries()
-            step.keys = mx.concatenate([tk, keys], axis=2)
-            step.values = mx.concatenate([tv, values], axis=2)
-            self._tail = self._tail_q = None
-        return step
-
-    def _append(self, keys: mx.array, values: mx.array) -> None:
-        """Append mode: one decoded token joins the tail (the method's state is untouched)."""
-        self._init_state(keys)
-        self._offset += 1
-        if self._tail is None:
-            self._tail = (keys, values)
-        else:
-            tk, tv = self._tail
-            self._tail = (mx.concatenate([tk, keys], axis=2), mx.concatenate([tv, values], axis=2))
-        mx.async_eval(list(self._tail))
-
-    def _init_state(self, keys: mx.array) -> None:
+        """Create the state on the first tokens, advance the offset, and return the step."""
         if self.__dict__.get("_held") is None:
             b, h, _, d = keys.shape
-            self._state = self.method.init(b, h, d, dtype=keys.dtype, backend=self.backend,
-                                           **self.params)
+            self._state = self._m.init(b, h, d, dtype=keys.dtype, backend=self.backend, **self.params)
             if self.artifact is not None:
-                self._state = self.method.calibrate(self._state, self.artifact)
-
-    def _keep_query(self, queries: mx.array) -> None:
-        """Record the query of the token that just joined the tail (real-query mode)."""
-        t = self._tail_len()
-        if not self.real_queries:
-            return
-        if t == 1:
-            self._tail_q = queries
-        elif self._tail_q is not None and self._tail_q.shape[2] == t - 1:
-            self._tail_q = mx.concatenate([self._tail_q, queries], axis=2)
-        else:  # a step's query is missing: the tail is absorbed with the proxy
-            self._tail_q = None
-        if self._tail_q is not None:
-            mx.async_eval(self._tail_q)
-
-    def _full_tail_queries(self) -> mx.array | None:
-        q = self._tail_q
-        return q if q is not None and q.shape[2] == self._tail_len() else None
-
-    def _attend(self, queries: mx.array, keys: mx.array, values: mx.array, mask, *,
-                scale: float) -> mx.array:
-        """The method's ``attend`` over stored + ``keys`` when ``keys`` may be longer than the
-        queries (a tail before them): the queries are padded in front and the mask is causal,
-        so each real query sees every stored token, the tail and the new tokens up to itself."""
-        s, t = queries.shape[2], keys.shape[2]
-        if t == s:
-            return self.method.attend(self._state, queries, keys, values, scale=scale, mask=mask)
-        b, q, _, d = queries.shape
-        padded = mx.concatenate([mx.zeros((b, q, t - s, d), queries.dtype), queries], axis=2)
-        out = self.method.attend(self._state, padded, keys, values, scale=scale, mask="causal")
-        return out[:, :, t - s:]
+                self._state = self._m.calibrate(self._state, self.artifact)
+        self._offset += keys.shape[2]
+        return _Step(keys, values)
 
     def _absorb(self, step: _Step, queries: mx.array | None, *, evaluate: bool = True) -> None:
-        """The method's update of ``step``'s tokens (a tail taken along: its queries first,
-        or none at all); its evaluation started here unless the caller ties the new state to
-        the step's attention output (``evaluate=False``, :func:`_with_state`)."""
+        """The method's update of ``step``'s tokens; its evaluation started here unless the
+        caller ties the new state to the step's attention output (``evaluate=False``,
+        :func:`_with_state`)."""
         keys, values = step.keys, step.values
-        if step.prefix:
-            queries = (None if queries is None or step.prefix_q is None
-                       else mx.concatenate([step.prefix_q, queries], axis=2))
         before = self._state if self.__dict__.get("_observe") is not None else None
-        m = self.method
+        m = self._m
         if m.layer_update is not None and self._model is not None:
             model = self._model
             if model.record is None:
@@ -876,17 +802,9 @@ class VeloxCache(SteppedCache):
     def _pending_len(self) -> int:
         return 0 if self._pending is None else self._pending.length
 
-    def _tail_len(self) -> int:
-        return 0 if self._tail is None else int(self._tail[0].shape[2])
-
-    def _tail_arrays(self) -> list[mx.array]:
-        if self._tail is None:
-            return []
-        return [*self._tail] + ([] if self._tail_q is None else [self._tail_q])
-
     def _steady(self, keys: mx.array) -> bool:
         """A single-token step at a full bounded cache: shapes repeat, so compiling pays."""
-        m = self.method
+        m = self._m
         if (not self.compile or keys.shape[2] != 1 or self._state.backend == "reference"
                 or m.layer_update is not None):
             return False
@@ -901,8 +819,8 @@ class VeloxCache(SteppedCache):
         ``fill``: then the fill step runs in :meth:`attention` (``step.filled``, the state
         after it). Steady states (amortized eviction) decide it there; ``compile=False`` keeps
         the plain path."""
-        st, m = self._state, self.method
-        if (not self.compile or step.prefix or step.keys.shape[2] != 1 or m.layer_update is not None
+        st, m = self._state, self._m
+        if (not self.compile or step.keys.shape[2] != 1 or m.layer_update is not None
                 or not evict.empty_slots(st)):
             return False
         fill = m.backends[st.backend].fill
@@ -910,24 +828,24 @@ class VeloxCache(SteppedCache):
         return step.filled is not None
 
     def _stored_count(self) -> int:
-        return 0 if self._state is None else int(self.method.positions(self._state).shape[2])
+        return 0 if self._state is None else int(self._m.positions(self._state).shape[2])
 
     def _slot_count(self) -> int:
-        return 0 if self._state is None else slot_count(self.method, self._state)
+        return 0 if self._state is None else slot_count(self._m, self._state)
 
     def _stored_rows(self, wrapped: bool) -> tuple[mx.array, mx.array]:
         """The stored rows attention reads: ``kv_slots`` (storage order; attention does not
         depend on the order of the stored rows). With empty slots the wrapped attention
         masks them (:meth:`_empty_mask`); mlx-lm's own attention cannot, so it gets
         ``get_kv``'s gather of the filled slots."""
-        k, v, filled = self.method.kv_slots(self._state)
+        k, v, filled = self._m.kv_slots(self._state)
         if filled is not None and not wrapped:
-            k, v = self.method.get_kv(self._state)
+            k, v = self._m.get_kv(self._state)
         return k, v
 
     def _empty_mask(self) -> mx.array | None:
         """``kv_slots``' mask of the filled slots ``[b, h, n]`` (``None``: no empty slot)."""
-        return None if self._state is None else self.method.kv_slots(self._state)[2]
+        return None if self._state is None else self._m.kv_slots(self._state)[2]
 
 
 # --- compiled steps: one bounded cache ------------------------------------------------

@@ -103,8 +103,7 @@ def _checksum(arrays: dict[str, mx.array]) -> str:
 def _save_tail(c: VeloxCache, i: int, arrays: dict[str, mx.array]) -> dict[str, Any] | None:
     if c.tail is None:
         return None
-    q = c._full_tail_queries()
-    parts = {"keys": c.tail[0], "values": c.tail[1], "queries": q}
+    parts = {"keys": c.tail[0], "values": c.tail[1], "queries": c.tail_queries}
     return {k: None if x is None else _split(x, f"tail.{i}.{k}", arrays) for k, x in parts.items()}
 
 
@@ -383,9 +382,12 @@ def _load_layer(where: str, i: int, entry: Any, arrays: dict[str, mx.array], use
         tk, tv, tq = _load_tail(where, tail, arrays, used, st, m, c.decode_cap, offset)
     t = 0 if tk is None else tk.shape[2]
     _check_state(where, m, st, entry["params"], offset, t, artifact)
+    if c.decode == "append" and c.decode_cap > 1:  # the method behind its tail (velox.wrap)
+        if tk is None:
+            b, h, d, dtype = _state_dims(m, st)
+            tk = tv = mx.zeros((b, h, 0, d), dtype)
+        st = c._m.state_type(st, tk, tv, tq)
     c._state, c._offset = st, offset
-    if tk is not None:
-        c._tail, c._tail_q = (tk, tv), tq
     if "dims" in entry and entry["dims"] != _save_dims(c):
         raise ValueError(f"{where}: dims {entry['dims']}, but the state holds {_save_dims(c)}")
     return c
@@ -405,6 +407,10 @@ def _load_artifact(where: str, desc: dict | None, arrays: dict[str, mx.array],
     return out
 
 
+def _state_dims(m: Method, st: tuple) -> tuple:
+    return m.dims(st) if m.dims is not None else (*st.keys.shape[:2], st.keys.shape[3], st.keys.dtype)
+
+
 def _load_tail(where: str, tail: dict, arrays: dict[str, mx.array], used: set[str], st: tuple,
                m: Method, cap: int, offset: int) -> tuple[mx.array, mx.array, mx.array | None]:
     """The tail's arrays, checked against the state's dims, the cap and the offset."""
@@ -421,8 +427,7 @@ def _load_tail(where: str, tail: dict, arrays: dict[str, mx.array], used: set[st
         used.add(d["__array__"])
         got[name] = arrays[d["__array__"]]
     try:
-        b, h, d, dtype = m.dims(st) if m.dims is not None else (*st.keys.shape[:2], st.keys.shape[3],
-                                                               st.keys.dtype)
+        b, h, d, dtype = _state_dims(m, st)
     except Exception as e:
         raise ValueError(f"{where}: cannot read the state's dims ({type(e).__name__}: {e})") from None
     k, v, q = got["keys"], got["values"], got["queries"]
@@ -562,8 +567,7 @@ def _check_state(where: str, m: Method, st: tuple, params: dict[str, Any], offse
     said = f"offset={offset}" + (f" less the tail's {tail}" if tail else "")
     offset -= tail
     try:
-        b, h, d, dtype = m.dims(st) if m.dims is not None else (*st.keys.shape[:2], st.keys.shape[3],
-                                                               st.keys.dtype)
+        b, h, d, dtype = _state_dims(m, st)
     except Exception as e:
         raise ValueError(f"{where}: cannot read the state's dims ({type(e).__name__}: {e})") from None
     if m.layer_update is not None:  # the cross-layer record may reset a layer's parameters

@@ -13,6 +13,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import _BaseCache
 
 import velox
+from velox import wrap
 from velox.adapters import cache_files
 from velox.adapters.mlxlm import VeloxCache, cache_nbytes, load_cache, make_cache, save_cache
 from velox.registry import get_method, method_keys
@@ -87,13 +88,13 @@ def test_append_keeps_every_decoded_token_below_the_cap(model, key):
         assert c.offset == n
         assert same(c.velox_state, st)  # no update ran: the method's state is untouched
         tk, tv = c.tail
-        assert tk.shape[2] == tv.shape[2] == 10 and c.size() == c._stored_count() + 10
+        assert tk.shape[2] == tv.shape[2] == 10 and c.size() == c.method.positions(c.velox_state).shape[2] + 10
         pos = np.array(c.positions())
         assert (pos[..., -10:] == np.arange(n - 10, n)).all()  # every decoded token is read
         assert (np.diff(pos, axis=-1) > 0).all() and pos.max() == n - 1
-        tail = tk.nbytes + tv.nbytes + (c._tail_q.nbytes if c._tail_q is not None else 0)
+        tail = tk.nbytes + tv.nbytes + (c.tail_queries.nbytes if c.tail_queries is not None else 0)
         assert c.nbytes == velox.nbytes(c.velox_state) + tail
-        assert c._tail_q is None or c._tail_q.shape == (1, 4, 10, 32)  # real queries kept
+        assert c.tail_queries is None or c.tail_queries.shape == (1, 4, 10, 32)  # real queries kept
 
 
 def test_evict_drops_what_append_keeps(model):
@@ -153,7 +154,7 @@ def test_proxy_queries_absorb_the_tail_without_queries(model, monkeypatch):
     seen.clear()
     decode(model, caches, PROMPT[-1], 3)
     assert [(n, q) for n, q in seen] == [(3, None)] * 3
-    assert caches[0]._tail_q is None
+    assert caches[0].tail_queries is None
 
 
 def test_cap_one_updates_at_every_step(model):
@@ -177,18 +178,21 @@ def test_a_budget_above_the_text_matches_kvcache(model):
 
 @pytest.mark.parametrize("key", ["tova+affine", "kivi", "rocketkv"])
 def test_attend_hooks_read_the_tail(model, key):
-    """Methods with their own attention: a step over stored + tail equals plain attention
-    over what ``get_kv`` returns followed by the tail (up to rounding of the packed codes)."""
+    """Methods with their own attention: a step over stored + tail + a new token (the
+    method behind its tail, ``velox.wrap.with_tail``) equals plain attention over what
+    ``get_kv`` returns followed by the tail and the new token (up to rounding of the codes)."""
     caches = make_cache(model, key, decode="append", decode_cap=16, **small(key))
     prefill(model, caches, PROMPT[:-1])
     decode(model, caches, PROMPT[-1], 4)
     c = caches[1]
     tk, tv = c.tail
+    assert tk.shape[2] == 4 and c._m is wrap.with_tail(c.method, 16)
     q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(3))
-    got = c._attend(q, tk, tv, None, scale=32 ** -0.5)
+    kn = mx.random.normal((1, 2, 1, 32), key=mx.random.key(4))
+    got = c._m.attend(c._state, q, kn, kn, scale=32 ** -0.5)
     k, v = velox.get_kv(c.velox_state)
-    want = mx.fast.scaled_dot_product_attention(q, mx.concatenate([k, tk], axis=2),
-                                                mx.concatenate([v, tv], axis=2), scale=32 ** -0.5)
+    want = mx.fast.scaled_dot_product_attention(q, mx.concatenate([k, tk, kn], axis=2),
+                                                mx.concatenate([v, tv, kn], axis=2), scale=32 ** -0.5)
     assert got.shape == want.shape
     assert np.allclose(np.array(got), np.array(want), atol=1e-4)
 
@@ -246,9 +250,9 @@ def test_save_load_round_trips_the_tail(model, key, params, tmp_path):
         for a, b in zip(caches, other):
             assert (b.decode, b.decode_cap, b.offset) == ("append", 6, a.offset)
             assert same(a.velox_state, b.velox_state) and same(a.tail, b.tail)
-            assert (a._tail_q is None) == (b._tail_q is None)
-            if a._tail_q is not None:
-                assert bool(mx.array_equal(a._tail_q, b._tail_q))
+            assert (a.tail_queries is None) == (b.tail_queries is None)
+            if a.tail_queries is not None:
+                assert bool(mx.array_equal(a.tail_queries, b.tail_queries))
             assert a.nbytes == b.nbytes
     # all go on through the cap (the absorption uses the saved queries) and agree
     want = decode(model, caches, x, 7)

@@ -88,7 +88,7 @@ def fields(c: VeloxCache) -> dict:
         out[f"state.{name}"] = ((str(x.dtype), tuple(x.shape), np.array(x).tobytes())
                                 if isinstance(x, mx.array) else x)
     for name, x in (("tail_k", None if c.tail is None else c.tail[0]),
-                    ("tail_v", None if c.tail is None else c.tail[1]), ("tail_q", c._tail_q)):
+                    ("tail_v", None if c.tail is None else c.tail[1]), ("tail_q", c.tail_queries)):
         out[name] = None if x is None else (tuple(x.shape), np.array(x).tobytes())
     return out
 

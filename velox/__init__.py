@@ -52,7 +52,7 @@ if _blas.loaded is None and _blas.reason.startswith("mlx.core was imported befor
 
 import mlx.core as mx
 
-from . import compose
+from . import compose, wrap
 from .accounting import fp16_bytes, state_nbytes
 from .backend import BACKENDS, BackendUnavailable
 from .registry import Method, State, get_method, method_keys, method_of
@@ -112,7 +112,7 @@ def tokens_seen(state: State) -> int:
 
 
 __all__ = [
-    "BACKENDS", "BackendUnavailable", "Method", "Spec", "compose", "fp16_bytes", "get_kv", "get_method",
+    "BACKENDS", "BackendUnavailable", "Method", "Spec", "compose", "wrap", "fp16_bytes", "get_kv", "get_method",
     "init", "kv_slots", "load_spec", "method_keys", "method_of", "nbytes", "positions", "state_nbytes",
     "tokens_seen", "update",
 ]
