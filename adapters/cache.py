@@ -62,13 +62,13 @@ Protocol facts this class honours:
   metadata and arrays; a loaded cache is checked against its method (and a given model's
   dims) and decodes as the saved one would have.
 * Compiled steps (a steady decode update, the fused attention + update) live in one bounded
-  cache keyed by method, kind of step and backend (``_compiled``).
+  cache keyed by method, kind of step and backend (``velox.decode.compiled``); a steady
+  step's choice between the fill step and the fused one is ``velox.decode.layer_step``.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -79,7 +79,7 @@ from mlx_lm.models.cache import KVCache
 
 import velox
 from velox import evict, wrap
-from velox.decode import (StepInfo, arrays as _arrays, slot_count, step_info, split_step, split_step_with_row, split_update,
+from velox.decode import (StepInfo, arrays as _arrays, compiled, layer_step, slot_count, step_info,
                           steady_rows,
                           with_empty_slots as _with_empty_slots, with_state as _with_state,
                           write_row as _write_row)
@@ -646,37 +646,10 @@ class VeloxCache(SteppedCache):
             before = self._state if d.get("_observe") is not None else None  # (row written)
             held, row = d["_held"], d["_row"]
             steady = d.get("_fast") is held  # decided for this state: a fused step keeps it so
-            backend = m.backends[held.backend]
-            fill = backend.fill if row is None else None
-            new = step.filled
-            if new is None and fill is not None:
-                new = fill(held, step.keys, step.values)
-            if new is not None:  # a token into an empty slot (amortized eviction): no score,
-                # the row written in place and attention over the filled slots: the backend's
-                # kernel reading the buffers in place (cuda), else MLX's over a view of the
-                # first slots (kv_slots'; the steps of mlx-lm's own cache)
-                attend = backend.fill_attention
-                out = None if attend is None else attend(held, new, queries, step.keys, step.values, scale)
-                if out is None:
-                    k, v = evict.filled_rows(new.keys, new.values, new.empty)
-                    out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
-                self._state = new
-                self._observed(before, step.keys, step.values)
-                self.last_step = "fill"
-                if steady:
-                    d["_fast"] = new
-                else:
-                    self._note_fast()
-                return _with_state(out, self._new_arrays())
-            if row is None:
-                fused = _compiled(m, "fused", held.backend)
-                out, new, row = fused(held, queries, step.keys, step.values, scale)
-            else:  # the last step's row is written first, in place, inside the compiled step
-                fused = _compiled(m, "fused+row", held.backend)
-                out, new, row = fused(held, row, queries, step.keys, step.values, scale)
+            out, new, row, self.last_step = layer_step(m, held, row, queries, step.keys,
+                                                       step.values, scale, filled=step.filled)
             self._state, self._row = new, row
             self._observed(before, step.keys, step.values)
-            self.last_step = "fused"
             if steady:  # nothing _note_fast reads changes in a fused step (same rows, same cache)
                 d["_fast"] = new
             else:
@@ -787,9 +760,9 @@ class VeloxCache(SteppedCache):
         elif not self._steady(keys):
             self._state = m.update(self._state, keys, values, queries=queries)
         elif queries is None:
-            self._state, self._row = _compiled(m, "update", self._state.backend)(self._state, keys, values)
+            self._state, self._row = compiled(m, "update", self._state.backend)(self._state, keys, values)
         else:
-            update = _compiled(m, "update+queries", self._state.backend)
+            update = compiled(m, "update+queries", self._state.backend)
             self._state, self._row = update(self._state, keys, values, queries)
         self._observed(before, keys, values)
         if evaluate:
@@ -846,49 +819,6 @@ class VeloxCache(SteppedCache):
     def _empty_mask(self) -> mx.array | None:
         """``kv_slots``' mask of the filled slots ``[b, h, n]`` (``None``: no empty slot)."""
         return None if self._state is None else self._m.kv_slots(self._state)[2]
-
-
-# --- compiled steps: one bounded cache ------------------------------------------------
-
-def _update_step(m: Method) -> Callable:
-    return lambda s, k, v: split_update(m, s, k, v, None)
-
-
-def _update_step_with_queries(m: Method) -> Callable:
-    return lambda s, k, v, q: split_update(m, s, k, v, q)
-
-
-def _fused_step(m: Method) -> Callable:
-    """``velox.decode.split_step`` of ``m``: ``(state, queries, keys, values, scale) ->
-    (out, state, row)``."""
-    return lambda state, queries, keys, values, scale: split_step(m, state, queries, keys,
-                                                                   values, scale)
-
-
-def _fused_step_with_row(m: Method) -> Callable:
-    return lambda state, row, queries, keys, values, scale: split_step_with_row(
-        m, state, row, queries, keys, values, scale)
-
-
-_STEP_KINDS: dict[str, Callable[[Method], Callable]] = {
-    "update": _update_step, "update+queries": _update_step_with_queries, "fused": _fused_step,
-    "fused+row": _fused_step_with_row}
-COMPILED_STEPS_MAX = 64  # compiled functions kept (least recently used dropped first)
-_COMPILED: OrderedDict[tuple[str, str, str], tuple[Method, Callable]] = OrderedDict()
-
-
-def _compiled(m: Method, kind: str, backend: str) -> Callable:
-    """The compiled step ``kind`` (``"update"``, ``"update+queries"``, ``"fused"``) of
-    method ``m`` for states on ``backend``: built once per (method key, kind, backend), kept
-    while that method object is the one registered under its key."""
-    key = (m.key, kind, backend)
-    hit = _COMPILED.get(key)
-    if hit is None or hit[0] is not m:
-        hit = _COMPILED[key] = (m, mx.compile(_STEP_KINDS[kind](m)))
-        while len(_COMPILED) > COMPILED_STEPS_MAX:
-            _COMPILED.popitem(last=False)
-    _COMPILED.move_to_end(key)
-    return hit[1]
 
 
 # --- construction ---------------------------------------------------------------------

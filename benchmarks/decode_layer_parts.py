@@ -8,7 +8,7 @@ Shapes: Llama-3.2-1B's attention (8 kv heads, 4 query heads each, head_dim 64), 
 stored tokens, bfloat16; a cache (or state) per layer, as a model holds them. Rows: a trivial MLX op and a trivial ``mx.fast.cuda_kernel`` launch
 (the floor of one primitive), mlx-lm's full-cache step (a slice update of the new key and value,
 then ``scaled_dot_product_attention`` over ``n + 1`` rows) and SDPA alone, velox's fused decode
-step on the ``cuda`` backend (``velox.adapters.adapter_cache._fused_step``, compiled, with the next
+step on the ``cuda`` backend (``velox.decode.split_step``, compiled, with the next
 step's deferred row write) for TOVA, H2O and StreamingLLM, and the ``attend_weights`` kernel
 alone. ``--split`` also times ``attend_weights`` (plain and with H2O's decayed sum) at other
 splits of the candidates (block size, blocks in all, smallest chunk), against SDPA over the
@@ -49,7 +49,7 @@ def timeit(fn, reps: int) -> float:
 
 
 def parts(b: int, reps: int) -> dict[str, float]:
-    from velox.adapters import cache as adapter_cache
+    from velox import decode
     from velox.kernels import evict as ev
     from velox.registry import get_method
 
@@ -85,13 +85,13 @@ def parts(b: int, reps: int) -> dict[str, float]:
             states.append(m.update(st, rnd(b, H, N + 3, D), rnd(b, H, N + 3, D),
                                    queries=rnd(b, H * G, N + 3, D)))
         mx.eval(states)
-        fused = mx.compile(adapter_cache._fused_step(m))
+        fused = mx.compile(decode._STEP_KINDS["fused"](m))
         rows = [None] * LAYERS
 
         def step(i):
-            s = states[i] if rows[i] is None else adapter_cache._write_row(states[i], rows[i])
+            s = states[i] if rows[i] is None else decode.write_row(states[i], rows[i])
             o, states[i], rows[i] = fused(s, q, k, v, D ** -0.5)
-            return [o] + adapter_cache._arrays(states[i]) + adapter_cache._arrays(rows[i])
+            return [o] + decode.arrays(states[i]) + decode.arrays(rows[i])
 
         out[f"{key}: fused step + row write"] = timeit(step, reps)
         if key == "tova":

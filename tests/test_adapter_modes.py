@@ -292,21 +292,21 @@ def test_query_capture_installs_for_its_body_and_nests(model):
 # --- one bounded cache of compiled steps -------------------------------------------------------
 
 def test_compiled_steps_live_in_one_bounded_cache(model, monkeypatch, layer_by_layer):
-    monkeypatch.setattr(adapter_cache, "_COMPILED", OrderedDict())
+    monkeypatch.setattr(decode, "_COMPILED", OrderedDict())
     caches = make_cache(model, "h2o", budget=24, grace=4)
     greedy(model, caches, n=6)
     backend = caches[0].velox_state.backend
     # the first decode step, then the later ones (each writes the last one's row first)
-    assert list(adapter_cache._COMPILED) == [("h2o", "fused", backend), ("h2o", "fused+row", backend)]
+    assert list(decode._COMPILED) == [("h2o", "fused", backend), ("h2o", "fused+row", backend)]
     m = get_method("h2o")
-    fused = adapter_cache._compiled(m, "fused", backend)
-    assert adapter_cache._compiled(m, "fused", backend) is fused  # built once
+    fused = decode.compiled(m, "fused", backend)
+    assert decode.compiled(m, "fused", backend) is fused  # built once
     other = copy.copy(m)  # another method object under the same key: its own step
-    assert adapter_cache._compiled(other, "fused", backend) is not fused
-    monkeypatch.setattr(adapter_cache, "COMPILED_STEPS_MAX", 2)
+    assert decode.compiled(other, "fused", backend) is not fused
+    monkeypatch.setattr(decode, "COMPILED_STEPS_MAX", 2)
     for kind in ("update", "update+queries", "fused"):
-        adapter_cache._compiled(m, kind, backend)
-    assert list(adapter_cache._COMPILED) == [("h2o", "update+queries", backend), ("h2o", "fused", backend)]
+        decode.compiled(m, kind, backend)
+    assert list(decode._COMPILED) == [("h2o", "update+queries", backend), ("h2o", "fused", backend)]
 
 
 def test_arrays_of_a_record_in_tree_flatten_order():

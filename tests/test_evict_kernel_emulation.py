@@ -16,7 +16,7 @@ one after another, shared memory as static storage. Three checks:
   slot, the slot's row, positions and carried scores, over states whose slots are out of
   position order, with ties, non-finite scores, a losing new token, shared and per-head
   selections, sinks and recent tokens protected;
-* end to end: the adapter's fused decode step (``velox.adapters.adapter_cache._fused_step``) on states
+* end to end: the adapter's fused decode step (``velox.decode.split_step``, compiled: ``velox.decode.compiled``) on states
   of the ``cuda`` backend gives the attention over stored + new and, its deferred row
   written, the ``mlx`` backend's state, step after step;
 * ``attend_select`` (the combine and the selection in one launch) decides exactly as
@@ -45,7 +45,6 @@ import pytest
 from tests import test_codec_kernel as tck
 from velox import evict
 from velox import decode
-from velox.adapters import cache as adapter_cache
 from velox.attention import candidate_weights, scoring_queries
 from velox.backend import device_supports
 from velox.heavy_hitters import heavy_hitter_scores
@@ -514,7 +513,7 @@ def test_fused_decode_step_matches_attention_then_update(case, emulated):
     n = evict._plan(m.spec).capacity(st) + 6
     st = m.update(st, _arr(rng, b, h, n, d, dtype=dtype), _arr(rng, b, h, n, d, dtype=dtype),
                   queries=_arr(rng, b, h * g, n, d, dtype=dtype))
-    fused = adapter_cache._fused_step(m)
+    fused = decode._STEP_KINDS["fused"](m)
     tol = 2e-5 if dtype == mx.float32 else 2e-2
     for step in range(4):
         q, k, v = (_arr(rng, b, h * g, 1, d, dtype=dtype), _arr(rng, b, h, 1, d, dtype=dtype),
@@ -698,7 +697,7 @@ def test_fused_step_writes_the_pending_row_first(emulated):
     n = evict._plan(m.spec).capacity(st) + 6
     st = m.update(st, _arr(rng, b, h, n, d), _arr(rng, b, h, n, d), queries=_arr(rng, b, h * g, n, d))
     st = st._replace(backend="cuda")
-    fused, with_row = adapter_cache._fused_step(m), adapter_cache._fused_step_with_row(m)
+    fused, with_row = decode._STEP_KINDS["fused"](m), decode._STEP_KINDS["fused+row"](m)
     q, k, v = _arr(rng, b, h * g, 1, d), _arr(rng, b, h, 1, d), _arr(rng, b, h, 1, d)
     _, st, row = fused(st, q, k, v, d ** -0.5)
     for _ in range(3):

@@ -9,7 +9,6 @@ import pytest
 
 import velox  # noqa: F401
 from velox import decode
-from velox.adapters import cache as adapter_cache
 from velox.registry import get_method
 
 
@@ -24,7 +23,7 @@ def _state(key, b=1, h=3, hq=9, d=64, budget=24, **params):
 def test_fused_step_output_is_attention_over_stored_and_new(key):
     mx.random.seed(3)
     m, st = _state("tova", per_head=True) if key == "tova_per_head" else _state(key)
-    fused = mx.compile(adapter_cache._fused_step(m))
+    fused = decode.compiled(m, "fused", "mlx")
     for step in range(6):
         q, k, v = (mx.random.normal(s) for s in ((1, 9, 1, 64), (1, 3, 1, 64), (1, 3, 1, 64)))
         sk, sv, filled = m.kv_slots(st)

@@ -175,7 +175,7 @@ def test_kernel_attended_decode_step_matches_attention_then_update(key, shape, d
     in the scores' kernel (``with_attention``): the output equals MLX's attention over the
     stored rows and the new token, and the state (with its deferred row written) equals the
     plain update's, step after step."""
-    from velox.adapters import cache as adapter_cache
+    from velox import decode
     from velox.decode import write_row
     b, h, g, d = shape
     budget, steps = 40, 12
@@ -187,7 +187,7 @@ def test_kernel_attended_decode_step_matches_attention_then_update(key, shape, d
     m = get_method(key)
     st = m.init(b, h, d, dtype=dt, backend="cuda", **_params(key, budget, ""))
     st = m.update(st, arr(b, h, budget + 5, d), arr(b, h, budget + 5, d), queries=arr(b, h * g, budget + 5, d))
-    fused = mx.compile(adapter_cache._fused_step(m))
+    fused = mx.compile(decode._STEP_KINDS["fused"](m))
     tol = 2e-5 if dt == mx.float32 else 2e-2
     for step in range(steps):
         q, k, v = arr(b, h * g, 1, d), arr(b, h, 1, d), arr(b, h, 1, d)

@@ -460,7 +460,7 @@ def test_attention_over_slots_masks_empty_slots():
     empty slots, a view of the filled first slots) and over every slot with the empty ones
     masked (``_with_empty_slots``, as for ragged rows) equal attention over ``get_kv`` (the
     filled slots in position order), decode and chunk alike, and its fused decode step too."""
-    from velox.adapters import cache as adapter_cache
+    from velox import decode
     m = velox.get_method("tova")
     st = _slot_state(slack=3, chunks=(9, 1, 1))
     k, v, filled = m.kv_slots(st)
@@ -475,11 +475,11 @@ def test_attention_over_slots_masks_empty_slots():
         for keys, values, where in ((k, v, None), (st.keys, st.values, st.positions >= 0)):
             got = mx.fast.scaled_dot_product_attention(
                 q, mx.concatenate([keys, nk], 2), mx.concatenate([values, nv], 2), scale=0.3,
-                mask=adapter_cache._with_empty_slots(mask, where, q, keys.shape[2] + s))
+                mask=decode.with_empty_slots(mask, where, q, keys.shape[2] + s))
             np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
         if s == 1:
-            out, new, row = adapter_cache._fused_step(m)(st, q, nk, nv, 0.3)
-            new = adapter_cache._write_row(new, row) if row is not None else new
+            out, new, row = decode.split_step(m, st, q, nk, nv, 0.3)
+            new = decode.write_row(new, row) if row is not None else new
             np.testing.assert_allclose(np.array(out), np.array(want), rtol=1e-5, atol=1e-6)
             assert np.array_equal(np.array(velox.positions(new)),
                                   np.array(velox.positions(m.update(st, nk, nv, queries=q))))

@@ -15,7 +15,8 @@ functions layer by layer (``velox.adapters.mlxlm``) or for a whole model at once
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from collections import OrderedDict
+from typing import Any, Callable, NamedTuple
 
 import mlx.core as mx
 
@@ -27,7 +28,7 @@ from .spec import validate_params
 __all__ = ["step", "StepInfo", "step_info", "attend", "split_step", "split_step_with_row", "split_update", "write_row",
            "weights_attention", "attended_step", "with_empty_slots", "with_state", "arrays",
            "steady_rows", "slot_count", "slack", "not_steady_because", "chunked", "steady_room",
-           "steady_form"]
+           "steady_form", "layer_step", "compiled", "COMPILED_STEPS_MAX"]
 
 
 class StepInfo(NamedTuple):
@@ -348,3 +349,63 @@ def not_steady_because(m: Method, params: dict[str, Any] | None = None) -> str |
     if m.spec.capacity(validate_params(m.spec, {}) if params is None else params) is None:
         return "its state grows with the tokens (codes or rows appended at every step)"
     return None
+
+
+# --- a layer's steady decode step, and the compiled steps it runs ---------------------------
+
+def layer_step(m: Method, state, row, queries, keys, values, scale, *, filled=None):
+    """A steady single-token decode step of one layer (a decode loop's step for a state its
+    caller found steady, ``steady_rows``): ``(out, state, row, kind)``.
+
+    ``kind`` is ``"fill"`` where the backend writes the token into an empty slot (amortized
+    eviction's ``fill``; ``filled``, the state after it, when the caller already made it): no
+    score, the row written in place, attention over the filled slots (the backend's
+    ``fill_attention`` kernel reading the buffers in place, else MLX's over a view of the
+    first slots, the steps of mlx-lm's own cache); else ``"fused"``: the compiled
+    :func:`split_step` (with ``row``, the last step's pending slot write, written first, in
+    place, inside the compiled step)."""
+    backend = m.backends[state.backend]
+    fill = backend.fill if row is None else None
+    new = filled
+    if new is None and fill is not None:
+        new = fill(state, keys, values)
+    if new is not None:
+        attend = backend.fill_attention
+        out = None if attend is None else attend(state, new, queries, keys, values, scale)
+        if out is None:
+            k, v = evict.filled_rows(new.keys, new.values, new.empty)
+            out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
+        return out, new, None, "fill"
+    if row is None:
+        out, new, row = compiled(m, "fused", state.backend)(state, queries, keys, values, scale)
+    else:
+        out, new, row = compiled(m, "fused+row", state.backend)(state, row, queries, keys, values, scale)
+    return out, new, row, "fused"
+
+
+_STEP_KINDS: dict[str, Callable[[Method], Callable]] = {
+    "update": lambda m: lambda s, k, v: split_update(m, s, k, v, None),
+    "update+queries": lambda m: lambda s, k, v, q: split_update(m, s, k, v, q),
+    "fused": lambda m: lambda state, queries, keys, values, scale: split_step(
+        m, state, queries, keys, values, scale),
+    "fused+row": lambda m: lambda state, row, queries, keys, values, scale: split_step_with_row(
+        m, state, row, queries, keys, values, scale)}
+COMPILED_STEPS_MAX = 64  # compiled functions kept (least recently used dropped first)
+_COMPILED: OrderedDict[tuple[str, str, str], tuple[Method, Callable]] = OrderedDict()
+
+
+def compiled(m: Method, kind: str, backend: str) -> Callable:
+    """The compiled step ``kind`` of method ``m`` for states on ``backend``: ``"update"``
+    and ``"update+queries"`` (:func:`split_update`: ``(state, keys, values[, queries]) ->
+    (state, row)``), ``"fused"`` (:func:`split_step`) and ``"fused+row"``
+    (:func:`split_step_with_row`). Built once per (method key, kind, backend) and kept while
+    that method object is the one registered under its key, in one bounded cache
+    (``COMPILED_STEPS_MAX``, least recently used dropped first)."""
+    key = (m.key, kind, backend)
+    hit = _COMPILED.get(key)
+    if hit is None or hit[0] is not m:
+        hit = _COMPILED[key] = (m, mx.compile(_STEP_KINDS[kind](m)))
+        while len(_COMPILED) > COMPILED_STEPS_MAX:
+            _COMPILED.popitem(last=False)
+    _COMPILED.move_to_end(key)
+    return hit[1]
