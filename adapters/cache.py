@@ -40,9 +40,10 @@ Protocol facts this class honours:
 * No ``bits`` attribute, and ``to_quantized`` raises: mlx-lm can neither route around the
   cache nor swap it for its own quantized one (``kv_bits``). ``generate_step``'s ``kv_bits``
   and ``max_kv_size`` (which a given prompt cache ignores) are refused at the first step.
-* Rollback (``rollback=d``, default 0): the cache journals its fields before each of its
-  last ``d`` steps (references: states are never changed in place), ``trim(n)`` restores the
-  one ``n`` tokens back exactly or raises ``ValueError`` (never a partial trim),
+* Rollback (``rollback=d``, default 0): the cache steps ``velox.wrap.with_rollback(method,
+  d)``, whose state journals the method's states before each of its last ``d`` updates
+  (references: states are never changed in place); ``trim(n)`` restores the one ``n`` tokens
+  back exactly (``velox.wrap.trim``) or raises ``ValueError`` (never a partial trim),
   ``is_trimmable()`` is ``d > 0``, ``can_trim(n)`` and ``trimmable_tokens()`` say what
   ``trim`` accepts now. A call of 2 to ``d + 1`` tokens on a cache holding tokens (a
   speculative verify call) runs as one-token steps in deferred mode. With ``rollback=0``
@@ -71,7 +72,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import mlx.core as mx
 from mlx_lm.models import base as _mlx_base
@@ -176,22 +177,7 @@ class _Shared:
         return self
 
 
-class _Entry(NamedTuple):
-    """Rollback: a cache's fields before one step. Every field is a reference: states, tails
-    and rows are never changed in place (MLX writes into a buffer in place only when nothing
-    else holds it, and the journal holds these)."""
-
-    held: tuple | None             # the method's state, as stored (its pending row not written)
-    row: tuple | None              # a decode step's slot write left for the next step
-    offset: int
-
-
-# The most steps a cache journals (``rollback=``). Speculative decoding trims at most
-# ``num_draft_tokens`` (mlx-lm's default 2) and drafts rarely exceed a few tens of tokens,
-# while the journal's cost grows with its depth: in decode="evict" every entry holds a whole
-# state (up to ``rollback + 1`` states live), and a call of 2 to ``rollback + 1`` tokens runs
-# as one-token steps.
-ROLLBACK_MAX = 64
+ROLLBACK_MAX = wrap.ROLLBACK_MAX  # the most steps a cache journals (``rollback=``)
 
 
 def _check_rollback(rollback: Any) -> None:
@@ -256,6 +242,8 @@ class VeloxCache(SteppedCache):
         # The method the cache steps: in append mode the method behind its decode tail
         # (velox.wrap.with_tail; a cap of 1 holds no tail: the method itself).
         self._m = wrap.with_tail(self.method, decode_cap) if decode == "append" else self.method
+        if rollback:  # and behind its journal (velox.wrap.with_rollback), which trim reads
+            self._m = wrap.with_rollback(self._m, rollback)
         self.mode = _check_mode(mode)
         if self.mode is Mode.PROXY and self.method.attend is not None:
             raise ValueError(f"{self.method.key} attends through its own hook: it needs "
@@ -284,9 +272,7 @@ class VeloxCache(SteppedCache):
         self._fast: tuple | None = None  # the state held, while the fast path holds for it
         self._pending: _Step | None = None
         self._offset = 0
-        # Rollback: the cache's fields before each of its last ``rollback`` steps.
         self.rollback = rollback
-        self._journal: list[_Entry] = []
         self.observe = observe
 
     @property
@@ -377,16 +363,16 @@ class VeloxCache(SteppedCache):
     def tail(self) -> tuple[mx.array, mx.array] | None:
         """Append mode: the decoded ``(keys, values)`` ``[b, h, t, d]`` not yet compressed
         (``None`` when there are none)."""
-        st = self._state
-        return None if not isinstance(st, wrap.TailState) or not st.tail_len else (st.keys, st.values)
+        st = self._tail_state()
+        return None if st is None else (st.keys, st.values)
 
     @property
     def tail_queries(self) -> mx.array | None:
         """Append mode: the real queries of the tail's tokens (``None`` when there is no tail,
         or one of its steps came without its query: the tail is then absorbed with the
         key-as-query proxy)."""
-        st = self._state
-        return st.queries if isinstance(st, wrap.TailState) and st.tail_len else None
+        st = self._tail_state()
+        return None if st is None else st.queries
 
     def positions(self) -> mx.array:
         """Absolute positions ``[b, h, n]`` of what the cache holds: stored (the tail last),
@@ -409,16 +395,18 @@ class VeloxCache(SteppedCache):
     def trimmable_tokens(self) -> int:
         """The most tokens :meth:`trim` removes now: those of the journaled steps (0 without
         rollback)."""
-        return self._offset - self._journal[0].offset if self._journal else 0
+        st = self.__dict__.get("_held")
+        return wrap.trimmable_tokens(st) if isinstance(st, wrap.JournalState) else 0
 
     def can_trim(self, n: int) -> bool:
         """Whether ``trim(n)`` is exact now: ``n`` is 0 or the token count of the newest
         ``k`` journaled steps for some ``k`` (any ``n <= rollback`` once decoding, as every
         decode step and every token of a verify call is a step of its own). Reads only the
-        journal's offsets."""
+        journal's step counts."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             return False
-        return n == 0 or any(e.offset == self._offset - n for e in self._journal)
+        st = self.__dict__.get("_held")
+        return n == 0 or (isinstance(st, wrap.JournalState) and wrap.can_trim(st, n))
 
     @_BatchMerge
     def merge(cls, caches: list) -> "velox.adapters.batch.VeloxBatchCache":
@@ -447,20 +435,19 @@ class VeloxCache(SteppedCache):
             raise ValueError(f"trim({n!r}): n must be an integer >= 0")
         if n == 0:
             return 0
-        for k in range(len(self._journal) - 1, -1, -1):
-            e = self._journal[k]
-            if e.offset == self._offset - n:
-                del self._journal[k:]
-                self.__dict__.update(_held=e.held, _row=e.row, _fast=None)
-                self._offset = e.offset
-                self._pending = None
-                return n
-        steps = [self._offset - e.offset for e in reversed(self._journal)]
-        raise ValueError(
-            f"trim({n}): this cache (rollback={self.rollback}) can remove exactly "
-            f"{', '.join(map(str, steps)) or 'no'} tokens now (its journaled steps end at "
-            f"offset {self._offset}); {n} is not a step boundary within its depth. For "
-            "speculative decoding make the model's caches with rollback >= num_draft_tokens")
+        if not self.can_trim(n):
+            st = self.__dict__.get("_held")
+            steps = list(st.steps) if isinstance(st, wrap.JournalState) else []
+            ends = [sum(steps[len(steps) - j:]) for j in range(1, len(steps) + 1)]
+            raise ValueError(
+                f"trim({n}): this cache (rollback={self.rollback}) can remove exactly "
+                f"{', '.join(map(str, ends)) or 'no'} tokens now (its journaled steps end at "
+                f"offset {self._offset}); {n} is not a step boundary within its depth. For "
+                "speculative decoding make the model's caches with rollback >= num_draft_tokens")
+        self._state = wrap.trim(self._state, n)
+        self._offset -= n
+        self._pending = None
+        return n
 
     def _splits(self, keys: mx.array) -> bool:
         """Whether a call is a verify call to run as one-token steps (:meth:`_verify`): 2 to
@@ -469,28 +456,6 @@ class VeloxCache(SteppedCache):
         s = keys.shape[2]
         return (1 < s <= self.rollback + 1 and self._offset > 0 and self.mode is Mode.DEFERRED
                 and not self._route_unknown and _capture_installed())
-
-    def _remember(self) -> None:
-        """Journal the cache's fields before a step (references: nothing is copied), keeping
-        the last ``rollback`` entries."""
-        if not self.rollback:
-            return
-        d = self.__dict__
-        self._journal.append(_Entry(d.get("_held"), d.get("_row"), self._offset))
-        if len(self._journal) > self.rollback:
-            del self._journal[0]
-
-    def _journal_nbytes(self) -> int:
-        """Bytes of the journal's arrays that the current fields do not hold."""
-        if not self._journal:
-            return 0
-        own = {id(x) for x in _arrays((self.__dict__.get("_held"), self.__dict__.get("_row")))}
-        seen: dict[int, int] = {}
-        for e in self._journal:
-            for x in _arrays((e.held, e.row)):
-                if id(x) not in own:
-                    seen[id(x)] = x.nbytes
-        return sum(seen.values())
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         if window_size is not None:
@@ -509,12 +474,12 @@ class VeloxCache(SteppedCache):
     @property
     def nbytes(self) -> int:
         """Bytes the velox state really holds (the append-mode tail's keys, values and kept
-        queries included), plus new tokens not yet absorbed and the rollback journal's arrays
-        that the current fields do not hold."""
+        queries, and the arrays of the rollback journal's states that the current one does
+        not hold, included), plus new tokens not yet absorbed."""
         total = 0 if self._state is None else self._m.nbytes(self._state)  # (row written)
         if self._pending is not None:
             total += sum(x.nbytes for x in self._pending.arrays())
-        return total + self._journal_nbytes()
+        return total
 
     @property
     def state(self) -> list[mx.array]:
@@ -534,6 +499,8 @@ class VeloxCache(SteppedCache):
         """The method's state record (without the append-mode tail and a pending step's
         tokens)."""
         st = self._state
+        if isinstance(st, wrap.JournalState):
+            st = st.inner
         return st.inner if isinstance(st, wrap.TailState) else st
 
     # -- the compiled whole-model step (velox.adapters.model_step) -------------------
@@ -610,8 +577,7 @@ class VeloxCache(SteppedCache):
         return self._fetch(keys, values)
 
     def _fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """:meth:`update_and_fetch` of one step (journaled first, with ``rollback``)."""
-        self._remember()
+        """:meth:`update_and_fetch` of one step."""
         step = self._take(keys, values)
         if self.mode is Mode.DEFERRED and _capture_installed():
             # until the first forward shows the wrapper runs, hand out what attention reads
@@ -681,8 +647,15 @@ class VeloxCache(SteppedCache):
 
     def _kind(self, kind: str) -> str:
         """``last_step`` of an update: ``"tail"`` where the step's token joined the tail."""
+        return "tail" if self._tail_state() is not None else kind
+
+    def _tail_state(self) -> wrap.TailState | None:
+        """Append mode: the tail's state (inside the journal's, with rollback) while it
+        holds tokens."""
         st = self.__dict__.get("_held")
-        return "tail" if isinstance(st, wrap.TailState) and st.tail_len else kind
+        if isinstance(st, wrap.JournalState):
+            st = st.inner
+        return st if isinstance(st, wrap.TailState) and st.tail_len else None
 
     def _verify(self, step: _Split, queries: mx.array, *, scale: float, sinks) -> mx.array:
         """A verify call as the one-token steps it stands for: token ``i``'s update and
@@ -705,7 +678,6 @@ class VeloxCache(SteppedCache):
         scoring queries come from another pass (KVzip's context reconstruction).
         """
         self._settle()
-        self._remember()
         self._absorb(self._take(keys, values), queries)
 
     def _settle(self) -> None:

@@ -27,6 +27,7 @@ from velox.adapters.routing import (Mode, _choose_mode, install_query_capture,
                                     routes_attention as _routes_attention, untapped)
 from velox.backend import BackendUnavailable, resolve_backend
 from velox.decode import slack as decode_slack
+from velox import wrap
 from velox.registry import Method, get_method
 from velox.spec import validate_params
 
@@ -382,12 +383,7 @@ def _load_layer(where: str, i: int, entry: Any, arrays: dict[str, mx.array], use
         tk, tv, tq = _load_tail(where, tail, arrays, used, st, m, c.decode_cap, offset)
     t = 0 if tk is None else tk.shape[2]
     _check_state(where, m, st, entry["params"], offset, t, artifact)
-    if c.decode == "append" and c.decode_cap > 1:  # the method behind its tail (velox.wrap)
-        if tk is None:
-            b, h, d, dtype = _state_dims(m, st)
-            tk = tv = mx.zeros((b, h, 0, d), dtype)
-        st = c._m.state_type(st, tk, tv, tq)
-    c._state, c._offset = st, offset
+    c._state, c._offset = _wrapped_state(c._m, m, st, tk, tv, tq), offset
     if "dims" in entry and entry["dims"] != _save_dims(c):
         raise ValueError(f"{where}: dims {entry['dims']}, but the state holds {_save_dims(c)}")
     return c
@@ -405,6 +401,21 @@ def _load_artifact(where: str, desc: dict | None, arrays: dict[str, mx.array],
         used.add(d["__array__"])
         out[name] = np.array(arrays[d["__array__"]])
     return out
+
+
+def _wrapped_state(run: Method, m: Method, st: tuple, tk, tv, tq) -> tuple:
+    """The state the cache steps (``run``: ``m`` behind its tail and journal, ``velox.wrap``)
+    around ``m``'s loaded state ``st``: the tail loaded (or empty), the journal empty."""
+    inner = wrap.wrapped(run)
+    if inner is None:
+        return st
+    st = _wrapped_state(inner, m, st, tk, tv, tq)
+    if run.extras.get("tail_cap"):
+        if tk is None:
+            b, h, d, dtype = _state_dims(m, st)
+            tk = tv = mx.zeros((b, h, 0, d), dtype)
+        return run.state_type(st, tk, tv, tq)
+    return run.state_type(st, (), ())
 
 
 def _state_dims(m: Method, st: tuple) -> tuple:

@@ -13,6 +13,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from velox import decode
+from velox import decode as velox_decode
 from velox.adapters import mlxlm, routing
 from velox.adapters import cache_files
 from velox.adapters.mlxlm import VeloxCache, load_cache, make_cache, save_cache
@@ -125,8 +126,9 @@ def test_trim_is_the_run_that_never_saw_the_tokens(key, decode):
             at += s
             assert np.array_equal(out, np.concatenate(ref, axis=2)), (key, decode, d, at)
             assert fields(a) == fields(r), (key, decode, d, at)
-            assert len(a._journal) <= d
-        assert a.is_trimmable() and not r.is_trimmable() and r.trim(1) == 0 and not r._journal
+            assert len(a.__dict__["_held"].past) <= d  # the journal (velox.wrap.with_rollback)
+        assert a.is_trimmable() and not r.is_trimmable() and r.trim(1) == 0
+        assert r.trimmable_tokens() == 0 and not r.can_trim(1)
         assert a.trimmable_tokens() == d
         assert [a.can_trim(n) for n in range(d + 2)] == [True] * (d + 1) + [False]
         before = fields(a)
@@ -163,18 +165,21 @@ def test_trim_back_into_a_prefill_chunk():
 
 def test_the_journal_keeps_old_states_intact():
     """MLX writes a slot in place only into a buffer nothing else holds: an old journal entry's
-    arrays (the compiled decode step's pending slot write included) keep their values."""
+    arrays keep their values while the compiled decode steps run on."""
     x = tokens(2, 40)
     c = build("tova", "evict", 3)
     call(c, *piece(x, 0, 20))
     snaps = []
     for i in range(20, 30):
         d = c.__dict__
-        snaps.append([np.array(a) for a in decode.arrays((d["_held"], d["_row"]))])
+        assert d["_row"] is None  # a journal's steady step writes its row at once
+        snaps.append([np.array(a) for a in decode.arrays(d["_held"].inner)])
         call(c, *piece(x, i, i + 1))
     assert c.last_step == "fused"  # the steady compiled step ran
-    for e, snap in zip(c._journal, snaps[-3:]):
-        now = [np.array(a) for a in decode.arrays((e.held, e.row))]
+    past = c.__dict__["_held"].past
+    assert len(past) == 3
+    for e, snap in zip(past, snaps[-3:]):
+        now = [np.array(a) for a in decode.arrays(e)]
         assert len(now) == len(snap) and all(np.array_equal(p, q) for p, q in zip(now, snap))
 
 
@@ -187,7 +192,10 @@ def test_journal_bytes(decode):
         call(c, *piece(x, 0, 20))
         for i in range(20, 26):
             call(c, *piece(x, i, i + 1))
-    extra = a._journal_nbytes()
+    st = a.__dict__["_held"]
+    arrays = velox_decode.arrays
+    own = {id(x) for x in arrays(st.inner)}
+    extra = sum({id(x): x.nbytes for e in st.past for x in arrays(e) if id(x) not in own}.values())
     assert extra > 0 and a.nbytes == r.nbytes + extra
     if decode == "append":  # the journal shares the method's state: only tails of <= 2 tokens
         assert extra <= 3 * 2 * 2 * (1 * H * 2 * D * 4) + 3 * 2 * (1 * H * GROUPS * 2 * D * 4)
@@ -238,7 +246,7 @@ def test_the_deepest_rollback_is_bounded_in_memory(tiny_llama):
             tiny_llama(mx.array([[t % 90 + 1]]), cache=caches)
             if caches is deep and t >= 2 * mlxlm.ROLLBACK_MAX:
                 sizes.append(mlxlm.cache_nbytes(deep))
-    assert all(len(c._journal) == mlxlm.ROLLBACK_MAX for c in deep)
+    assert all(len(c.__dict__["_held"].past) == mlxlm.ROLLBACK_MAX for c in deep)
     assert deep[0].trimmable_tokens() == mlxlm.ROLLBACK_MAX
     row = 2 * (3 * 2 * H * D * 4)  # a pending row's keys and values in 3 layers (and its slots)
     assert max(sizes) <= (mlxlm.ROLLBACK_MAX + 1) * (mlxlm.cache_nbytes(plain) + row)

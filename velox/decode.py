@@ -28,7 +28,7 @@ from .spec import validate_params
 __all__ = ["step", "StepInfo", "step_info", "attend", "split_step", "split_step_with_row", "split_update", "write_row",
            "weights_attention", "attended_step", "with_empty_slots", "with_state", "arrays",
            "steady_rows", "slot_count", "slack", "not_steady_because", "chunked", "steady_room",
-           "steady_form", "layer_step", "compiled", "COMPILED_STEPS_MAX"]
+           "steady_form", "layer_step", "fill_output", "compiled", "COMPILED_STEPS_MAX"]
 
 
 class StepInfo(NamedTuple):
@@ -370,17 +370,24 @@ def layer_step(m: Method, state, row, queries, keys, values, scale, *, filled=No
     if new is None and fill is not None:
         new = fill(state, keys, values)
     if new is not None:
-        attend = backend.fill_attention
-        out = None if attend is None else attend(state, new, queries, keys, values, scale)
-        if out is None:
-            k, v = evict.filled_rows(new.keys, new.values, new.empty)
-            out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
-        return out, new, None, "fill"
+        return fill_output(m, state, new, queries, keys, values, scale), new, None, "fill"
     if row is None:
         out, new, row = compiled(m, "fused", state.backend)(state, queries, keys, values, scale)
     else:
         out, new, row = compiled(m, "fused+row", state.backend)(state, row, queries, keys, values, scale)
     return out, new, row, "fused"
+
+
+def fill_output(m: Method, state, new, queries, keys, values, scale) -> mx.array:
+    """The attention output of a fill step from ``state`` to ``new`` (the token written into
+    an empty slot): the backend's ``fill_attention`` kernel, else MLX's attention over a view
+    of ``new``'s filled first slots."""
+    attend = m.backends[state.backend].fill_attention
+    out = None if attend is None else attend(state, new, queries, keys, values, scale)
+    if out is None:
+        k, v = evict.filled_rows(new.keys, new.values, new.empty)
+        out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
+    return out
 
 
 _STEP_KINDS: dict[str, Callable[[Method], Callable]] = {

@@ -25,7 +25,9 @@ is ``m`` itself. A tail's length changes every step, so its states are not stead
 ``with_rollback(m, depth)``: the state keeps ``m``'s states before each of its last ``depth``
 updates (references: states are never changed in place), and :func:`trim` removes the newest
 tokens exactly, back to a step boundary, or raises. Journaled bytes are real: ``nbytes``
-counts every distinct array the current and journaled states hold.
+counts every distinct array the current and journaled states hold. Its states are steady
+where the wrapped method's are: a steady decode step is the wrapped method's
+(``velox.decode.split_step``), its row written at once, journaled.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 
 from .backend import Backend
+from .decode import arrays, fill_output, split_step, write_row
 from .registered import _REGISTRY
 from .registry import Method, register
 
@@ -274,6 +277,11 @@ class JournalState(NamedTuple):
     def next_pos(self) -> mx.array:
         return self.inner.next_pos
 
+    @property
+    def empty(self) -> int:
+        """The wrapped state's empty slots (amortized eviction's; a composition's policy's)."""
+        return getattr(getattr(self.inner, "policy", self.inner), "empty", 0)
+
 
 def with_rollback(m: Method, depth: int) -> Method:
     """``m`` with a journal of its last ``depth`` updates (see the module docstring): the
@@ -302,7 +310,6 @@ def with_rollback(m: Method, depth: int) -> Method:
     def nbytes(state):
         """Every distinct array of the current and journaled states: the journal's entries
         share the arrays a step did not replace."""
-        from .decode import arrays
         seen: dict[int, int] = {}
         for st in (state.inner, *state.past):
             for x in arrays(st):
@@ -323,16 +330,38 @@ def with_rollback(m: Method, depth: int) -> Method:
     if m.calibrate is not None:
         extra["calibrate"] = lambda state, arrays: state._replace(inner=m.calibrate(state.inner, arrays))
 
-    contract = {"steady": False,
-                "not_steady_because": "its journal holds the states of its last steps"}
-    backends = {name: Backend(update=update) for name in m.backends}
+    def steady_step(state, queries, keys, values, scale):
+        """A steady decode step (``velox.decode.split_step``): the wrapped method's, its row
+        written at once (the journal holds the state before it, so no write is in place)."""
+        out, inner, row = split_step(m, state.inner, queries, keys, values, scale)
+        return out, journaled(state, inner if row is None else write_row(inner, row), keys.shape[2])
+
+    def backend(name: str) -> Backend:
+        """The journal over backend ``name``: its steady step, and its fill step where the
+        wrapped backend has one (a token written into an empty slot or row)."""
+        fill = m.backends[name].fill
+        if fill is None:
+            return Backend(update=update, steady_step=steady_step)
+
+        def journal_fill(state, keys, values):
+            inner = fill(state.inner, keys, values)
+            return None if inner is None else journaled(state, inner, keys.shape[2])
+
+        def fill_attention(state, new, queries, keys, values, scale):
+            return fill_output(m, state.inner, new.inner, queries, keys, values, scale)
+        return Backend(update=update, steady_step=steady_step, fill=journal_fill,
+                       fill_attention=fill_attention)
+
+    if "capacity" in m.extras:  # chunked storage: the rows its arrays hold
+        extra["capacity"] = lambda state: m.extras["capacity"](state.inner)
+    backends = {name: backend(name) for name in m.backends}
     return register(
         key, own, _forwarding_init(m, make), backends,
         get_kv=lambda state: m.get_kv(state.inner), nbytes=nbytes,
         positions=lambda state: m.positions(state.inner),
         kv_slots=lambda state: m.kv_slots(state.inner),
         dims=lambda state: inner_dims(state.inner),
-        spec=_spec(m, key, contract, f"The states before the last {depth} updates are kept "
+        spec=_spec(m, key, {}, f"The states before the last {depth} updates are kept "
                                      "for trim (rollback); their distinct arrays count in nbytes."),
         wraps=m, rollback=depth, **extra)
 
