@@ -80,8 +80,8 @@ from mlx_lm.models.cache import KVCache
 
 import velox
 from velox import evict, wrap
-from velox.decode import (StepInfo, arrays as _arrays, compiled, layer_step, slot_count, step_info,
-                          steady_rows,
+from velox.decode import (StepInfo, arrays as _arrays, compiled, compiled_form, fill_token,
+                          layer_step, step_info, steady_rows, steady_token,
                           with_empty_slots as _with_empty_slots, with_state as _with_state,
                           write_row as _write_row)
 from velox.adapters import guards, model_step
@@ -525,15 +525,9 @@ class VeloxCache(SteppedCache):
         if (held is None or self._pending is not None or not _capture_installed()
                 or d.get("_observe") is not None):
             return None
-        room = velox.decode.steady_room(m, held, self._offset)
-        if room is None:
-            if d.get("_fast") is not held or evict.empty_slots(getattr(held, "policy", held)):
-                return None
-        elif room < 1 or not self.compile or not self._plain_steps() or d.get("_row") is not None:
-            return None
-        else:
-            held = velox.decode.steady_form(m, held)
-        return m, held, d.get("_row"), self._offset
+        form = compiled_form(m, held, self._offset, steady=d.get("_fast") is held,
+                             plain=self.compile and self._plain_steps(), row=d.get("_row"))
+        return None if form is None else (m, form, d.get("_row"), self._offset)
 
     def stepped(self, state, row) -> None:
         """Take the state and pending row of a compiled whole-model step: one token more, the
@@ -749,14 +743,10 @@ class VeloxCache(SteppedCache):
 
     def _steady(self, keys: mx.array) -> bool:
         """A single-token step at a full bounded cache: shapes repeat, so compiling pays."""
-        m = self._m
-        if (not self.compile or keys.shape[2] != 1 or self._state.backend == "reference"
-                or m.layer_update is not None):
-            return False
         rows = self.__dict__.get("_steady_rows", False)
         if rows is False:  # the rows of a full state, or None: the parameters never change
-            rows = self.__dict__["_steady_rows"] = steady_rows(m, self._full_params)
-        return rows is not None and self._slot_count() == rows
+            rows = self.__dict__["_steady_rows"] = steady_rows(self._m, self._full_params)
+        return steady_token(self._m, self._state, keys, rows, compile=self.compile)
 
     def _fills(self, step: _Step) -> bool:
         """Whether a single-token step of a state that is not at a steady size (a
@@ -764,19 +754,11 @@ class VeloxCache(SteppedCache):
         ``fill``: then the fill step runs in :meth:`attention` (``step.filled``, the state
         after it). Steady states (amortized eviction) decide it there; ``compile=False`` keeps
         the plain path."""
-        st, m = self._state, self._m
-        if (not self.compile or step.keys.shape[2] != 1 or m.layer_update is not None
-                or not evict.empty_slots(st)):
-            return False
-        fill = m.backends[st.backend].fill
-        step.filled = None if fill is None else fill(st, step.keys, step.values)
+        step.filled = fill_token(self._m, self._state, step.keys, step.values, compile=self.compile)
         return step.filled is not None
 
     def _stored_count(self) -> int:
         return 0 if self._state is None else int(self._m.positions(self._state).shape[2])
-
-    def _slot_count(self) -> int:
-        return 0 if self._state is None else slot_count(self._m, self._state)
 
     def _stored_rows(self, wrapped: bool) -> tuple[mx.array, mx.array]:
         """The stored rows attention reads: ``kv_slots`` (storage order; attention does not

@@ -128,3 +128,38 @@ def test_a_journal_counts_the_arrays_it_keeps_alive_once():
         wrap.with_rollback(m, 0)
     with pytest.raises(TypeError):  # (the message: velox's own, or the test run's type check)
         wrap.trim(state.inner, 1)
+
+
+def test_which_path_a_single_token_takes():
+    """velox.decode's choice of a layer's step: steady at a full bounded state, a fill step
+    into an empty slot of amortized eviction, and the record the whole model's compiled step
+    takes (none for a state with empty slots, or one its caller did not find steady)."""
+    m = get_method("tova")
+    rng = np.random.default_rng(0)
+    one = _rows(rng, 1)[:2]
+    full = m.update(m.init(1, 2, 32, budget=6, n_sink=1, dtype=mx.float32), *_rows(rng, 10)[:2])
+    rows = decode.steady_rows(m, {"budget": 6, "n_sink": 1, "per_head": False, "slack": 0})
+    assert rows == 6 and decode.steady_token(m, full, one[0], rows)
+    assert not decode.steady_token(m, full, _rows(rng, 2)[0], rows)
+    assert not decode.steady_token(m, full, one[0], rows, compile=False)
+    assert decode.fill_token(m, full, *one) is None  # no empty slot
+    assert decode.compiled_form(m, full, 10, steady=True, plain=True) is full
+    assert decode.compiled_form(m, full, 10, steady=False, plain=True) is None
+    slack = m.update(m.init(1, 2, 32, budget=6, n_sink=1, slack=3, dtype=mx.float32), *_rows(rng, 10)[:2])
+    for _ in range(4):  # 6 + 3 slots filled, then a selection back to 6: 3 empty slots
+        slack = m.update(slack, *_rows(rng, 1)[:2])
+    assert slack.empty == 3
+    filled = decode.fill_token(m, slack, *one)
+    assert filled is not None and filled.empty == 2
+    assert decode.fill_token(m, slack, *one, compile=False) is None
+    assert decode.compiled_form(m, slack, 14, steady=True, plain=True) is None  # empty slots
+    t = wrap.with_tail(m, 4)
+    assert decode.steady_rows(t, {"budget": 6, "n_sink": 1, "per_head": False, "slack": 0}) is None
+    r = wrap.with_rollback(m, 2)
+    j = r.update(r.init(1, 2, 32, budget=6, n_sink=1, dtype=mx.float32), *_rows(rng, 10)[:2])
+    assert decode.steady_token(r, j, one[0], rows)  # a journal is steady where its method is
+    q = _rows(rng, 1)[2]
+    out, new = decode.step(r, j, q, *one, scale=32 ** -0.5, steady=True)
+    want_out, want = decode.step(m, j.inner, q, *one, scale=32 ** -0.5, steady=True)
+    assert bool(mx.allclose(out, want_out, atol=1e-5)) and _same(new.inner, want)
+    assert new.past[-1] is j.inner and new.steps == (10, 1)

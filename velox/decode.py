@@ -28,7 +28,8 @@ from .spec import validate_params
 __all__ = ["step", "StepInfo", "step_info", "attend", "split_step", "split_step_with_row", "split_update", "write_row",
            "weights_attention", "attended_step", "with_empty_slots", "with_state", "arrays",
            "steady_rows", "slot_count", "slack", "not_steady_because", "chunked", "steady_room",
-           "steady_form", "layer_step", "fill_output", "compiled", "COMPILED_STEPS_MAX"]
+           "steady_form", "layer_step", "fill_output", "compiled", "steady_token", "fill_token",
+           "compiled_form", "COMPILED_STEPS_MAX"]
 
 
 class StepInfo(NamedTuple):
@@ -416,3 +417,46 @@ def compiled(m: Method, kind: str, backend: str) -> Callable:
             _COMPILED.popitem(last=False)
     _COMPILED.move_to_end(key)
     return hit[1]
+
+
+# --- which path a layer's single-token step takes -------------------------------------------
+
+def steady_token(m: Method, state, keys, rows: int | None, *, compile: bool = True) -> bool:
+    """Whether a step of ``keys`` is a steady single-token step of ``state``: one token at a
+    full bounded state (``rows``: :func:`steady_rows` of its parameters; its slots, empty ones
+    included, are that many), where shapes repeat and a compiled step pays. Never for the
+    ``reference`` backend, a cross-layer method or ``compile=False``."""
+    if (not compile or keys.shape[2] != 1 or state.backend == "reference"
+            or m.layer_update is not None):
+        return False
+    return rows is not None and slot_count(m, state) == rows
+
+
+def fill_token(m: Method, state, keys, values, *, compile: bool = True):
+    """The state after a single token written into an empty slot by the backend's ``fill``
+    (a prefill-bounded method's decode steps, amortized eviction's), or ``None`` where the
+    step takes another path (no empty slot, no ``fill``, several tokens, a cross-layer
+    method, ``compile=False``)."""
+    if (not compile or keys.shape[2] != 1 or m.layer_update is not None
+            or not evict.empty_slots(state)):
+        return None
+    fill = m.backends[state.backend].fill
+    return None if fill is None else fill(state, keys, values)
+
+
+def compiled_form(m: Method, state, held: int, *, steady: bool, plain: bool, row=None):
+    """The record of ``state`` (holding ``held`` tokens) that the whole model's compiled
+    decode step takes for its next token, or ``None`` where that token must run layer by
+    layer. A state of slots: while it is ``steady`` (its caller's fast path holds for it)
+    and no slot is empty (the layout the step was traced for). Chunked storage
+    (:func:`steady_room`): while its next token fits an empty row, its caller's steps are
+    ``plain`` (no journal, tail or observer) and no row is pending; the record then comes
+    with the count of empty rows left (:func:`steady_form`)."""
+    room = steady_room(m, state, held)
+    if room is None:
+        if not steady or evict.empty_slots(getattr(state, "policy", state)):
+            return None
+        return state
+    if room < 1 or not plain or row is not None:
+        return None
+    return steady_form(m, state)
