@@ -28,7 +28,7 @@ def _same(a, b) -> bool:
 
 
 @pytest.mark.parametrize("key", sorted(PARAMS))
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(chunks=st.lists(st.sampled_from([1, 1, 1, 2, 5]), min_size=1, max_size=14),
        cap=st.integers(2, 5), proxy_at=st.integers(-1, 14), seed=st.integers(0, 3))
 def test_the_tail_hands_its_method_the_chunks_it_would_have_been_given(key, chunks, cap, proxy_at, seed):
@@ -84,7 +84,7 @@ def test_a_tail_refuses_another_methods_state():
 
 
 @pytest.mark.parametrize("key", ["tova", "kivi"])
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(chunks=st.lists(st.sampled_from([1, 1, 3]), min_size=1, max_size=10),
        depth=st.integers(1, 4), seed=st.integers(0, 3), data=st.data())
 def test_trim_restores_the_state_before_the_trimmed_steps(key, chunks, depth, seed, data):
