@@ -47,6 +47,7 @@ import mlx.core as mx
 from mlx_lm.models import base as _mlx_base
 
 from velox import ragged as _ragged
+from velox.state_dims import method_dims
 
 from .model_step import SteppedCache
 from .routing import KV_BITS as _KV_BITS
@@ -98,11 +99,7 @@ def _check_rows(rows: list) -> None:
 
 
 def _dims(c: VeloxCache) -> tuple:
-    st = c.velox_state
-    if c.method.dims is not None:
-        return c.method.dims(st)
-    b, h, _, d = st.keys.shape
-    return b, h, d, st.keys.dtype
+    return method_dims(c.method, c.velox_state)
 
 
 def _check_routed(rows: list) -> None:

@@ -95,6 +95,7 @@ from velox.adapters.model_step import SteppedCache
 from velox.backend import resolve_backend
 from velox.registry import Method, get_method
 from velox.spec import validate_params
+from velox.state_dims import method_dims
 
 __all__ = ["VeloxCache", "Mode", "make_cache", "cache_nbytes", "cache_fp16_bytes", "default_layout",
            "install_query_capture", "uninstall_query_capture", "query_capture", "tap_queries",
@@ -188,6 +189,18 @@ def _check_rollback(rollback: Any) -> None:
             "rollback + 1 tokens run as one-token steps)")
 
 
+def _check_settings(decode: Any, decode_cap: Any, rollback: Any, compile: Any, real_queries: Any,
+                    backend: Any) -> None:
+    """The settings every velox cache of a model shares, checked (a ``ValueError`` names the
+    first bad one): by :func:`make_cache` once, and by :class:`VeloxCache` made directly."""
+    _check_decode(decode, decode_cap)
+    _check_rollback(rollback)
+    _check_flag("compile", compile)
+    _check_flag("real_queries", real_queries)
+    if not isinstance(backend, str):
+        raise ValueError(f"backend={backend!r} must be a backend name (a str)")
+
+
 class _BatchMerge:
     """``merge`` as a classmethod, hidden on an instance known to be unrouted (its
     ``_routed`` is ``False``): ``hasattr(cache, "merge")`` is then false."""
@@ -228,12 +241,7 @@ class VeloxCache(SteppedCache):
                  decode_cap: int = DECODE_CAP, mode: Mode | str = Mode.PROXY,
                  artifact: dict[str, Any] | None = None, rollback: int = 0,
                  observe: Callable[[int, StepInfo], Any] | None = None):
-        _check_decode(decode, decode_cap)
-        _check_rollback(rollback)
-        _check_flag("compile", compile)
-        _check_flag("real_queries", real_queries)
-        if not isinstance(backend, str):
-            raise ValueError(f"backend={backend!r} must be a backend name (a str)")
+        _check_settings(decode, decode_cap, rollback, compile, real_queries, backend)
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
             raise ValueError(f"layer={layer!r} must be an integer >= 0")
         self.decode = decode
@@ -845,15 +853,10 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
         (``real_queries``, or an ``attend`` hook) and the model's attention calls mlx-lm's
         ``scaled_dot_product_attention``, else ``Mode.PROXY``.
     """
-    _check_decode(decode, decode_cap)
-    _check_rollback(rollback)
-    _check_flag("real_queries", real_queries)
-    _check_flag("compile", compile)
+    _check_settings(decode, decode_cap, rollback, compile, real_queries, backend)
     if not isinstance(method, str):
         raise ValueError(f"method={method!r} must be a method key (a str)")
     m = get_method(method)
-    if not isinstance(backend, str):
-        raise ValueError(f"backend={backend!r} must be a backend name (a str)")
     resolve_backend(backend, m.key, m.backends)  # an unknown or unavailable backend, now
     if artifacts is not None and not isinstance(artifacts, (str, Path)):
         raise ValueError(f"artifacts={artifacts!r} must be a path (str or pathlib.Path) or None")
@@ -924,11 +927,7 @@ def cache_fp16_bytes(caches: list) -> int:
 
 
 def _dims(c: VeloxCache) -> tuple[int, int, int, mx.Dtype]:
-    st = c.velox_state
-    if c.method.dims is not None:
-        return c.method.dims(st)
-    b, h, _, d = st.keys.shape
-    return b, h, d, st.keys.dtype
+    return method_dims(c.method, c.velox_state)
 
 
 # --- KVzip's context reconstruction pass ----------------------------------------------

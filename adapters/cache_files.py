@@ -30,6 +30,7 @@ from velox.decode import slack as decode_slack
 from velox import wrap
 from velox.registry import Method, get_method
 from velox.spec import validate_params
+from velox.state_dims import method_dims
 
 __all__ = ["save_cache", "load_cache"]
 
@@ -412,14 +413,10 @@ def _wrapped_state(run: Method, m: Method, st: tuple, tk, tv, tq) -> tuple:
     st = _wrapped_state(inner, m, st, tk, tv, tq)
     if run.extras.get("tail_cap"):
         if tk is None:
-            b, h, d, dtype = _state_dims(m, st)
+            b, h, d, dtype = method_dims(m, st)
             tk = tv = mx.zeros((b, h, 0, d), dtype)
         return run.state_type(st, tk, tv, tq)
     return run.state_type(st, (), ())
-
-
-def _state_dims(m: Method, st: tuple) -> tuple:
-    return m.dims(st) if m.dims is not None else (*st.keys.shape[:2], st.keys.shape[3], st.keys.dtype)
 
 
 def _load_tail(where: str, tail: dict, arrays: dict[str, mx.array], used: set[str], st: tuple,
@@ -438,7 +435,7 @@ def _load_tail(where: str, tail: dict, arrays: dict[str, mx.array], used: set[st
         used.add(d["__array__"])
         got[name] = arrays[d["__array__"]]
     try:
-        b, h, d, dtype = _state_dims(m, st)
+        b, h, d, dtype = method_dims(m, st)
     except Exception as e:
         raise ValueError(f"{where}: cannot read the state's dims ({type(e).__name__}: {e})") from None
     k, v, q = got["keys"], got["values"], got["queries"]
@@ -578,7 +575,7 @@ def _check_state(where: str, m: Method, st: tuple, params: dict[str, Any], offse
     said = f"offset={offset}" + (f" less the tail's {tail}" if tail else "")
     offset -= tail
     try:
-        b, h, d, dtype = _state_dims(m, st)
+        b, h, d, dtype = method_dims(m, st)
     except Exception as e:
         raise ValueError(f"{where}: cannot read the state's dims ({type(e).__name__}: {e})") from None
     if m.layer_update is not None:  # the cross-layer record may reset a layer's parameters

@@ -12,12 +12,18 @@ import mlx.core as mx
 
 State = tuple  # every state record is a typing.NamedTuple
 
-__all__ = ["State", "dims_of"]
+__all__ = ["State", "dims_of", "method_dims"]
 
 
 def _keys_dims(state: State) -> tuple[int, int, int, mx.Dtype]:
     b, h, _, d = state.keys.shape
     return b, h, d, state.keys.dtype
+
+
+def method_dims(m: Any, state: State) -> tuple[int, int, int, mx.Dtype]:
+    """``(batch, kv_heads, head_dim, dtype)`` of a state of method ``m``: its ``dims``
+    function where it has one, else the shape and dtype of the state's ``keys [b, h, n, d]``."""
+    return (m.dims or _keys_dims)(state)
 
 
 def dims_of(field: str) -> Callable[[Any], tuple[int, int, int, mx.Dtype]]:

@@ -24,6 +24,7 @@ except ImportError as exc:  # the property tests' one dependency beyond velox's 
                       "pip install 'velox[test]' (or pip install hypothesis)") from exc
 
 from .accounting import state_nbytes
+from .decode import slack as decode_slack
 from .registry import Method, get_method
 from .spec import Param, Spec, evaluate, validate_params
 
@@ -278,8 +279,7 @@ def _expected_counts(m: Method, params: dict[str, Any], chunks: tuple[int, ...])
             out.append(prev + t)
         return out
     cap = spec.capacity(params)
-    name = spec.contract.get("slack")
-    slack = int(params[name]) if name else 0
+    slack = decode_slack(m, params)
     out, seen, prev = [], 0, 0
     for s in chunks:
         seen += s

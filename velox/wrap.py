@@ -42,6 +42,7 @@ from .backend import Backend
 from .decode import arrays, fill_output, split_step, write_row
 from .registered import _REGISTRY
 from .registry import Method, register
+from .state_dims import method_dims
 
 __all__ = ["with_tail", "with_rollback", "TailState", "JournalState", "trim", "can_trim",
            "trimmable_tokens", "wrapped", "TAIL_CAP_MAX", "ROLLBACK_MAX"]
@@ -55,10 +56,6 @@ ROLLBACK_MAX = 64
 def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise ValueError(f"{name}={value!r} must be an integer from {lo} to {hi}")
-
-
-def _dims_of(m: Method):
-    return m.dims or (lambda st: (*st.keys.shape[:2], st.keys.shape[3], st.keys.dtype))
 
 
 def _empty(b: int, h: int, d: int, dtype) -> mx.array:
@@ -149,8 +146,6 @@ def with_tail(m: Method, cap: int) -> Method:
         return _REGISTRY[key]
     own = type(f"TailState_{m.key}_{cap}".replace("+", "_").replace("@", "_"), (TailState,),
                {"__slots__": (), "__doc__": TailState.__doc__})
-    inner_dims = _dims_of(m)
-
     def make(inner, b, h, d, dtype):
         return own(inner, _empty(b, h, d, dtype), _empty(b, h, d, dtype), None)
 
@@ -165,13 +160,9 @@ def with_tail(m: Method, cap: int) -> Method:
         return keys.shape[2] > 1 or state.tail_len + 1 >= cap
 
     def update(state, keys, values, queries):
-        if not absorbs(state, keys):  # one token joins the tail
-            t = state.tail_len
-            q = queries if t == 0 else (None if state.queries is None or queries is None
-                                        else _cat(state.queries, queries))
-            return state._replace(keys=_cat(state.keys, keys), values=_cat(state.values, values),
-                                  queries=q)
         k, v, q = joined(state, keys, values, queries)
+        if not absorbs(state, keys):  # one token joins the tail
+            return state._replace(keys=k, values=v, queries=q)
         b, h, _, d = k.shape
         return make(m.update(state.inner, k, v, queries=q), b, h, d, state.keys.dtype)
 
@@ -204,7 +195,7 @@ def with_tail(m: Method, cap: int) -> Method:
         return m.nbytes(state.inner) + own_bytes
 
     def dims(state):
-        return inner_dims(state.inner)
+        return method_dims(m, state.inner)
 
     extra: dict[str, Any] = {}
     if m.error_bound is not None:
@@ -296,8 +287,6 @@ def with_rollback(m: Method, depth: int) -> Method:
         return _REGISTRY[key]
     own = type(f"JournalState_{m.key}_{depth}".replace("+", "_").replace("@", "_"),
                (JournalState,), {"__slots__": (), "__doc__": JournalState.__doc__})
-    inner_dims = _dims_of(m)
-
     def make(inner, b, h, d, dtype):
         return own(inner, (), ())
 
@@ -360,7 +349,7 @@ def with_rollback(m: Method, depth: int) -> Method:
         get_kv=lambda state: m.get_kv(state.inner), nbytes=nbytes,
         positions=lambda state: m.positions(state.inner),
         kv_slots=lambda state: m.kv_slots(state.inner),
-        dims=lambda state: inner_dims(state.inner),
+        dims=lambda state: method_dims(m, state.inner),
         spec=_spec(m, key, {}, f"The states before the last {depth} updates are kept "
                                      "for trim (rollback); their distinct arrays count in nbytes."),
         wraps=m, rollback=depth, **extra)
