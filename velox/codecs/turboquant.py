@@ -41,7 +41,11 @@ QJL sketch of the residual); each has a NumPy twin with the suffix ``_np``:
 * :func:`mse_rotated` ``(tables, codes) -> [b, h, n, d]``: the decoded rows in the rotated
   domain, ``c[idx] * r / sqrt(d)`` (``mse_decode = unrotate(mse_rotated)``);
 * :func:`mse_scores` ``(tables, q, codes) -> [b, h, m, n]`` and :func:`mse_scores_rotated`
-  ``(tables, q_rot, codes)`` for a query already rotated (``q_rot = rotate(q, tables.rotation)``).
+  ``(tables, q_rot, codes)`` for a query already rotated (``q_rot = rotate(q, tables.rotation)``);
+* :func:`mse_weighted` ``(tables, w, codes) -> [b, h, m, d]``: ``w @ mse_decode(tables, codes)``
+  for weights ``w [b, h, m, n]`` (attention over rows held by this codec, e.g. values), summed
+  in the rotated domain, ``sum_j w_j * r_j / sqrt(d) * c[idx_j]``, and rotated back once: one
+  ``[m, d] x [d, d]`` product instead of the ``[n, d] x [d, d]`` of decoding every row.
 
 Float32 arithmetic, in the same order in both twins; codes can differ between MLX and NumPy only
 where the matmul and sum orders round differently: a coordinate within float32 rounding of a cell
@@ -67,7 +71,8 @@ from .rotation import matmul_per_slice, random_rotation
 
 __all__ = ["TurboQuantTables", "RvqTables", "MseCodes", "RvqCodes", "padded_dim",
            "mse_tables", "mse_encode", "mse_decode", "mse_rotated", "mse_scores",
-           "mse_scores_rotated", "mse_encode_np", "mse_decode_np", "mse_rotated_np",
+           "mse_scores_rotated", "mse_weighted", "mse_weighted_np", "mse_encode_np",
+           "mse_decode_np", "mse_rotated_np",
            "mse_scores_np", "mse_scores_rotated_np", "rvq_tables", "rvq_encode", "rvq_decode",
            "rvq_rotated", "rvq_scores", "rvq_encode_np", "rvq_decode_np", "rvq_rotated_np",
            "rvq_scores_np", "TURBOQUANT_MSE", "TURBOQUANT_RVQ"]
@@ -210,6 +215,12 @@ def mse_scores(t: TurboQuantTables, q: mx.array, codes: MseCodes) -> mx.array:
     return mse_scores_rotated(t, q.astype(mx.float32) @ t.rotation.T, codes)
 
 
+def mse_weighted(t: TurboQuantTables, w: mx.array, codes: MseCodes) -> mx.array:
+    # each weight folded into its row's scale, the sum taken against the unit centroids
+    scaled = w.astype(mx.float32) * _scale(t, codes.norm)[..., None, :]
+    return (scaled @ _unit_values(t, codes)) @ t.rotation
+
+
 def rvq_encode(t: RvqTables, rows: mx.array) -> RvqCodes:
     y, r = _unit(t, rows)
     idx1 = cell(y, t.boundaries, t.bits)
@@ -302,6 +313,11 @@ def mse_scores_rotated_np(t: TurboQuantTables, q_rot: np.ndarray, codes: MseCode
 
 def mse_scores_np(t: TurboQuantTables, q: np.ndarray, codes: MseCodes) -> np.ndarray:
     return mse_scores_rotated_np(t, np.asarray(q, _F32) @ np.asarray(t.rotation).T, codes)
+
+
+def mse_weighted_np(t: TurboQuantTables, w: np.ndarray, codes: MseCodes) -> np.ndarray:
+    scaled = np.asarray(w, _F32) * _scale_np(t, codes.norm)[..., None, :]
+    return (scaled @ _unit_values_np(t, codes)) @ np.asarray(t.rotation)
 
 
 def rvq_encode_np(t: RvqTables, rows: np.ndarray) -> RvqCodes:
