@@ -161,7 +161,10 @@ def _leaves(name: str, x: Any):
 
 # Parameters added after a recording, at the value that reproduces the recorded behaviour
 # (tests/test_golden.py replays older entries with them; a new recording records them).
-NEUTRAL: dict[str, Any] = {"slack": 0}
+NEUTRAL: dict[str, Any] = {"slack": 0, "value_codec": "affine", "value_bits": 8}
+#: A method's own neutral value of a parameter, where it differs from NEUTRAL's (the values of
+#: turboquant_rvq were held exact when it was recorded).
+NEUTRAL_FOR: dict[str, dict[str, Any]] = {"turboquant_rvq": {"value_codec": "exact"}}
 
 # Storage bookkeeping of a state of slots (velox.evict): the canonical observation orders
 # every per-token field by position and drops empty slots, so the count is left out too.

@@ -26,9 +26,10 @@ compared with the arrays in ``tests/golden/arrays.npz`` within ``atol + rtol |ex
 Observations are canonical (``rg.observe``): the per-token fields of a state of slots
 (``velox.evict``) are ordered by position and empty slots dropped, so the recordings (of
 sorted states) prove that a state of slots holds the same tokens, rows and per-token data at
-every step. A parameter added after the recording (``rg.NEUTRAL``) replays at the value that
-is the recorded behaviour, and its field is then left out of the comparison; so is a static
-state field added since (``ADDED_FIELDS``) at its neutral value.
+every step. A parameter added after the recording (``rg.NEUTRAL``; a method's own value in
+``rg.NEUTRAL_FOR``) replays at the value that is the recorded behaviour, and its field is then
+left out of the comparison; so is a static state field added since (``ADDED_FIELDS``) at its
+neutral value.
 
 A refactor must pass unchanged. Re-record (``python scripts/record_golden.py``, with OpenBLAS
 loaded as CI has it) only for a deliberate change of behaviour, and say so in the commit.
@@ -92,7 +93,7 @@ def neutral(key: str, entry: dict) -> tuple[dict, set[str]]:
     """The recording's overrides with every parameter added since (``rg.NEUTRAL``) at its
     neutral value, and the names of those parameters' fields."""
     spec = velox.get_method(key).spec
-    added = {name: rg.NEUTRAL[name] for name in spec.params
+    added = {name: rg.NEUTRAL_FOR.get(key, {}).get(name, rg.NEUTRAL[name]) for name in spec.params
              if name not in entry["params"] and name in rg.NEUTRAL}
     return {**entry["overrides"], **added}, {f"{p}{name}" for name in added for p in ("", "policy.")}
 

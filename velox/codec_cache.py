@@ -6,12 +6,32 @@ how its values are held; this module writes the state record, the update of both
 ``get_kv``, ``positions``, ``dims`` and the attention on the codes.
 
 State (:func:`state_type`): ``key_codes`` (the codec's codes record, nested, every array with
-leading ``[b, h, n]`` axes), ``value_codes`` (:class:`Int8Rows`: per-token 8-bit affine codes,
-one group a row, scales and zeros in ``velox.quant.side_dtype``, float16 for float16 and float32
-caches; or :class:`ExactRows`: the rows in float16, bfloat16 for a bfloat16 cache), ``tables`` (the codec's static
-tables record, nested; its bytes count in the state's), ``key_channels`` (methods with outlier
-channels only, below), ``next_pos``, ``empty``, then every parameter of ``init`` as a static
-field, ``cache_dtype`` and ``backend``. Every token is kept, in order.
+leading ``[b, h, n]`` axes), ``value_codes`` (the value codec's record, below), ``tables`` (the
+codec's static tables record, nested; its bytes count in the state's), ``value_tables`` (the
+value codec's), ``key_channels`` (methods with outlier channels only, below), ``next_pos``,
+``empty``, then every parameter of ``init`` as a static field, ``cache_dtype`` and
+``backend``. Every token is kept, in order.
+
+Values (``init``'s ``value_codec`` and ``value_bits``; keys and values take separate budgets):
+
+* ``"affine"`` (the default of every method but ``turboquant_rvq``, at ``value_bits = 8``):
+  :class:`Int8Rows`, per-token affine codes at ``value_bits``, one group a row, scales and
+  zeros in ``velox.quant.side_dtype`` (float16 for float16 and float32 caches), each row's
+  codes zero-padded to the pack unit (``velox.codecs.turboquant.padded_dim``: none at 8 bits
+  with ``head_dim % 4 == 0``); ``value_tables`` is :class:`NoTables`.
+* ``"mse"``: TurboQuant_mse's codec (``velox.codecs.turboquant``) on the values, ``MseCodes``
+  (the Lloyd-Max index of each rotated coordinate at ``value_bits``, packed, and the float16
+  norm); ``value_tables`` is its ``TurboQuantTables``, the rotation drawn from ``seed +``
+  :data:`VALUE_SEED_OFFSET` (no key-side draw shares it). Attention takes the weighted sum of
+  the stored values in the rotated domain, ``sum_j w_j * norm_j / sqrt(d) * c[idx_j]``, and
+  rotates it back once (``velox.codecs.turboquant.mse_weighted``); the rows are decoded only
+  by ``get_kv`` and a chunk's attention (as the keys are).
+* ``"exact"`` (``turboquant_rvq``'s default): :class:`ExactRows`, the rows in float16
+  (bfloat16 for a bfloat16 cache); ``value_bits`` is not read.
+
+The defaults are the layouts from before the parameters: the CUDA kernels (below) read 8-bit
+affine or exact values and decline the others. A composition (below) has neither parameter:
+8-bit affine values.
 
 Storage in chunks (``contract.storage = "chunked"`` in the methods' specs), as mlx-lm's
 ``KVCache`` holds its rows: the code arrays (every array of ``key_codes`` and ``value_codes``)
@@ -48,14 +68,17 @@ is the identity. Keys are put in that order before they are encoded, queries bef
 scored, and decoded keys back in place. With ``n_outlier = 0`` the codec is the method's own and
 ``key_channels`` is ``[b, h, 0]`` (no bytes): the same codes as a method without the split.
 
-Backends: ``mlx`` encodes with the codec's MLX functions and quantizes values with
-``velox.quant.quantize``; ``reference`` runs the codec's NumPy twins and
-``velox.reference.quantize`` on the same inputs, giving the same codes, stored the same way.
+Backends: ``mlx`` encodes with the codec's MLX functions and codes values with
+``velox.quant`` (affine) or the mse codec's MLX functions; ``reference`` runs the codecs'
+NumPy twins and ``velox.reference``'s affine codes on the same inputs, giving the same codes,
+stored the same way (mse codes, keys' or values', up to a coordinate within float32 rounding
+of a cell boundary).
 
 Attention (:func:`attend`): a decode step's logits over the stored tokens are the codec's
 ``scores`` of the scaled queries against the key codes (:func:`key_scores`, never decoding the
-keys); the ``s`` new tokens' logits are exact; one softmax; the weights multiply the
-dequantized stored values and the new values. A chunk of several tokens (a prefill) decodes
+keys); the ``s`` new tokens' logits are exact; one softmax; the weights multiply the stored
+values read from their codes (affine: dequantized; mse: summed in the rotated domain) and the
+new values. A chunk of several tokens (a prefill) decodes
 the stored keys once instead (every codec's ``scores`` is the query's inner product with its
 decoded key, so the logits are the same to float32 rounding:
 ``tests/test_codec_prefill.py``) and runs MLX's fused attention over them and the chunk's
@@ -65,7 +88,7 @@ slower than the full cache's and several times its peak memory (on this project'
 stored tokens and a 1,024-token chunk: TurboQuant prod 148 s and 3,150 MiB against 15 s and
 1,298 MiB decoded, the full cache's attention 18 s and 1,177 MiB). A decode step (one query token) on a CUDA device
 runs the fused kernels of ``velox.kernels.codec`` where they take the state (TurboQuant mse,
-rvq and prod, QJL: ``supports``), reading the held rows of the arrays in place, with the same
+rvq and prod, QJL, with 8-bit affine or exact values: ``supports``), reading the held rows of the arrays in place, with the same
 result within float32 rounding. A step's attention and update together (``attend_update``,
 the adapter's decode step; the backend's ``steady_step``, ``velox.decode.split_step``; the
 backend's ``fill`` and ``fill_attention``, the adapter's single-token step into an empty row)
@@ -81,7 +104,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Union
 
 import mlx.core as mx
 import numpy as np
@@ -92,17 +115,26 @@ from ._typing import Array, Float, Int, UInt
 from .attention import softmax
 from .backend import Backend
 from .codecs import Codec, append, get_codec, numpy_tables, split
+from .codecs import turboquant as tq
 from .kernels import codec as codec_kernel
 from .registry import Method, register
 from .spec import param_fields
 
-__all__ = ["Int8Rows", "ExactRows", "VALUE_BITS", "QUERY_BLOCK", "CHUNK", "UNCOUNTED", "state_type",
-           "empty", "register_method", "codec_of", "codec_params", "get_kv", "positions", "dims",
-           "attend", "stored_tokens", "capacity", "held_codes", "held_rows", "key_scores",
-           "uncounted", "is_chunked"]
+__all__ = ["Int8Rows", "AffineRows", "ExactRows", "NoTables", "ValueCodes", "ValueTables",
+           "VALUE_BITS", "VALUE_CODECS", "VALUE_SEED_OFFSET", "QUERY_BLOCK", "CHUNK", "UNCOUNTED",
+           "state_type", "empty", "register_method", "codec_of", "codec_params", "get_kv",
+           "positions", "dims", "attend", "stored_tokens", "capacity", "held_codes", "held_rows",
+           "key_scores", "uncounted", "is_chunked", "value_codec", "value_bits", "value_tables"]
 
-#: Bits of the per-token affine value codes.
+#: Bits of the per-token affine value codes by default (``value_bits``'s default; a
+#: composition's values, which take no ``value_bits``).
 VALUE_BITS = 8
+#: The value codecs (``value_codec``): per-token affine codes, TurboQuant_mse codes, exact rows.
+VALUE_CODECS = ("affine", "mse", "exact")
+#: The values' rotation (``value_codec="mse"``) is drawn from the method's ``seed`` plus this:
+#: the key side draws from ``seed`` to ``seed + 3`` (rotation, TurboQuant_prod's sketch, the
+#: outlier part's rotation and sketch: ``velox.codecs.split``), so no draw is shared.
+VALUE_SEED_OFFSET = 4
 #: Query rows (per kv head) scored at once by :func:`attend`.
 QUERY_BLOCK = 256
 #: Rows the code arrays grow by (mlx-lm's ``KVCache`` grows by 256 too).
@@ -113,11 +145,17 @@ UNCOUNTED = -1
 
 
 class Int8Rows(NamedTuple):
-    """Values as per-token 8-bit affine codes: one group per row (``velox.quant`` layout)."""
+    """Values as per-token affine codes: one group per row (``velox.quant`` layout), at the
+    state's ``value_bits`` (8 by default, whence the name), packed to a ``uint32`` stream whose
+    row is zero-padded to the pack unit (``velox.codecs.turboquant.padded_dim``)."""
 
     codes: UInt[Array, "b h n w"]
     scales: Float[Array, "b h n 1"]
     zeros: Float[Array, "b h n 1"]
+
+
+#: The record of affine value codes at any ``value_bits`` (the same record as ``Int8Rows``).
+AffineRows = Int8Rows
 
 
 class ExactRows(NamedTuple):
@@ -127,9 +165,21 @@ class ExactRows(NamedTuple):
     rows: Float[Array, "b h n d"]
 
 
+class NoTables(NamedTuple):
+    """The tables of a value codec that needs none (affine codes, exact rows): no field, no
+    array, no byte."""
+
+
+#: What a state's ``value_codes`` holds: affine codes, TurboQuant_mse codes (``MseCodes``: the
+#: packed Lloyd-Max indices of the rotated row and its float16 norm) or exact rows.
+ValueCodes = Union[Int8Rows, tq.MseCodes, ExactRows]
+#: What a state's ``value_tables`` holds: nothing, or the mse codec's rotation and codebook.
+ValueTables = Union[NoTables, tq.TurboQuantTables]
+
+
 class _Layout(NamedTuple):
     codec: str
-    values: type
+    values: str             # the value codec of a state without value_codec (a composition's)
     rename: dict
     split: bool = False     # n_outlier / outlier_bits parameters: the channel split
     chunked: bool = False   # rows in chunks, the last `empty` of them empty (state_type's)
@@ -139,24 +189,32 @@ _LAYOUT: dict[type, _Layout] = {}
 
 
 def state_type(name: str, init: Callable, doc: str, *, codec: str, codes: type, tables: type,
-               values: type = Int8Rows, rename: dict[str, str] | None = None,
+               values: str = "affine", rename: dict[str, str] | None = None,
                split: bool = False) -> type:
     """The state record of a codec cache, from its ``init``: ``key_codes`` (a ``codes``
-    record), ``value_codes`` (``values``: :class:`Int8Rows` or :class:`ExactRows`), ``tables``
-    (a ``tables`` record), ``key_channels`` (``split`` only), ``next_pos``, ``empty`` (the
-    arrays' empty rows, the last ones), every parameter of ``init``'s signature as a static
-    field (its annotation), ``cache_dtype``, ``backend``.
+    record), ``value_codes`` (:data:`ValueCodes`), ``tables`` (a ``tables`` record),
+    ``value_tables`` (:data:`ValueTables`; an ``init`` with ``value_codec`` only),
+    ``key_channels`` (``split`` only), ``next_pos``, ``empty`` (the arrays' empty rows, the
+    last ones), every parameter of ``init``'s signature as a static field (its annotation),
+    ``cache_dtype``, ``backend``.
 
     ``codec`` names the key codec; ``rename`` maps a codec parameter name to the method's
     parameter of another name (default: the same names). ``split``: ``init`` has ``n_outlier``
     and ``outlier_bits`` and the keys' channels split in two (module doc); ``codes`` and
-    ``tables`` are then those of ``n_outlier = 0``.
+    ``tables`` are then those of ``n_outlier = 0``. The value codec is ``init``'s
+    ``value_codec`` parameter (with ``value_bits``), or ``values`` (``"affine"``: 8-bit, or
+    ``"exact"``) for an ``init`` without them.
     """
-    if values not in (Int8Rows, ExactRows):
-        raise ValueError("values are Int8Rows or ExactRows")
-    if split and not {"n_outlier", "outlier_bits"} <= {n for n, _ in param_fields(init)}:
+    if values not in ("affine", "exact"):
+        raise ValueError("values (the value codec of an init without value_codec) is 'affine' or 'exact'")
+    names = {n for n, _ in param_fields(init)}
+    if split and not {"n_outlier", "outlier_bits"} <= names:
         raise ValueError("a split codec cache's init has the parameters n_outlier and outlier_bits")
-    fields = [("key_codes", codes), ("value_codes", values), ("tables", tables),
+    chosen = {"value_codec", "value_bits"} & names
+    if chosen and len(chosen) != 2:
+        raise ValueError("a codec cache's init has both value_codec and value_bits, or neither")
+    fields = [("key_codes", codes), ("value_codes", ValueCodes), ("tables", tables),
+              *([("value_tables", ValueTables)] if chosen else []),
               *([("key_channels", Int[Array, "b h c"])] if split else []),
               ("next_pos", Int[Array, "b h"]), ("empty", int)]
     record = NamedTuple(name, [*fields, *param_fields(init), ("cache_dtype", str), ("backend", str)])
@@ -198,12 +256,14 @@ def empty(state_type: type, args: dict) -> tuple:
     # the codes record of no token: one encoded zero row, cut to length 0
     one = codec.encode(tables, mx.zeros((b, h, 1, d), mx.float32))
     key_codes = type(one)(*(x[:, :, :0] for x in one))
-    if lay.values is Int8Rows:
-        vc, vs, vz = quant.quantize(mx.zeros((b, h, 1, d), dtype), VALUE_BITS, d, dtype)
-        value_codes = Int8Rows(vc[:, :, :0], vs[:, :, :0], vz[:, :, :0])
-    else:
-        value_codes = ExactRows(mx.zeros((b, h, 0, d), quant.side_dtype(dtype)))
-    given = dict(key_codes=key_codes, value_codes=value_codes, tables=tables,
+    kind = args.get("value_codec", lay.values)
+    bits = args.get("value_bits", VALUE_BITS)
+    _check_values(kind, bits)
+    vt = _value_tables(kind, bits, d, args.get("seed", tq.DEFAULT_SEED))
+    # the value record of no token: one encoded zero row, cut to length 0
+    zero = _encode_values_mlx(kind, bits, vt, mx.zeros((b, h, 1, d), dtype), dtype)
+    value_codes = type(zero)(*(x[:, :, :0] for x in zero))
+    given = dict(key_codes=key_codes, value_codes=value_codes, tables=tables, value_tables=vt,
                  next_pos=mx.zeros((b, h), mx.int32), empty=0, cache_dtype=quant.dtype_name(dtype))
     if lay.split:  # the identity until the first tokens choose the outlier channels
         c = d if args["n_outlier"] else 0
@@ -296,21 +356,128 @@ def uncounted(state) -> tuple:
 
 
 def dims(state) -> tuple[int, int, int, mx.Dtype]:
-    """``(batch, kv_heads, head_dim, dtype)``: from the value codes and ``cache_dtype``."""
+    """``(batch, kv_heads, head_dim, dtype)``: from the value record (affine codes: their
+    width, less the padding, read from the key tables' ``head_dim``) and ``cache_dtype``."""
     b, h = state.next_pos.shape
+    return b, h, _head_dim(state), quant.dtype_of(state.cache_dtype)
+
+
+def _head_dim(state) -> int:
     v = state.value_codes
-    d = v.rows.shape[3] if isinstance(v, ExactRows) else v.codes.shape[3] * 32 // VALUE_BITS
-    return b, h, d, quant.dtype_of(state.cache_dtype)
+    if isinstance(v, ExactRows):
+        return v.rows.shape[3]
+    if isinstance(v, tq.MseCodes):
+        return state.value_tables.head_dim
+    # affine codes, whose rows may be padded to the pack unit: the key tables' head_dim (every
+    # key codec's tables record has one, but QJL's, whose sketch is [m, d])
+    t = state.tables
+    if hasattr(t, "head_dim"):
+        return int(t.head_dim)
+    if hasattr(t, "sketch"):
+        return int(t.sketch.shape[-1])
+    return v.codes.shape[3] * 32 // value_bits(state)
 
 
 positions = quant.every_position(stored_tokens)
 
 
-def _values_f32(values, d: int) -> Float[Array, "b h n d"]:
-    """A value record's rows, dequantized to float32."""
+# --- the value codec ------------------------------------------------------------------
+
+def value_codec(state) -> str:
+    """The state's value codec (``value_codec``; a composition's: its layout's, ``"affine"``)."""
+    return getattr(state, "value_codec", _LAYOUT[type(state)].values)
+
+
+def value_bits(state) -> int:
+    """The bits of the state's value codes (``value_bits``; a composition's: :data:`VALUE_BITS`);
+    not read by exact values."""
+    return getattr(state, "value_bits", VALUE_BITS)
+
+
+def value_tables(state) -> tuple:
+    """The value codec's tables (``value_tables``; :class:`NoTables` where it needs none)."""
+    return getattr(state, "value_tables", NoTables())
+
+
+def _check_values(kind: str, bits: int) -> None:
+    if kind not in VALUE_CODECS:
+        raise ValueError(f"value_codec={kind!r} is not one of {', '.join(map(repr, VALUE_CODECS))}")
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"value_bits={bits!r} must be an integer in 1..8")
+
+
+def _value_tables(kind: str, bits: int, d: int, seed: int) -> tuple:
+    """The value codec's tables: the mse codec's at ``value_bits``, its rotation drawn from
+    ``seed + VALUE_SEED_OFFSET``; else none."""
+    if kind == "mse":
+        return tq.mse_tables(d, bits, int(seed) + VALUE_SEED_OFFSET)
+    return NoTables()
+
+
+def _encode_values_mlx(kind: str, bits: int, vt, values, cd: mx.Dtype):
+    """The value record of ``values [b, h, s, d]`` (MLX)."""
+    if kind == "exact":
+        return ExactRows(values.astype(quant.side_dtype(cd)))
+    if kind == "mse":
+        return tq.mse_encode(vt, values)
+    d = values.shape[3]
+    padded = tq.padded_dim(d, bits)
+    if padded == d:
+        return Int8Rows(*quant.quantize(values, bits, d, cd))
+    q, sc, z = quant.affine_codes(values.astype(mx.float32), bits, quant.side_dtype(cd))
+    q = mx.concatenate([q, mx.zeros((*q.shape[:-1], padded - d), mx.uint32)], axis=-1)
+    return Int8Rows(quant.pack(q, bits), sc[..., None], z[..., None])
+
+
+def _encode_values_np(kind: str, bits: int, vt, values, cd: mx.Dtype):
+    """:func:`_encode_values_mlx` by the NumPy twins (``velox.reference``, the mse codec's
+    ``mse_encode_np``), the same codes stored the same way."""
+    if kind == "exact":
+        return ExactRows(values.astype(quant.side_dtype(cd)))
+    x = ref.to_np(values, np.float32)
+    if kind == "mse":
+        c = tq.mse_encode_np(numpy_tables(vt), x)
+        return tq.MseCodes(mx.array(np.ascontiguousarray(c.idx)).astype(mx.uint32),
+                           mx.array(np.ascontiguousarray(c.norm)).astype(mx.float16))
+    sd = quant.side_dtype(cd)
+    d = x.shape[3]
+    padded = tq.padded_dim(d, bits)
+    if padded == d:
+        c, sc, z = ref.quantize(x, bits, d, sd)
+        return Int8Rows(mx.array(c), ref.to_mx(sc, sd), ref.to_mx(z, sd))
+    rows = x.reshape(-1, d)
+    q = np.zeros((rows.shape[0], padded), np.uint32)
+    sc = np.zeros((rows.shape[0], 1), np.float32)
+    z = np.zeros((rows.shape[0], 1), np.float32)
+    for r in range(rows.shape[0]):
+        q[r, :d], sc[r, 0], z[r, 0] = ref.quantize_group(rows[r], bits, sd)
+    lead = x.shape[:-1]
+    c = ref.pack_codes(q, bits).reshape(*lead, -1) if q.size else np.zeros((*lead, padded * bits // 32), np.uint32)
+    return Int8Rows(mx.array(c), ref.to_mx(sc.reshape(*lead, 1), sd), ref.to_mx(z.reshape(*lead, 1), sd))
+
+
+def _values_f32(state, values) -> Float[Array, "b h n d"]:
+    """A value record's rows, decoded to float32 (every row: a dense decode)."""
     if isinstance(values, ExactRows):
         return values.rows.astype(mx.float32)
-    return quant.dequantize_f32(values.codes, values.scales, values.zeros, VALUE_BITS, d)
+    if isinstance(values, tq.MseCodes):
+        return tq.mse_decode(value_tables(state), values)
+    d, bits = _head_dim(state), value_bits(state)
+    if tq.padded_dim(d, bits) == d:
+        return quant.dequantize_f32(values.codes, values.scales, values.zeros, bits, d)
+    return quant.dequantize_f32(values.codes, values.scales, values.zeros, bits, d, count=d)
+
+
+def _value_reader(state, values) -> Callable[[mx.array], mx.array]:
+    """``w -> w @ rows`` for weights ``w [b, h, m, n]`` (float32) over a value record's ``n``
+    rows: mse codes summed in the rotated domain and rotated back once
+    (``velox.codecs.turboquant.mse_weighted``), never decoded row by row; affine codes and
+    exact rows dequantized once (one float32 copy, as the weights' product needs)."""
+    if isinstance(values, tq.MseCodes):
+        t = value_tables(state)
+        return lambda w: tq.mse_weighted(t, w, values)
+    rows = _values_f32(state, values)
+    return lambda w: w @ rows
 
 
 def _split(state) -> bool:
@@ -353,7 +520,7 @@ def get_kv(state) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
     keys = codec_of(state).decode(state.tables, kc)
     if _split(state):
         keys = split.scatter(keys, state.key_channels)
-    return keys.astype(cd), _values_f32(vc, dims(state)[2]).astype(cd)
+    return keys.astype(cd), _values_f32(state, vc).astype(cd)
 
 
 # --- updates ------------------------------------------------------------------------
@@ -361,19 +528,16 @@ def get_kv(state) -> tuple[Float[Array, "b h n d"], Float[Array, "b h n d"]]:
 def _encode_mlx(state, keys, values):
     """``(state, key codes, value codes)`` of new rows on the ``mlx`` backend (the state with
     its outlier channels chosen, if this is its first update holding tokens)."""
-    cd, d = quant.dtype_of(state.cache_dtype), keys.shape[3]
+    cd = quant.dtype_of(state.cache_dtype)
     state = _chosen(state, keys, reference=False)
     kc = codec_of(state).encode(state.tables, _in_codec_order(state, keys))
-    if isinstance(state.value_codes, ExactRows):
-        vc = ExactRows(values.astype(quant.side_dtype(cd)))
-    else:
-        vc = Int8Rows(*quant.quantize(values, VALUE_BITS, d, cd))
+    vc = _encode_values_mlx(value_codec(state), value_bits(state), value_tables(state), values, cd)
     return state, kc, vc
 
 
 def _encode_reference(state, keys, values):
     """:func:`_encode_mlx` by the codec's NumPy twins and ``velox.reference.quantize``."""
-    cd, d = quant.dtype_of(state.cache_dtype), keys.shape[3]
+    cd = quant.dtype_of(state.cache_dtype)
     state = _chosen(state, keys, reference=True)
     codec = codec_of(state)
     rows = ref.to_np(keys, np.float32)
@@ -383,12 +547,7 @@ def _encode_reference(state, keys, values):
     # each field in the dtype of the MLX codes (the state's empty record says it)
     kc = type(codes)(*(mx.array(np.ascontiguousarray(x)).astype(e.dtype)
                        for x, e in zip(codes, state.key_codes)))
-    if isinstance(state.value_codes, ExactRows):
-        vc = ExactRows(values.astype(quant.side_dtype(cd)))
-    else:
-        sd = quant.side_dtype(cd)
-        c, s, z = ref.quantize(ref.to_np(values, np.float32), VALUE_BITS, d, sd)
-        vc = Int8Rows(mx.array(c), ref.to_mx(s, sd), ref.to_mx(z, sd))
+    vc = _encode_values_np(value_codec(state), value_bits(state), value_tables(state), values, cd)
     return state, kc, vc
 
 
@@ -468,8 +627,8 @@ def _attend(state, held, queries, keys, values, scale: float, mask):
     g = hq // h
     q = (queries.astype(mx.float32) * scale).reshape(b, h, g * s, d)
     kn, vn = keys.astype(mx.float32), values.astype(mx.float32)
-    vs = _values_f32(vc, d)
-    n = vs.shape[2]
+    weigh = _value_reader(state, vc)  # w -> w @ stored values, read from their codes
+    n = vc[0].shape[2]
     past = None if isinstance(held, int) else mx.arange(n)[None, None, None, :] >= held[:, :, None, None]
     outs = []
     for lo in range(0, g * s, QUERY_BLOCK):
@@ -483,7 +642,7 @@ def _attend(state, held, queries, keys, values, scale: float, mask):
             if past is not None:  # rows past the held ones: empty, or this step's own
                 stored = mx.where(past, mx.array(-mx.inf, mx.float32), stored)
             p = softmax(mx.concatenate([stored, new], axis=-1), axis=-1)
-            outs.append(p[..., :n] @ vs + p[..., n:] @ vn)
+            outs.append(weigh(p[..., :n]) + p[..., n:] @ vn)
         else:
             outs.append(softmax(new, axis=-1) @ vn)
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
@@ -506,7 +665,7 @@ def _chunk_attend(state, kc, vc, queries, keys, values, scale: float, mask):
     if _split(state):
         stored = split.scatter(stored, state.key_channels)
     k = mx.concatenate([stored.astype(dt), keys.astype(dt)], axis=2)
-    v = mx.concatenate([_values_f32(vc, d).astype(dt), values.astype(dt)], axis=2)
+    v = mx.concatenate([_values_f32(state, vc).astype(dt), values.astype(dt)], axis=2)
     out = mx.fast.scaled_dot_product_attention(queries.astype(dt), k, v, scale=scale,
                                                mask=None if mask is None else "causal")
     return out.astype(queries.dtype)

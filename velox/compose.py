@@ -397,7 +397,8 @@ def _evict_then_code(policy: str, codec_name: str) -> Method:
          ("value_codes", codec_cache.Int8Rows), ("tables", chints["tables"]),
          ("next_pos", mx.array)] + [(n, type(C.spec.params[n].default)) for n in codec.params]
         + [("cache_dtype", str), ("backend", str)])
-    codec_cache._LAYOUT[State] = codec_cache._Layout(codec_name, codec_cache.Int8Rows, {})
+    # values: 8-bit affine codes (value_codec and value_bits are not parameters of a composition)
+    codec_cache._LAYOUT[State] = codec_cache._Layout(codec_name, "affine", {})
 
     def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
              backend: str = "auto", **params: Any):

@@ -470,18 +470,19 @@ def assert_states_close(case: Case, a, b, *, atol: float, rtol: float, what: str
     m = get_method(case.key)
     pa, pb = np.array(m.positions(a)), np.array(m.positions(b))
     assert pa.shape == pb.shape and (pa == pb).all(), f"{what}: kept positions differ"
-    flips = float(m.spec.tolerance.get("key_row_flips", 0.0))
+    tol = m.spec.tolerance
     for x, y, name in zip(m.get_kv(a), m.get_kv(b), ("keys", "values")):
         x = np.array(x.astype(mx.float32))
         y = np.array(y.astype(mx.float32))
-        if name == "keys" and flips and x.shape == y.shape and x.size:
+        flips = float(tol.get("key_row_flips" if name == "keys" else "value_row_flips", 0.0))
+        if flips and x.shape == y.shape and x.size:
             # a rotated coordinate within float32 rounding of a cell boundary codes to either
-            # side (the backends' matmuls sum in another order): a few key rows may differ
+            # side (the backends' matmuls sum in another order): a few rows may differ
             bad = ~np.isclose(x, y, atol=atol, rtol=rtol).all(axis=-1)
             allowed = math.ceil(flips * bad.size)
             assert bad.sum() <= allowed, (
-                f"{what}: {int(bad.sum())} of {bad.size} key rows differ (allowed {allowed}), "
-                f"by up to {np.abs(x - y).max()}")
+                f"{what}: {int(bad.sum())} of {bad.size} {name[:-1]} rows differ (allowed "
+                f"{allowed}), by up to {np.abs(x - y).max()}")
             continue
         assert np.allclose(x, y, atol=atol, rtol=rtol), (
             f"{what}: {name} differ by up to {np.abs(x - y).max()}")

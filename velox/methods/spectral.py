@@ -1,5 +1,6 @@
 """SpectralQuant: keys rotated into a spectral basis, every coordinate Lloyd-Max coded, QJL error
-correction on the first ``d_eff`` (signal) coordinates only; values per-token 8-bit.
+correction on the first ``d_eff`` (signal) coordinates only; values per-token codes (8-bit
+affine by default).
 
 A key ``x`` is rotated (``y = x @ R.T``), each rotated coordinate, scaled by the key's float16
 norm, gets its Gaussian Lloyd-Max code, at ``signal_bits`` for the first ``d_eff`` (signal)
@@ -17,9 +18,15 @@ that head's keys, and each rotated coordinate its measured spread
 (``velox.codecs.spectral.calibrate_heads``; the ``calibrate`` hook installs them,
 :func:`calibrated`).
 
-Values are per-token 8-bit affine codes (one group a row, float16 scale and zero). Every token
-is kept; both backends (``mlx``, ``reference``: the codec's NumPy twins) give the same codes.
-Built by ``velox.codec_cache``.
+Values (``value_codec``, ``value_bits``; ``velox.codec_cache``): by default per-token 8-bit
+affine codes (one group a row, float16 scale and zero: about 8.5 bits an element at head_dim
+64, whatever ``bits`` says of the keys); ``value_bits`` sets their width (1-8), and
+``value_codec="mse"`` holds them with TurboQuant_mse's own codec instead, as the paper quantizes
+values (its own rotation, from ``seed + 4``; ``value_bits`` bits a rotated coordinate and a
+float16 norm), so that keys and values take separate budgets (``bits=4, value_bits=2``).
+Attention over mse values sums the weighted centroids in the rotated domain and rotates the
+sum back once; ``"exact"`` holds float16 rows. Every token is kept; both backends (``mlx``,
+``reference``: the codecs' NumPy twins) give the same codes. Built by ``velox.codec_cache``.
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ __all__ = ["SpectralState", "State", "init", "update", "get_kv", "nbytes", "posi
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
          bits: int = 2, d_eff: int = 4, signal_bits: int = 0, apply_qjl: bool = True,
-         jl_dim: int = 0, seed: int = 42, backend: str = "auto") -> "SpectralState":
+         jl_dim: int = 0, seed: int = 42, value_codec: str = "affine", value_bits: int = 8,
+         backend: str = "auto") -> "SpectralState":
     """Empty SpectralQuant state.
 
     Args:
@@ -49,13 +57,20 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
         apply_qjl: QJL error correction of the signal coordinates' residual.
         jl_dim: QJL sketch size m; 0 means m = d_eff (one sign bit a signal coordinate).
         seed: seed of the random rotation and of the sketch (NumPy's default_rng).
+        value_codec: how values are held: "affine" (per-token affine codes, one group a row,
+            float16 scale and zero, at value_bits), "mse" (TurboQuant_mse's codec: rotated by
+            a random rotation drawn from seed + 4, each rotated coordinate's Gaussian Lloyd-Max
+            cell at value_bits, float16 norm; attention sums the weighted codes in the rotated
+            domain and rotates back once) or "exact" (float16 rows, bfloat16 for a bfloat16
+            cache; value_bits is not read).
+        value_bits: bits per value element of the "affine" or "mse" codes, 1 to 8.
     """
     return codec_cache.empty(SpectralState, locals())
 
 
 SpectralState = codec_cache.state_type(
     "SpectralState", init, "SpectralQuant key codes, norms, signal-residual signs and norms, "
-    "per-token 8-bit values, the rotation, spreads, codebook and sketch.", codec="spectral",
+    "values (per-token codes or exact rows), the rotation, spreads, codebook and sketch.", codec="spectral",
     codes=SpectralCodes, tables=SpectralTables)
 State = SpectralState
 

@@ -1,5 +1,5 @@
 """TurboQuant_mse: randomly rotated keys quantized coordinate by coordinate with the Gaussian
-Lloyd-Max codebook, values per-token 8-bit.
+Lloyd-Max codebook; values per-token affine codes (8-bit by default) or mse codes.
 
 A key ``x`` is held as ``||x||`` (float16) and the Lloyd-Max cell (``bits`` bits, packed) of
 each coordinate of ``R x * sqrt(d) / ||x||``, ``R`` a random orthogonal matrix from ``seed``
@@ -15,9 +15,15 @@ update that holds tokens (ties: the lower channel index) are chosen then and kep
 its own rotation of its own dimension, the outliers at ``outlier_bits`` (``velox.codecs.split``;
 ``velox.codec_cache``).
 
-Values are per-token 8-bit affine codes (one group a row, float16 scale and zero). Every token
-is kept; both backends (``mlx``, ``reference``: the codec's NumPy twins) give the same codes.
-Built by ``velox.codec_cache``.
+Values (``value_codec``, ``value_bits``; ``velox.codec_cache``): by default per-token 8-bit
+affine codes (one group a row, float16 scale and zero: about 8.5 bits an element at head_dim
+64, whatever ``bits`` says of the keys); ``value_bits`` sets their width (1-8), and
+``value_codec="mse"`` holds them with TurboQuant_mse's own codec instead, as the paper quantizes
+values (its own rotation, from ``seed + 4``; ``value_bits`` bits a rotated coordinate and a
+float16 norm), so that keys and values take separate budgets (``bits=4, value_bits=2``).
+Attention over mse values sums the weighted centroids in the rotated domain and rotates the
+sum back once; ``"exact"`` holds float16 rows. Every token is kept; both backends (``mlx``,
+``reference``: the codecs' NumPy twins) give the same codes. Built by ``velox.codec_cache``.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ __all__ = ["TurboQuantMseState", "State", "init", "update", "get_kv", "nbytes", 
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
          bits: int = 2, seed: int = 42, n_outlier: int = 0, outlier_bits: int = 0,
+         value_codec: str = "affine", value_bits: int = 8,
          backend: str = "auto") -> "TurboQuantMseState":
     """Empty TurboQuant_mse state.
 
@@ -45,12 +52,19 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
             the codec at outlier_bits (its own rotation, seed + 2); the rest at bits. 0: no
             split.
         outlier_bits: bits of the outlier channels; 0 means the same as bits.
+        value_codec: how values are held: "affine" (per-token affine codes, one group a row,
+            float16 scale and zero, at value_bits), "mse" (TurboQuant_mse's codec: rotated by
+            a random rotation drawn from seed + 4, each rotated coordinate's Gaussian Lloyd-Max
+            cell at value_bits, float16 norm; attention sums the weighted codes in the rotated
+            domain and rotates back once) or "exact" (float16 rows, bfloat16 for a bfloat16
+            cache; value_bits is not read).
+        value_bits: bits per value element of the "affine" or "mse" codes, 1 to 8.
     """
     return codec_cache.empty(TurboQuantMseState, locals())
 
 
 TurboQuantMseState = codec_cache.state_type(
-    "TurboQuantMseState", init, "TurboQuant_mse key indices and norms, per-token 8-bit values, "
+    "TurboQuantMseState", init, "TurboQuant_mse key indices and norms, values (per-token codes or exact rows), "
     "the rotation and codebook.", codec="turboquant_mse", codes=MseCodes, tables=TurboQuantTables, split=True)
 State = TurboQuantMseState
 method = codec_cache.register_method("turboquant_mse", TurboQuantMseState, init)

@@ -1,5 +1,6 @@
 """TurboQuant_prod: TurboQuant's unbiased inner-product quantizer of keys (the MSE stage at
-``bits - 1`` bits plus a 1-bit QJL sketch of its residual), values per-token 8-bit.
+``bits - 1`` bits plus a 1-bit QJL sketch of its residual), values per-token codes
+(8-bit affine by default).
 
 A key ``k`` is rotated by a random orthogonal matrix from ``seed`` and coded with the Gaussian
 Lloyd-Max codebook at ``bits - 1`` bits a coordinate (float16 norm); the residual ``r = k -
@@ -17,9 +18,15 @@ its own rotation and sketch of its own dimension, the outliers at ``outlier_bits
 (``velox.codecs.split``; ``velox.codec_cache``). Each part's estimate is unbiased for its share of
 ``q . k``, so the logits stay unbiased.
 
-Values are per-token 8-bit affine codes (one group a row, float16 scale and zero). Every token
-is kept; both backends (``mlx``, ``reference``: the codec's NumPy twins) give the same codes.
-Built by ``velox.codec_cache``.
+Values (``value_codec``, ``value_bits``; ``velox.codec_cache``): by default per-token 8-bit
+affine codes (one group a row, float16 scale and zero: about 8.5 bits an element at head_dim
+64, whatever ``bits`` says of the keys); ``value_bits`` sets their width (1-8), and
+``value_codec="mse"`` holds them with TurboQuant_mse's own codec instead, as the paper quantizes
+values (its own rotation, from ``seed + 4``; ``value_bits`` bits a rotated coordinate and a
+float16 norm), so that keys and values take separate budgets (``bits=4, value_bits=2``).
+Attention over mse values sums the weighted centroids in the rotated domain and rotates the
+sum back once; ``"exact"`` holds float16 rows. Every token is kept; both backends (``mlx``,
+``reference``: the codecs' NumPy twins) give the same codes. Built by ``velox.codec_cache``.
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ __all__ = ["TurboQuantProdState", "State", "init", "update", "get_kv", "nbytes",
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
          bits: int = 2, jl_dim: int = 0, seed: int = 42, n_outlier: int = 0,
-         outlier_bits: int = 0, backend: str = "auto") -> "TurboQuantProdState":
+         outlier_bits: int = 0, value_codec: str = "affine", value_bits: int = 8,
+         backend: str = "auto") -> "TurboQuantProdState":
     """Empty TurboQuant_prod state.
 
     Args:
@@ -51,13 +59,20 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
             the codec at outlier_bits (its own rotation, seed + 2, and sketch, seed + 3); the
             rest at bits. 0: no split.
         outlier_bits: bits of the outlier channels; 0 means the same as bits.
+        value_codec: how values are held: "affine" (per-token affine codes, one group a row,
+            float16 scale and zero, at value_bits), "mse" (TurboQuant_mse's codec: rotated by
+            a random rotation drawn from seed + 4, each rotated coordinate's Gaussian Lloyd-Max
+            cell at value_bits, float16 norm; attention sums the weighted codes in the rotated
+            domain and rotates back once) or "exact" (float16 rows, bfloat16 for a bfloat16
+            cache; value_bits is not read).
+        value_bits: bits per value element of the "affine" or "mse" codes, 1 to 8.
     """
     return codec_cache.empty(TurboQuantProdState, locals())
 
 
 TurboQuantProdState = codec_cache.state_type(
     "TurboQuantProdState", init, "TurboQuant_prod key indices, norms, residual signs and norms, "
-    "per-token 8-bit values, the rotation, codebook and sketch.", codec="turboquant_prod",
+    "values (per-token codes or exact rows), the rotation, codebook and sketch.", codec="turboquant_prod",
     codes=TurboQuantProdCodes, tables=TurboQuantProdTables, split=True)
 State = TurboQuantProdState
 method = codec_cache.register_method("turboquant_prod", TurboQuantProdState, init)

@@ -1,5 +1,5 @@
 """TurboQuant RVQ: rotated keys in two Lloyd-Max stages (Gaussian, then Laplacian on the
-residual), values held exact.
+residual), values held exact by default.
 
 A key ``x`` is rotated by a random orthogonal matrix from ``seed`` (randomized Walsh-Hadamard
 for power-of-two ``head_dim``) and scaled to unit-variance coordinates; stage 1 quantizes each
@@ -16,8 +16,12 @@ update that holds tokens (ties: the lower channel index) are chosen then and kep
 its own rotation of its own dimension, the outliers at ``outlier_bits`` (``velox.codecs.split``;
 ``velox.codec_cache``).
 
-Values are held exact in float16 (bfloat16 for a bfloat16 cache), as the seed holds them. Every token is kept; both backends (``mlx``,
-``reference``: the codec's NumPy twins) give the same codes. Built by ``velox.codec_cache``.
+Values are held exact by default, in float16 (bfloat16 for a bfloat16 cache), as the seed
+holds them; ``value_codec`` ``"affine"`` or ``"mse"`` (with ``value_bits``, 1-8) codes them
+instead, as the other codec caches do (``velox.codec_cache``; mse values: their own rotation,
+from ``seed + 4``, summed in the rotated domain by attention). Every token is kept; both
+backends (``mlx``, ``reference``: the codecs' NumPy twins) give the same codes. Built by
+``velox.codec_cache``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ __all__ = ["TurboQuantRvqState", "State", "init", "update", "get_kv", "nbytes", 
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
          bits: int = 2, seed: int = 42, n_outlier: int = 0, outlier_bits: int = 0,
+         value_codec: str = "exact", value_bits: int = 8,
          backend: str = "auto") -> "TurboQuantRvqState":
     """Empty TurboQuant RVQ state.
 
@@ -46,14 +51,21 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
             the codec at outlier_bits (its own rotation, seed + 2); the rest at bits. 0: no
             split.
         outlier_bits: bits of the outlier channels; 0 means the same as bits.
+        value_codec: how values are held: "affine" (per-token affine codes, one group a row,
+            float16 scale and zero, at value_bits), "mse" (TurboQuant_mse's codec: rotated by
+            a random rotation drawn from seed + 4, each rotated coordinate's Gaussian Lloyd-Max
+            cell at value_bits, float16 norm; attention sums the weighted codes in the rotated
+            domain and rotates back once) or "exact" (float16 rows, bfloat16 for a bfloat16
+            cache; value_bits is not read).
+        value_bits: bits per value element of the "affine" or "mse" codes, 1 to 8.
     """
     return codec_cache.empty(TurboQuantRvqState, locals())
 
 
 TurboQuantRvqState = codec_cache.state_type(
-    "TurboQuantRvqState", init, "TurboQuant RVQ key indices (two stages), norms and gains, exact "
-    "values, the rotation and codebooks.", codec="turboquant_rvq", codes=RvqCodes,
-    tables=RvqTables, values=codec_cache.ExactRows, split=True)
+    "TurboQuantRvqState", init, "TurboQuant RVQ key indices (two stages), norms and gains, values "
+    "(exact rows by default), the rotation and codebooks.", codec="turboquant_rvq", codes=RvqCodes,
+    tables=RvqTables, values="exact", split=True)
 State = TurboQuantRvqState
 method = codec_cache.register_method("turboquant_rvq", TurboQuantRvqState, init)
 init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
