@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import typing
 import warnings
 from pathlib import Path
 from typing import Any
@@ -488,6 +489,7 @@ def _build(where: str, record_type: type, desc: dict, arrays: dict[str, mx.array
                 raise ValueError(f"{where}: array {key!r} ({name}) is missing from the file")
             used.add(key)
             return arrays[key]
+        kind = _member(kind, d)
         nested = hasattr(kind, "_fields")  # the field holds a record
         if isinstance(d, dict) and ("__record__" in d or "__dict__" in d) and nested:
             # (files saved before nested records were: the record's fields as a dict)
@@ -500,6 +502,19 @@ def _build(where: str, record_type: type, desc: dict, arrays: dict[str, mx.array
 
     kinds = getattr(record_type, "__annotations__", {})
     return record_type(**{k: join(v, k, kinds.get(k)) for k, v in desc.items()})
+
+
+def _member(kind: Any, d: Any) -> Any:
+    """The record a field annotated with a union of records holds (a codec cache's value codes
+    and tables, ``velox.codec_cache.ValueCodes`` and ``ValueTables``, one record per value
+    codec): the member whose fields the saved description names; any other ``kind`` as is."""
+    if typing.get_origin(kind) is not typing.Union or not (isinstance(d, dict) and "__record__" in d):
+        return kind
+    names = set(d["__record__"])
+    for t in typing.get_args(kind):
+        if hasattr(t, "_fields") and set(t._fields) == names:
+            return t
+    return kind
 
 
 def _dtype_name(dtype: mx.Dtype) -> str:

@@ -31,7 +31,7 @@ count is data, so a compiled decode step does not change with it).
 Everything is float32; the sums run in another order than ``velox.codec_cache.attend``'s
 matmuls, so the two agree within float32 rounding (the tests' tolerance: ``TOLERANCE``).
 :func:`supports` says which states and queries the kernels take (the four codecs' own codes
-records, head_dim 64 or 128, ``g <= 32``, float16 / bfloat16 / float32 queries, one query
+records, values as 8-bit affine codes or exact rows, head_dim 64 or 128, ``g <= 32``, float16 / bfloat16 / float32 queries, one query
 token, a CUDA device); anything else goes to the MLX path. ``velox.kernels.nvrtc`` compiles
 every variant's source without a GPU (``tests/test_codec_kernel.py``).
 """
@@ -466,26 +466,28 @@ def _layout(state, queries) -> _Layout | None:
         if kc.signs.dtype != mx.uint32 or t.sketch.shape != (32 * sign_words, d) \
                 or norm.dtype != mx.float16 or not 0 < t.jl_dim <= 32 * sign_words:
             return None
-    if isinstance(vc, codec_cache.Int8Rows):
+    kind = codec_cache.value_codec(state)
+    if kind == "affine" and isinstance(vc, codec_cache.Int8Rows):
         values = "int8"
-        if codec_cache.VALUE_BITS != 8 or vc.codes.dtype != mx.uint32 or vc.codes.shape[-1] != d // 4 \
+        if codec_cache.value_bits(state) != 8 or vc.codes.dtype != mx.uint32 or vc.codes.shape[-1] != d // 4 \
                 or vc.scales.shape[-1] != 1 or vc.scales.dtype not in _ROW_DTYPES \
                 or vc.zeros.dtype != vc.scales.dtype:
             return None
-    elif isinstance(vc, codec_cache.ExactRows):
+    elif kind == "exact" and isinstance(vc, codec_cache.ExactRows):
         values = "exact"
         if vc.rows.shape[-1] != d or vc.rows.dtype not in _ROW_DTYPES:
             return None
     else:
-        return None
+        return None  # values of another codec or width (mse codes, affine below 8 bits): MLX
     lay = _Layout(codec, values, bits, sign_words, g, d, split_size(g))
     return lay if shared_bytes(lay) <= SHARED_LIMIT else None
 
 
 def supports(state, queries) -> bool:
     """Whether :func:`decode_attend` takes ``state`` and ``queries`` (else use the MLX path):
-    a TurboQuant (mse, rvq, prod) or QJL state with its own codes record and 8-bit or exact
-    values, one query token, head_dim 64 or 128, at most 32 query heads per kv head, float16,
+    a TurboQuant (mse, rvq, prod) or QJL state with its own codes record and 8-bit affine or
+    exact values (``value_codec`` ``"affine"`` at ``value_bits = 8``, or ``"exact"``: not the
+    mse value codes, nor affine codes of another width), one query token, head_dim 64 or 128, at most 32 query heads per kv head, float16,
     bfloat16 or float32 queries, on a CUDA device."""
     from velox.backend import device_supports
     return device_supports("cuda") and mx.default_device() == mx.gpu and _layout(state, queries) is not None
