@@ -141,13 +141,12 @@ def _clone(c: VeloxCache, memo: dict | None = None) -> VeloxCache:
 
 def _shell(c: VeloxCache) -> VeloxCache:
     """A copy of ``c``'s settings with no state (its arrays are not copied)."""
-    d = c.__dict__
-    held, row, fast = d.get("_held"), d.get("_row"), d.get("_fast")
-    d["_held"] = d["_row"] = d["_fast"] = None
+    held = c.held
+    c.held = held._replace(state=None, row=None, fast=False)
     try:
         return _clone(c)
     finally:
-        d["_held"], d["_row"], d["_fast"] = held, row, fast
+        c.held = held
 
 
 def _joinable(rows: list) -> list | None:
@@ -159,7 +158,7 @@ def _joinable(rows: list) -> list | None:
         return None
     states = []
     for r in rows:
-        if (r.rollback or r.decode != "evict" or r._pending is not None
+        if (r.rollback or r.decode != "evict" or r.held.pending is not None
                 or r.mode is not Mode.DEFERRED or r.artifact is not None):
             return None
         st = r._state  # (writes a decode step's pending row into its slot)
@@ -244,8 +243,8 @@ class VeloxBatchCache(SteppedCache):
         if states is None:
             return False
         joined = _shell(self._rows[0])
-        joined._state = _ragged.stack(states, states[0])
-        joined._offset = max(r.offset for r in self._rows)
+        joined.held = joined.held._replace(state=_ragged.stack(states, states[0]),
+                                           offset=max(r.offset for r in self._rows))
         self._offsets = [r.offset for r in self._rows]
         self._joined, self._rows = joined, []
         return True
@@ -254,8 +253,7 @@ class VeloxBatchCache(SteppedCache):
         """Row ``i`` of the joined state as a single-sequence cache."""
         j = self._joined
         c = _shell(j)
-        c._state = _ragged.row(j._state, i)
-        c._offset = self._offsets[i]
+        c.held = c.held._replace(state=_ragged.row(j._state, i), offset=self._offsets[i])
         return c
 
     def _split(self) -> None:

@@ -385,7 +385,7 @@ def _load_layer(where: str, i: int, entry: Any, arrays: dict[str, mx.array], use
         tk, tv, tq = _load_tail(where, tail, arrays, used, st, m, c.decode_cap, offset)
     t = 0 if tk is None else tk.shape[2]
     _check_state(where, m, st, entry["params"], offset, t, artifact)
-    c._state, c._offset = _wrapped_state(c._m, m, st, tk, tv, tq), offset
+    c.held = c.held._replace(state=_wrapped_state(c._m, m, st, tk, tv, tq), offset=offset)
     if "dims" in entry and entry["dims"] != _save_dims(c):
         raise ValueError(f"{where}: dims {entry['dims']}, but the state holds {_save_dims(c)}")
     return c

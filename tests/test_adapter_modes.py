@@ -17,6 +17,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
+import velox.layer
 from velox import decode
 from velox.adapters import mlxlm, routing
 from velox.adapters import cache as adapter_cache, cache_files
@@ -137,25 +138,25 @@ def test_getters_never_update_while_tokens_are_pending(model, key, params, kind)
     caches = make_cache(model, key, **params)
     _prefill(model, caches)
     c = caches[0]
-    assert c.mode is Mode.DEFERRED and c._pending is None
-    stored, held = c._stored_count(), c.size()
+    assert c.mode is Mode.DEFERRED and c.held.pending is None
+    stored, held = int(c._m.positions(c.held.state).shape[2]), c.size()
     k = mx.random.normal((1, 2, 1, 32), key=mx.random.key(1))
     keys, values = c.update_and_fetch(k, k)  # no attention yet: the step is pending
-    st, step, tail = c.velox_state, c._pending, c.tail
+    st, step, tail = c.velox_state, c.held.pending, c.tail
     assert step is not None and step.keys is not None
     for _ in range(2):
         got = _getters(c)
-        assert c.velox_state is st and c._pending is step and c.tail is tail  # nothing ran
+        assert c.velox_state is st and c.held.pending is step and c.tail is tail  # nothing ran
     assert got["offset"] == len(PROMPT) and got["size"] == held + 1
-    assert got["velox_state"] is st and c._stored_count() == stored
+    assert got["velox_state"] is st and int(c._m.positions(c.held.state).shape[2]) == stored
     pos = np.array(got["positions"])
     assert pos.shape[-1] == held + 1 and pos[0, 0, -1] == len(PROMPT) - 1
     assert (np.diff(pos, axis=-1) > 0).all()
-    assert all(any(x is y for y in got["state"]) for x in arrays(st) + step.arrays())
-    assert got["nbytes"] >= get_method(key).nbytes(st) + sum(x.nbytes for x in step.arrays())
+    assert all(any(x is y for y in got["state"]) for x in arrays(st) + [step.keys, step.values])
+    assert got["nbytes"] >= get_method(key).nbytes(st) + sum(x.nbytes for x in [step.keys, step.values])
     q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(2))
     c.attention(q, keys, values, scale=32 ** -0.5, mask=None)  # the wrapper completes it
-    assert c._pending is None and c.last_step == kind
+    assert c.held.pending is None and c.last_step == kind
     assert (c.velox_state is st) == (kind == "tail")
     assert c.size() == held + 1 if kind == "tail" or key == "kivi" else c.size() == 24
 
@@ -236,12 +237,12 @@ def test_loaded_without_the_model_the_first_forward_settles_the_mode(unrouted, s
     assert {c.mode for c in alone} == {Mode.DEFERRED} and {c.mode for c in known} == {Mode.PROXY}
     before = [c.velox_state for c in alone]
     unrouted(mx.array([[3, 1]]), cache=alone)  # the wrapper never runs
-    assert all(c.mode is Mode.DEFERRED and c._pending is not None for c in alone)
+    assert all(c.mode is Mode.DEFERRED and c.held.pending is not None for c in alone)
     assert all(c.velox_state is st and c.size() == 24 + 2 for c, st in zip(alone, before))
     unrouted(mx.array([[3, 1]]), cache=known)
     nxt = mx.array([4, 1, 5])
     assert greedy(unrouted, alone, 5, nxt) == greedy(unrouted, known, 5, nxt)
-    assert all(c.mode is Mode.PROXY and c._pending is None for c in alone)
+    assert all(c.mode is Mode.PROXY and c.held.pending is None for c in alone)
     assert all(same(a.velox_state, b.velox_state) for a, b in zip(alone, known))
     kivi, _ = load_cache(saved / "kivi.safetensors")
     unrouted(mx.array([[3, 1]]), cache=kivi)
@@ -254,9 +255,9 @@ def test_a_pending_step_is_absorbed_before_saving(unrouted, saved, tmp_path):
     known, _ = load_cache(saved / "tova.safetensors", unrouted)
     for caches in (alone, known):
         unrouted(mx.array([[3, 1]]), cache=caches)
-    assert all(c._pending is not None for c in alone)
+    assert all(c.held.pending is not None for c in alone)
     save_cache(tmp_path / "a.safetensors", alone)
-    assert all(c._pending is None and c.mode is Mode.PROXY for c in alone)  # the forward showed it
+    assert all(c.held.pending is None and c.mode is Mode.PROXY for c in alone)  # the forward showed it
     assert all(same(a.velox_state, b.velox_state) for a, b in zip(alone, known))
 
 
@@ -331,8 +332,8 @@ def test_the_steady_fast_path_changes_nothing(model, monkeypatch, layer_by_layer
     fast = make_cache(model, method, **params)
     toks = greedy(model, fast, n=12)
     assert all(c.last_step == "fused" for c in fast)
-    assert all(c.__dict__["_fast"] is c.__dict__["_held"] is not None for c in fast)
-    monkeypatch.setattr(VeloxCache, "_note_fast", lambda self: self.__dict__.__setitem__("_fast", None))
+    assert all(c.held.fast and c.held.state is not None for c in fast)
+    monkeypatch.setattr(velox.layer, "fast_after", lambda *a: False)
     slow = make_cache(model, method, **params)
     assert greedy(model, slow, n=12) == toks
     for a, b in zip(fast, slow):
@@ -342,10 +343,10 @@ def test_the_steady_fast_path_changes_nothing(model, monkeypatch, layer_by_layer
     real = VeloxCache.update_and_fetch
 
     def spy(self, keys, values):
-        before = self.__dict__.get("_fast")
+        before = self.held
         out = real(self, keys, values)
-        taken.append(before is not None and self._pending is not None and self._pending.fused
-                     and before is self.__dict__["_held"])
+        taken.append(before.fast and self.held.pending is not None and self.held.pending.fused
+                     and before.state is self.held.state)
         return out
 
     monkeypatch.setattr(VeloxCache, "update_and_fetch", spy)
@@ -358,9 +359,9 @@ def test_the_steady_fast_path_changes_nothing(model, monkeypatch, layer_by_layer
     assert again[0].last_step == "fused" and not any(taken)
     c = run[0]
     c.state  # reading the state writes the pending row: the same slots, the fast path holds
-    assert c.__dict__["_row"] is None and c.__dict__["_fast"] is c.__dict__["_held"]
-    c._state = c.__dict__["_held"]._replace()  # another state object: the fast path ends here
-    assert c.__dict__["_fast"] is None  # (and lets go of the old state's arrays)
+    assert c.held.row is None and c.held.fast
+    c._state = c.held.state._replace()  # another state object: the fast path ends here
+    assert not c.held.fast
     c.update_and_fetch(mx.zeros((1, c.velox_state.keys.shape[1], 1, c.velox_state.keys.shape[3])),
                        mx.zeros((1, c.velox_state.keys.shape[1], 1, c.velox_state.keys.shape[3])))
     assert taken[-1] is False

@@ -126,7 +126,7 @@ def test_trim_is_the_run_that_never_saw_the_tokens(key, decode):
             at += s
             assert np.array_equal(out, np.concatenate(ref, axis=2)), (key, decode, d, at)
             assert fields(a) == fields(r), (key, decode, d, at)
-            assert len(a.__dict__["_held"].past) <= d  # the journal (velox.wrap.with_rollback)
+            assert len(a.held.state.past) <= d  # the journal (velox.wrap.with_rollback)
         assert a.is_trimmable() and not r.is_trimmable() and r.trim(1) == 0
         assert r.trimmable_tokens() == 0 and not r.can_trim(1)
         assert a.trimmable_tokens() == d
@@ -171,12 +171,11 @@ def test_the_journal_keeps_old_states_intact():
     call(c, *piece(x, 0, 20))
     snaps = []
     for i in range(20, 30):
-        d = c.__dict__
-        assert d["_row"] is None  # a journal's steady step writes its row at once
-        snaps.append([np.array(a) for a in decode.arrays(d["_held"].inner)])
+        assert c.held.row is None  # a journal's steady step writes its row at once
+        snaps.append([np.array(a) for a in decode.arrays(c.held.state.inner)])
         call(c, *piece(x, i, i + 1))
     assert c.last_step == "fused"  # the steady compiled step ran
-    past = c.__dict__["_held"].past
+    past = c.held.state.past
     assert len(past) == 3
     for e, snap in zip(past, snaps[-3:]):
         now = [np.array(a) for a in decode.arrays(e)]
@@ -192,7 +191,7 @@ def test_journal_bytes(decode):
         call(c, *piece(x, 0, 20))
         for i in range(20, 26):
             call(c, *piece(x, i, i + 1))
-    st = a.__dict__["_held"]
+    st = a.held.state
     arrays = velox_decode.arrays
     own = {id(x) for x in arrays(st.inner)}
     extra = sum({id(x): x.nbytes for e in st.past for x in arrays(e) if id(x) not in own}.values())
@@ -246,7 +245,7 @@ def test_the_deepest_rollback_is_bounded_in_memory(tiny_llama):
             tiny_llama(mx.array([[t % 90 + 1]]), cache=caches)
             if caches is deep and t >= 2 * mlxlm.ROLLBACK_MAX:
                 sizes.append(mlxlm.cache_nbytes(deep))
-    assert all(len(c.__dict__["_held"].past) == mlxlm.ROLLBACK_MAX for c in deep)
+    assert all(len(c.held.state.past) == mlxlm.ROLLBACK_MAX for c in deep)
     assert deep[0].trimmable_tokens() == mlxlm.ROLLBACK_MAX
     row = 2 * (3 * 2 * H * D * 4)  # a pending row's keys and values in 3 layers (and its slots)
     assert max(sizes) <= (mlxlm.ROLLBACK_MAX + 1) * (mlxlm.cache_nbytes(plain) + row)

@@ -1,0 +1,252 @@
+"""One layer's cache as a value: what it holds (:class:`Held`) and the pure steps of mlx-lm's
+cache protocol over it.
+
+An mlx-lm cache (``velox.adapters.mlxlm.VeloxCache``) holds one :class:`Held` record and the
+settings of its layer, and maps the protocol's calls onto these functions:
+``update_and_fetch`` is :func:`take` (and, where the step's attention comes later, in
+mlx-lm's wrapped ``scaled_dot_product_attention``, :func:`defer`), the wrapped attention is
+:func:`attend`, an update outside it is :func:`absorb`, ``trim`` is :func:`trim`. Every
+decision of a step (which path a token takes, when the state is created, which rows
+attention reads, whether the next step may skip the checks) is made here; the cache only
+stores the record each function returns. Nothing here evaluates or reads the device.
+
+A decode step's row may be left unwritten (``row``: the slot write of the last steady step,
+``velox.decode.split_step``), to be written first in the next step's graph, in place. Any
+function that reads the state's rows writes it first (:func:`written`); the cache stores the
+record it gets back, so the row is written once.
+
+``fast``: the state is at its steady size after a fused step of a cache whose steps are
+plain (no journal, tail, observer or model-level record): the next single-token call needs
+no check (``VeloxCache.update_and_fetch``). A new state ends it; writing the row keeps it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import mlx.core as mx
+
+from . import evict, wrap
+from .decode import (compiled, fill_token, layer_step, steady_token, with_empty_slots,
+                     write_row)
+from .decode import arrays as _arrays
+from .registry import Method
+
+__all__ = ["Plan", "Pending", "Held", "written", "take", "defer", "absorb", "attend", "fast_after",
+           "stored_rows", "positions", "new_arrays", "inner_state", "tail_state", "kind",
+           "trim", "can_trim", "trimmable_tokens"]
+
+
+class Plan(NamedTuple):
+    """A layer's settings its steps read: the method it steps (``m``), the backend, parameters
+    and calibration arrays its state is made with, the slots of its steady state (``rows``,
+    ``velox.decode.steady_rows``), and whether steady steps compile."""
+
+    m: Method
+    backend: str = "auto"
+    params: dict[str, Any] = {}
+    artifact: Any = None
+    rows: int | None = None
+    compile: bool = True
+
+
+class Pending(NamedTuple):
+    """Tokens a cache took whose update waits for the step's attention (deferred mode).
+
+    ``fused``: the attention runs the steady step (``velox.decode.layer_step``); ``new_only``:
+    the cache handed out only these tokens (the wrapper attends by itself); ``filled``: the
+    state after a fill step, when that was decided at the call; ``split``: a verify call,
+    run as the one-token steps it stands for."""
+
+    keys: mx.array
+    values: mx.array
+    fused: bool = False
+    new_only: bool = False
+    filled: Any = None
+    split: bool = False
+
+
+class Held(NamedTuple):
+    """What one layer's cache holds: the state of the method it steps (``None`` before its
+    first tokens), a pending row, the offset (the next token's absolute position), a pending
+    step, and ``fast`` (module doc)."""
+
+    state: Any = None
+    row: Any = None
+    offset: int = 0
+    pending: Pending | None = None
+    fast: bool = False
+
+
+def written(h: Held) -> Held:
+    """``h`` with its pending row written into its slot (``fast`` kept: the same slots)."""
+    if h.row is None:
+        return h
+    return h._replace(state=write_row(h.state, h.row), row=None)
+
+
+def take(p: Plan, h: Held, keys: mx.array, values: mx.array) -> tuple[Held, Pending]:
+    """A call's tokens taken: the state created on the first tokens (``p.m.init`` with the
+    plan's parameters and backend, calibrated where it has an artifact), the offset advanced;
+    the step, for :func:`defer` or :func:`absorb`."""
+    if h.state is None:
+        b, n_heads, _, d = keys.shape
+        st = p.m.init(b, n_heads, d, dtype=keys.dtype, backend=p.backend, **p.params)
+        if p.artifact is not None:
+            st = p.m.calibrate(st, p.artifact)
+        h = h._replace(state=st, row=None, fast=False)
+    return h._replace(offset=h.offset + keys.shape[2]), Pending(keys, values)
+
+
+def defer(p: Plan, h: Held, step: Pending, *, routed: bool) -> Held:
+    """``step`` pending for the wrapped attention, with its path decided: the steady step
+    (a single token at a full bounded state, ``rows`` its slots) or a fill step into an empty
+    slot; ``new_only`` where the wrapper attends by itself (the method's ``attend``, or the
+    steady step) and is known to run for this layer (``routed``)."""
+    m, rows, compile = p.m, p.rows, p.compile
+    h = written(h)
+    fused = steady_token(m, h.state, step.keys, rows, compile=compile)
+    filled = None if fused else fill_token(m, h.state, step.keys, step.values, compile=compile)
+    fused = fused or filled is not None
+    new_only = routed and (m.attend is not None or fused)
+    return h._replace(pending=step._replace(fused=fused, new_only=new_only, filled=filled))
+
+
+def absorb(p: Plan, h: Held, step: Pending, queries: mx.array | None, *, record: Any = None,
+           index: int = 0) -> tuple[Held, Any]:
+    """The method's update of ``step``'s tokens (scored with ``queries``, or the proxy):
+    ``(held, record)``. With a model-level ``record`` (a cross-layer method's, shared by
+    every layer) the update is ``m.layer_update`` of layer ``index``; a steady single token
+    runs the compiled update, its row left pending."""
+    m = p.m
+    h = written(h)
+    keys, values, st, row = step.keys, step.values, h.state, None
+    if record is not None and m.layer_update is not None:
+        record, st = m.layer_update(record, index, st, keys, values, queries=queries)
+    elif not steady_token(m, st, keys, p.rows, compile=p.compile):
+        st = m.update(st, keys, values, queries=queries)
+    elif queries is None:
+        st, row = compiled(m, "update", st.backend)(st, keys, values)
+    else:
+        st, row = compiled(m, "update+queries", st.backend)(st, keys, values, queries)
+    return h._replace(state=st, row=row, fast=False), record
+
+
+def attend(p: Plan, h: Held, queries: mx.array, keys: mx.array, values: mx.array, *,
+           scale: float, mask, sinks, plain: bool, record: Any = None,
+           index: int = 0) -> tuple[mx.array, Held, str, Any]:
+    """The wrapped attention of ``h``'s pending step (not a verify call), then its update
+    with the real ``queries``: ``(out, held, kind, record)``, ``kind`` how it ran
+    (``"fused"``, ``"fill"``, ``"deferred"``, or ``"tail"`` where the token joined the tail).
+
+    ``keys``/``values`` are what the cache handed out. The paths: the steady step where it
+    was decided (no mask, no sinks); the method's own ``attend`` (with its update in one call,
+    ``attend_update``, where the step is its own queries' tokens and not steady); else MLX's
+    attention over the stored rows, the empty slots masked."""
+    m, step, h = p.m, h.pending, h._replace(pending=None)
+    if step.fused and sinks is None and mask is None:
+        out, st, row, how = layer_step(m, h.state, h.row, queries, step.keys, step.values, scale,
+                                       filled=step.filled)
+        new = h._replace(state=st, row=row, fast=False)
+        return out, new._replace(fast=h.fast or fast_after(p, new, plain)), how, record
+    h = written(h)
+    if m.attend is not None:
+        if sinks is not None:
+            raise ValueError(f"{m.key} does not support attention sinks")
+        if (step.keys.shape[2] == queries.shape[2] and m.layer_update is None
+                and not steady_token(m, h.state, step.keys, p.rows, compile=p.compile)):
+            out, st = m.attend_update(h.state, queries, step.keys, step.values, scale=scale,
+                                      mask=mask)
+            return out, h._replace(state=st, fast=False), kind(st, "deferred"), record
+        out = m.attend(h.state, queries, step.keys, step.values, scale=scale, mask=mask)
+    else:
+        k, v, filled = m.kv_slots(h.state)
+        if step.new_only:  # handed the new tokens only; rebuild what attention reads
+            keys, values = evict.append_rows(k, step.keys), evict.append_rows(v, step.values)
+        mask = with_empty_slots(mask, filled, queries, keys.shape[2])
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask,
+                                                   sinks=sinks)
+    h, record = absorb(p, h, step, queries, record=record, index=index)
+    return out, h, kind(h.state, "deferred"), record
+
+
+def fast_after(p: Plan, h: Held, plain: bool) -> bool:
+    """Whether the next single-token step of ``h`` (after a fused step) may skip the checks:
+    the cache's steps are ``plain`` and the state is still at its steady size."""
+    return plain and p.m.kv_slots(h.state)[0].shape[2] == p.rows
+
+
+def stored_rows(m: Method, state, *, wrapped: bool) -> tuple[mx.array, mx.array]:
+    """The stored rows a step's attention reads: ``kv_slots`` (storage order; attention does
+    not depend on it). With empty slots the wrapped attention masks them; mlx-lm's own
+    attention (``wrapped=False``) cannot, so it gets ``get_kv``'s gather of the filled ones."""
+    k, v, filled = m.kv_slots(state)
+    return m.get_kv(state) if filled is not None and not wrapped else (k, v)
+
+
+def positions(m: Method, h: Held) -> mx.array:
+    """Absolute positions ``[b, h, n]`` of what ``h`` holds: stored (a tail last), then the
+    tokens of a pending step."""
+    if h.state is None:
+        return mx.zeros((1, 1, 0), mx.int32)
+    pos = m.positions(h.state)
+    t = 0 if h.pending is None else h.pending.keys.shape[2]
+    if not t:
+        return pos
+    new = mx.arange(h.offset - t, h.offset, dtype=pos.dtype)
+    return mx.concatenate([pos, mx.broadcast_to(new, (*pos.shape[:2], t))], axis=2)
+
+
+def new_arrays(h: Held) -> list[mx.array]:
+    """The arrays of ``h``'s state and pending row (what a step's output is tied to)."""
+    return _arrays(h.state) + _arrays(h.row)
+
+
+def inner_state(st):
+    """The method's own state inside a journal's and a tail's (``velox.wrap``)."""
+    if isinstance(st, wrap.JournalState):
+        st = st.inner
+    return st.inner if isinstance(st, wrap.TailState) else st
+
+
+def tail_state(st) -> wrap.TailState | None:
+    """The tail's state (inside a journal's) while it holds tokens, else ``None``."""
+    if isinstance(st, wrap.JournalState):
+        st = st.inner
+    return st if isinstance(st, wrap.TailState) and st.tail_len else None
+
+
+def kind(st, how: str) -> str:
+    """How a step ran: ``how``, or ``"tail"`` where its token joined a tail."""
+    return "tail" if tail_state(st) is not None else how
+
+
+def trimmable_tokens(st) -> int:
+    """The most tokens :func:`trim` removes from a state now (0 without a journal)."""
+    return wrap.trimmable_tokens(st) if isinstance(st, wrap.JournalState) else 0
+
+
+def can_trim(st, n: Any) -> bool:
+    """Whether trimming ``n`` tokens is exact now: 0, or the tokens of the newest journaled
+    steps."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        return False
+    return n == 0 or (isinstance(st, wrap.JournalState) and wrap.can_trim(st, n))
+
+
+def trim(h: Held, n: Any, depth: int) -> Held:
+    """``h`` without its newest ``n`` tokens (a journal of ``depth`` steps restores the state
+    before them); ``ValueError`` where ``n`` is not a step boundary within the journal."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"trim({n!r}): n must be an integer >= 0")
+    if n == 0:
+        return h
+    if not can_trim(h.state, n):
+        steps = list(h.state.steps) if isinstance(h.state, wrap.JournalState) else []
+        ends = [sum(steps[len(steps) - j:]) for j in range(1, len(steps) + 1)]
+        raise ValueError(
+            f"trim({n}): this cache (rollback={depth}) can remove exactly "
+            f"{', '.join(map(str, ends)) or 'no'} tokens now (its journaled steps end at offset "
+            f"{h.offset}); {n} is not a step boundary within its depth. For speculative "
+            "decoding make the model's caches with rollback >= num_draft_tokens")
+    return Held(state=wrap.trim(written(h).state, n), offset=h.offset - n)
