@@ -226,7 +226,7 @@ def _update_mlx(state: CaMState, keys, values, queries) -> CaMState:
 
 def _decode_cuda(state: CaMState, keys, values, queries) -> CaMState:
     from ..kernels.merge import merge_step
-    scores = heavy_hitter_kernel(state, keys, values, queries)["by"]  # H2O's fused weights kernel
+    scores = heavy_hitter_kernel.inputs(state, keys, values, queries)["by"]  # H2O's fused weights kernel
     k, v, p, nxt, sc, kn = merge_step(
         state.keys, state.values, state.positions, keys, values, state.next_pos, scores,
         state.key_norms, merge=state.merge, merge_keys=state.merge_keys,

@@ -135,7 +135,7 @@ def _update_mlx(state: ChunkKVState, keys, values, queries) -> ChunkKVState:
 def _decode_cuda(state: ChunkKVState, keys, values, queries) -> ChunkKVState:
     from ..kernels.evict import compact
     if state.score == "attn_mass":  # H2O's fused weights kernel accumulates the step
-        args = heavy_hitter_kernel(state, keys, values, queries)
+        args = heavy_hitter_kernel.inputs(state, keys, values, queries)
     else:
         scores = (state.scores, evict.row_norms(keys))
         args = dict(by=scores, carry=scores)
