@@ -77,6 +77,20 @@ def same_state(a, b):
                                       for x, y in zip(la, lb))
 
 
+def random_rows(rng, s, heads=2, q=4, d=32):
+    """Keys, values ``[1, heads, s, d]`` and queries ``[1, q, s, d]``: standard normal, float32."""
+    f = lambda h: mx.array(rng.normal(size=(1, h, s, d)).astype(np.float32))  # noqa: E731
+    return f(heads), f(heads), f(q)
+
+
+def same_arrays(a, b) -> bool:
+    """Whether two records (nested: a wrapper's state) hold equal arrays, in order."""
+    from velox.decode import arrays
+    xa, xb = arrays(a), arrays(b)
+    return len(xa) == len(xb) and all(x.shape == y.shape and bool(mx.array_equal(x, y))
+                                      for x, y in zip(xa, xb))
+
+
 def feed_in_chunks(update, state, k, v, chunks, q=None):
     """Absorb ``k``/``v`` (and ``q``) in the given chunk sizes."""
     t = 0

@@ -8,10 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import velox  # noqa: F401  (OpenBLAS before mlx's first matmul)
 from velox import decode, layer, wrap
 from velox.registry import get_method
 from velox.spec import validate_params
+
+from tests._helpers import random_rows, same_arrays
 
 SCALE = 32 ** -0.5
 PARAMS = {"tova": dict(budget=6, n_sink=1), "h2o": dict(budget=6, n_sink=1, grace=2),
@@ -26,15 +27,7 @@ def _plan(key: str, **kw) -> layer.Plan:
                       **kw)
 
 
-def _rows(rng, s, heads=2, q=4, d=32):
-    f = lambda h: mx.array(rng.normal(size=(1, h, s, d)).astype(np.float32))  # noqa: E731
-    return f(heads), f(heads), f(q)
-
-
-def _same(a, b) -> bool:
-    xa, xb = decode.arrays(a), decode.arrays(b)
-    return len(xa) == len(xb) and all(x.shape == y.shape and bool(mx.array_equal(x, y))
-                                      for x, y in zip(xa, xb))
+_rows, _same = random_rows, same_arrays
 
 
 def _close(a, b, tol=1e-5) -> bool:

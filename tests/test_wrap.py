@@ -12,19 +12,13 @@ import velox
 from velox import decode, wrap
 from velox.registry import get_method
 
+from tests._helpers import random_rows, same_arrays
+
 PARAMS = {"tova": dict(budget=6, n_sink=1), "kivi": dict(bits=4, residual_length=4, group_size=32),
           "turboquant_mse": {}, "snapkv": dict(budget=6, obs_window=2, n_sink=1)}
 
 
-def _rows(rng, s, heads=2, q=4, d=32):
-    f = lambda h: mx.array(rng.normal(size=(1, h, s, d)).astype(np.float32))  # noqa: E731
-    return f(heads), f(heads), f(q)
-
-
-def _same(a, b) -> bool:
-    xa, xb = decode.arrays(a), decode.arrays(b)
-    return len(xa) == len(xb) and all(x.shape == y.shape and bool(mx.array_equal(x, y))
-                                      for x, y in zip(xa, xb))
+_rows, _same = random_rows, same_arrays
 
 
 @pytest.mark.parametrize("key", sorted(PARAMS))

@@ -18,15 +18,11 @@ its own rotation and sketch of its own dimension, the outliers at ``outlier_bits
 (``velox.codecs.split``; ``velox.codec_cache``). Each part's estimate is unbiased for its share of
 ``q . k``, so the logits stay unbiased.
 
-Values (``value_codec``, ``value_bits``; ``velox.codec_cache``): by default per-token 8-bit
-affine codes (one group a row, float16 scale and zero: about 8.5 bits an element at head_dim
-64, whatever ``bits`` says of the keys); ``value_bits`` sets their width (1-8), and
-``value_codec="mse"`` holds them with TurboQuant_mse's own codec instead, as the paper quantizes
-values (its own rotation, from ``seed + 4``; ``value_bits`` bits a rotated coordinate and a
-float16 norm), so that keys and values take separate budgets (``bits=4, value_bits=2``).
-Attention over mse values sums the weighted centroids in the rotated domain and rotates the
-sum back once; ``"exact"`` holds float16 rows. Every token is kept; both backends (``mlx``,
-``reference``: the codecs' NumPy twins) give the same codes. Built by ``velox.codec_cache``.
+Values: per-token 8-bit affine codes by default (about 8.5 bits an element at head_dim 64,
+whatever ``bits`` says of the keys); ``value_codec`` and ``value_bits`` set them apart from the
+keys (``velox.codec_cache``: affine codes of any width, TurboQuant_mse's codec, or exact rows).
+Every token is kept; both backends (``mlx``, ``reference``: the codecs' NumPy twins) give the
+same codes. Built by ``velox.codec_cache``.
 """
 
 from __future__ import annotations
@@ -59,13 +55,8 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
             the codec at outlier_bits (its own rotation, seed + 2, and sketch, seed + 3); the
             rest at bits. 0: no split.
         outlier_bits: bits of the outlier channels; 0 means the same as bits.
-        value_codec: how values are held: "affine" (per-token affine codes, one group a row,
-            float16 scale and zero, at value_bits), "mse" (TurboQuant_mse's codec: rotated by
-            a random rotation drawn from seed + 4, each rotated coordinate's Gaussian Lloyd-Max
-            cell at value_bits, float16 norm; attention sums the weighted codes in the rotated
-            domain and rotates back once) or "exact" (float16 rows, bfloat16 for a bfloat16
-            cache; value_bits is not read).
-        value_bits: bits per value element of the "affine" or "mse" codes, 1 to 8.
+        value_codec: how values are held, "affine" by default (velox.codec_cache.VALUE_CODECS).
+        value_bits: bits per value element of "affine" or "mse" values, 1 to 8.
     """
     return codec_cache.empty(TurboQuantProdState, locals())
 

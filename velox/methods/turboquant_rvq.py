@@ -51,13 +51,8 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
             the codec at outlier_bits (its own rotation, seed + 2); the rest at bits. 0: no
             split.
         outlier_bits: bits of the outlier channels; 0 means the same as bits.
-        value_codec: how values are held: "affine" (per-token affine codes, one group a row,
-            float16 scale and zero, at value_bits), "mse" (TurboQuant_mse's codec: rotated by
-            a random rotation drawn from seed + 4, each rotated coordinate's Gaussian Lloyd-Max
-            cell at value_bits, float16 norm; attention sums the weighted codes in the rotated
-            domain and rotates back once) or "exact" (float16 rows, bfloat16 for a bfloat16
-            cache; value_bits is not read).
-        value_bits: bits per value element of the "affine" or "mse" codes, 1 to 8.
+        value_codec: how values are held, "exact" by default (velox.codec_cache.VALUE_CODECS).
+        value_bits: bits per value element of "affine" or "mse" values, 1 to 8.
     """
     return codec_cache.empty(TurboQuantRvqState, locals())
 
