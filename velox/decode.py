@@ -348,7 +348,9 @@ def not_steady_because(m: Method, params: dict[str, Any] | None = None) -> str |
     if chunked(m):
         return None
     if m.spec.capacity(validate_params(m.spec, {}) if params is None else params) is None:
-        return "its state grows with the tokens (codes or rows appended at every step)"
+        why = contract.get("grows_because")  # a spec's word on why it appends
+        return ("its state grows with the tokens (codes or rows appended at every step)"
+                + (f": {why}" if why else ""))
     return None
 
 
