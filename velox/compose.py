@@ -2,8 +2,8 @@
 
     tova_q = velox.compose.evict_then_store("tova")          # a registered method, key "tova+affine"
     state = tova_q.init(1, 8, 128, budget=256, n_sink=4, bits=2)
-    tq = velox.compose.evict_then_store("tova", codec="turboquant_prod", bits=3)
-    state = tq.init(1, 8, 128, budget=256)                   # bits=3 unless given
+    tq = velox.compose.evict_then_store("tova", codec="turboquant_mse", bits=4)
+    state = tq.init(1, 8, 128, budget=256)                   # bits=4 unless given
 
 The composed state keeps the policy's own bookkeeping (positions, scores, ...) and holds the
 survivors only as codes: per-token affine codes of keys and values (``codec="affine"``, groups
