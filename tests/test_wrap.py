@@ -14,6 +14,7 @@ from velox.registry import get_method
 
 from tests._helpers import random_rows, same_arrays
 
+SCALE = 32 ** -0.5
 PARAMS = {"tova": dict(budget=6, n_sink=1), "kivi": dict(bits=4, residual_length=4, group_size=32),
           "turboquant_mse": {}, "snapkv": dict(budget=6, obs_window=2, n_sink=1)}
 
@@ -157,3 +158,23 @@ def test_which_path_a_single_token_takes():
     want_out, want = decode.step(m, j.inner, q, *one, scale=32 ** -0.5, steady=True)
     assert bool(mx.allclose(out, want_out, atol=1e-5)) and _same(new.inner, want)
     assert new.past[-1] is j.inner and new.steps == (10, 1)
+
+
+@pytest.mark.parametrize("key", ["turboquant_mse", "turboquant_prod"])
+def test_a_tail_of_codes_attends_one_query_from_the_codes(key):
+    """A chunked codec's tail attends a single query over the stored codes plus the tail and
+    new rows as new rows (scored exactly, the codes never decoded): the same output as the
+    causal form with the queries padded in front, to float32 rounding."""
+    m = get_method(key)
+    t = wrap.with_tail(m, 8)
+    rng = np.random.default_rng(7)
+    st = t.update(t.init(1, 2, 32, dtype=mx.float32), *_rows(rng, 40)[:2])
+    for _ in range(3):
+        st = t.update(st, *_rows(rng, 1)[:2])
+    assert st.tail_len == 3
+    k, v, q = _rows(rng, 1)
+    got = t.attend(st, q, k, v, scale=SCALE)
+    padded = mx.concatenate([mx.zeros((1, 4, 3, 32)), q], axis=2)
+    want = m.attend(st.inner, padded, mx.concatenate([st.keys, k], axis=2),
+                    mx.concatenate([st.values, v], axis=2), scale=SCALE, mask="causal")[:, :, 3:]
+    assert bool(mx.allclose(got, want, atol=1e-5, rtol=1e-5))

@@ -601,13 +601,17 @@ def _update_reference(state, keys, values, queries):
 
 # --- attention ------------------------------------------------------------------------
 
-def attend(state, queries: Float[Array, "b q s d"], keys: Float[Array, "b h s d"],
-           values: Float[Array, "b h s d"], *, scale: float, mask=None) -> Float[Array, "b q s d"]:
+def attend(state, queries: Float[Array, "b q s d"], keys: Float[Array, "b h t d"],
+           values: Float[Array, "b h t d"], *, scale: float, mask=None) -> Float[Array, "b q s d"]:
     """Attention of ``queries`` over the stored tokens (logits from the key codes, the codec's
-    ``scores``) followed by ``s`` new tokens (exact logits; ``mask="causal"``: query ``i`` sees
-    the new tokens up to ``i``)."""
+    ``scores``) followed by ``t`` new tokens (exact logits; ``mask="causal"``: ``t = s`` and
+    query ``i`` sees the new tokens up to ``i``; ``mask=None``: every query sees every new
+    token, e.g. one query after a decode tail's rows)."""
     if mask is not None and not (isinstance(mask, str) and mask == "causal"):
         raise ValueError("attend takes mask=None or 'causal'")
+    if mask is not None and keys.shape[2] != queries.shape[2]:
+        raise ValueError(f"a causal attend takes one new row per query, got {keys.shape[2]} "
+                         f"rows for {queries.shape[2]} queries")
     return _attend(state, held_rows(state), queries, keys, values, scale, mask)
 
 
@@ -616,7 +620,7 @@ def _attend(state, held, queries, keys, values, scale: float, mask):
     are cut to them, views), or int32 ``[b, h]`` counts (every row is scored and those past
     the count masked out: the count is data)."""
     b, hq, s, d = queries.shape
-    if s == 1 and codec_kernel.supports(state, queries):  # a decode step on a CUDA device
+    if s == 1 == keys.shape[2] and codec_kernel.supports(state, queries):  # a CUDA decode step
         return codec_kernel.decode_attend(state, queries, keys, values, scale=scale, held=held)
     kc, vc = state.key_codes, state.value_codes
     if isinstance(held, int) and held != capacity(state):

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 
 from .backend import Backend
-from .decode import arrays, fill_output, split_step, write_row
+from .decode import arrays, chunked, fill_output, split_step, write_row
 from .registered import _REGISTRY
 from .registry import Method, register
 from .state_dims import method_dims
@@ -208,9 +208,14 @@ def with_tail(m: Method, cap: int) -> Method:
             t = state.tail_len
             if not t:
                 return m.attend(state.inner, queries, keys, values, scale=scale, mask=mask)
+            b, q, s, d = queries.shape
+            if s == 1 and mask is None and chunked(m):
+                # one query sees every row: the tail's and the new ones follow the stored codes
+                # as new rows (scored exactly), the stored ones read from their codes
+                return m.attend(state.inner, queries, _cat(state.keys, keys),
+                                _cat(state.values, values), scale=scale, mask=None)
             # the tail's rows go before the new ones: queries padded in front, causal, so
             # each real query sees what inner stores, the tail, and the new rows up to its own
-            b, q, s, d = queries.shape
             padded = mx.concatenate([mx.zeros((b, q, t, d), queries.dtype), queries], axis=2)
             out = m.attend(state.inner, padded, _cat(state.keys, keys),
                            _cat(state.values, values), scale=scale, mask="causal")
