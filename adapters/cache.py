@@ -168,8 +168,9 @@ def _check_settings(decode: Any, decode_cap: Any, rollback: Any, compile: Any, r
 
 
 def _check_layer(m: Method, mode: Mode, layer: Any, rollback: int, params: dict[str, Any],
-                 artifact: Any) -> None:
-    """The settings of one layer's cache that depend on its method, checked."""
+                 artifact: Any) -> dict[str, Any]:
+    """The settings of one layer's cache that depend on its method, checked: the parameters
+    validated (every one, defaults filled in)."""
     if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
         raise ValueError(f"layer={layer!r} must be an integer >= 0")
     if mode is Mode.PROXY and m.attend is not None:
@@ -180,9 +181,10 @@ def _check_layer(m: Method, mode: Mode, layer: Any, rollback: int, params: dict[
             f"rollback={rollback}: {m.key} updates a model-level record shared by every layer, "
             "layer by layer, which neither a layer's journal restores nor a verify call split "
             "inside each layer reproduces; use rollback=0")
-    validate_params(m.spec, params)
+    full = validate_params(m.spec, params)
     if artifact is not None and m.calibrate is None:
         raise ValueError(f"{m.key} takes no calibration artifact")
+    return full
 
 
 class _BatchMerge:
@@ -226,12 +228,12 @@ class VeloxCache(SteppedCache):
         _check_settings(decode, decode_cap, rollback, compile, real_queries, backend)
         self.method, self.params = get_method(method), dict(params or {})
         self.mode = _check_mode(mode)
-        _check_layer(self.method, self.mode, layer, rollback, self.params, artifact)
+        full = _check_layer(self.method, self.mode, layer, rollback, self.params, artifact)
         # the method it steps: behind its decode tail in append mode, then its journal
         self._m = wrap.with_tail(self.method, decode_cap) if decode == "append" else self.method
         self._m = wrap.with_rollback(self._m, rollback) if rollback else self._m
         self._plan = Plan(self._m, backend, self.params, artifact, compile=compile,
-                                rows=steady_rows(self._m, validate_params(self.method.spec, self.params)))
+                          rows=steady_rows(self._m, full))
         self.decode, self.decode_cap, self.rollback, self.artifact = decode, decode_cap, rollback, artifact
         self.backend, self.layer, self._model, self.compile = backend, layer, model, compile
         self.real_queries, self.last_step, self.held = real_queries, None, Held()
@@ -274,7 +276,7 @@ class VeloxCache(SteppedCache):
 
     def size(self) -> int:
         """Tokens held: stored (an append-mode tail included) and those of a pending step."""
-        return int(self.positions().shape[2])
+        return layer.tokens(self._m, self.held)
 
     def empty(self) -> bool:
         return self.held.state is None and self.held.pending is None

@@ -33,7 +33,7 @@ from .decode import arrays as _arrays
 from .registry import Method
 
 __all__ = ["Plan", "Pending", "Held", "written", "take", "defer", "absorb", "attend", "fast_after",
-           "stored_rows", "positions", "new_arrays", "inner_state", "tail_state", "kind",
+           "stored_rows", "tokens", "positions", "new_arrays", "inner_state", "tail_state", "kind",
            "trim", "can_trim", "trimmable_tokens"]
 
 
@@ -147,8 +147,8 @@ def attend(p: Plan, h: Held, queries: mx.array, keys: mx.array, values: mx.array
     if step.fused and sinks is None and mask is None:
         out, st, row, how = layer_step(m, h.state, h.row, queries, step.keys, step.values, scale,
                                        filled=step.filled)
-        new = h._replace(state=st, row=row, fast=False)
-        return out, new._replace(fast=h.fast or fast_after(p, new, plain)), how, record
+        fast = h.fast or fast_after(p, st, plain)  # decided for the state it stepped from: kept
+        return out, h._replace(state=st, row=row, fast=fast), how, record
     h = written(h)
     if m.attend is not None:
         if sinks is not None:
@@ -170,10 +170,10 @@ def attend(p: Plan, h: Held, queries: mx.array, keys: mx.array, values: mx.array
     return out, h, kind(h.state, "deferred"), record
 
 
-def fast_after(p: Plan, h: Held, plain: bool) -> bool:
-    """Whether the next single-token step of ``h`` (after a fused step) may skip the checks:
-    the cache's steps are ``plain`` and the state is still at its steady size."""
-    return plain and p.m.kv_slots(h.state)[0].shape[2] == p.rows
+def fast_after(p: Plan, state, plain: bool) -> bool:
+    """Whether the next single-token step of ``state`` (after a fused step) may skip the
+    checks: the cache's steps are ``plain`` and the state is still at its steady size."""
+    return plain and p.m.kv_slots(state)[0].shape[2] == p.rows
 
 
 def stored_rows(m: Method, state, *, wrapped: bool) -> tuple[mx.array, mx.array]:
@@ -182,6 +182,12 @@ def stored_rows(m: Method, state, *, wrapped: bool) -> tuple[mx.array, mx.array]
     attention (``wrapped=False``) cannot, so it gets ``get_kv``'s gather of the filled ones."""
     k, v, filled = m.kv_slots(state)
     return m.get_kv(state) if filled is not None and not wrapped else (k, v)
+
+
+def tokens(m: Method, h: Held) -> int:
+    """Tokens ``h`` holds: stored (a tail included) and those of a pending step."""
+    stored = 0 if h.state is None else int(m.positions(h.state).shape[2])
+    return stored + (0 if h.pending is None else h.pending.keys.shape[2])
 
 
 def positions(m: Method, h: Held) -> mx.array:
