@@ -120,7 +120,7 @@ from .kernels import codec as codec_kernel
 from .registry import Method, register
 from .spec import param_fields
 
-__all__ = ["Int8Rows", "AffineRows", "ExactRows", "NoTables", "ValueCodes", "ValueTables",
+__all__ = ["Int8Rows", "ExactRows", "NoTables", "ValueCodes", "ValueTables",
            "VALUE_BITS", "VALUE_CODECS", "VALUE_SEED_OFFSET", "QUERY_BLOCK", "CHUNK", "UNCOUNTED",
            "state_type", "empty", "register_method", "codec_of", "codec_params", "get_kv",
            "positions", "dims", "attend", "stored_tokens", "capacity", "held_codes", "held_rows",
@@ -152,10 +152,6 @@ class Int8Rows(NamedTuple):
     codes: UInt[Array, "b h n w"]
     scales: Float[Array, "b h n 1"]
     zeros: Float[Array, "b h n 1"]
-
-
-#: The record of affine value codes at any ``value_bits`` (the same record as ``Int8Rows``).
-AffineRows = Int8Rows
 
 
 class ExactRows(NamedTuple):
@@ -462,10 +458,9 @@ def _values_f32(state, values) -> Float[Array, "b h n d"]:
         return values.rows.astype(mx.float32)
     if isinstance(values, tq.MseCodes):
         return tq.mse_decode(value_tables(state), values)
-    d, bits = _head_dim(state), value_bits(state)
-    if tq.padded_dim(d, bits) == d:
-        return quant.dequantize_f32(values.codes, values.scales, values.zeros, bits, d)
-    return quant.dequantize_f32(values.codes, values.scales, values.zeros, bits, d, count=d)
+    d = _head_dim(state)  # (count: the padding of a row's codes dropped, where it has any)
+    return quant.dequantize_f32(values.codes, values.scales, values.zeros, value_bits(state), d,
+                                count=d)
 
 
 def _value_reader(state, values) -> Callable[[mx.array], mx.array]:
@@ -663,7 +658,6 @@ def _chunk_attend(state, kc, vc, queries, keys, values, scale: float, mask):
     attention on a GPU takes half precision only, and in float32 falls back to materialising
     the ``[queries, stored]`` logits), else in float32. What it holds beyond the chunk's: one
     copy of the stored rows, as a full cache holds them."""
-    d = queries.shape[-1]
     dt = queries.dtype if queries.dtype in (mx.float16, mx.bfloat16) else mx.float32
     stored = codec_of(state).decode(state.tables, kc)
     if _split(state):
