@@ -94,3 +94,5 @@ def codes_nbytes(codes) -> int:
 
 # Every codec registers on import (after the definitions above, which the modules use).
 from . import affine, polar, prod, qjl, spectral, turboquant, split  # noqa: E402,F401
+from . import pq, vecinfer  # noqa: E402,F401
+from . import kvtc  # noqa: E402,F401
