@@ -33,7 +33,12 @@ from velox.registry import Method, get_method
 from velox.spec import validate_params
 from velox.state_dims import method_dims
 
-__all__ = ["save_cache", "load_cache"]
+__all__ = ["save_cache", "load_cache", "CODECS"]
+
+#: What ``save_cache(..., codec=)`` takes: ``None`` (the arrays as they are) or ``"kvtc"``.
+CODECS = ("kvtc",)
+#: KVTC in files: the first positions and the newest ones of every row array stay exact.
+KVTC_SINKS, KVTC_RECENT = 4, 128
 
 # File formats (``0.format``; ``format`` in version 1). Version 3's ``0.sha256`` covers the
 # whole file: every metadata entry (layers, layer_params, record, user, format, and the names
@@ -129,8 +134,20 @@ def _save_artifact(c: VeloxCache, i: int, arrays: dict[str, mx.array]) -> dict[s
             for k, v in c.artifact.items()}
 
 
-def save_cache(path: str | Path, caches: list, metadata: dict[str, str] | None = None) -> None:
+def save_cache(path: str | Path, caches: list, metadata: dict[str, str] | None = None, *,
+               codec: str | None = None, codec_params: dict[str, Any] | None = None) -> None:
     """Save velox caches (every array and static field) to one ``.safetensors`` file.
+
+    ``codec="kvtc"`` stores the caches transform-coded (``velox.codecs.kvtc``): every float row
+    array of a state (``[b, h, n, head_dim]``: an evictor's kept keys and values, exact value
+    rows, ...) is held as KVTC codes, range-coded, with its own PCA basis a batch row and kv head
+    fitted on its rows, except the rows of the first ``KVTC_SINKS`` positions, of the newest
+    ``KVTC_RECENT`` and of empty slots (exact); a ``kvtc`` state's packed key codes are
+    range-coded losslessly; every other array is stored as it is. ``codec_params``
+    (``bit_budget``, ``bit_choices``, ``beta``: the kvtc method's defaults) set the code. The
+    round trip is lossy: :func:`load_cache` returns the method's own state with the coded rows
+    replaced by KVTC's reconstruction (coefficient ``i`` within ``sigma_i s / 2^bits_i``); the
+    positions, offsets, codes, exact rows and every other array come back to the bit.
 
     The file carries a SHA-256 of everything :func:`load_cache` reads (the metadata, and the
     array data under their names), checked at load, and is laid out so that mlx-lm's
@@ -163,11 +180,16 @@ def save_cache(path: str | Path, caches: list, metadata: dict[str, str] | None =
     record = None
     if shared is not None and shared.record is not None:
         record = _save_record(shared.record, "record", arrays)
+    coded = None
+    if codec is not None or codec_params is not None:
+        coded = _encode_rows(caches, arrays, codec, dict(codec_params or {}))
     arrays[_MARKER] = mx.array([_VERSION], dtype=mx.uint8)
     mx.eval(arrays)
     fields = {"format": _FORMAT, "layers": json.dumps(layers),
               "layer_params": json.dumps(shared.layer_params if shared else None),
               "record": json.dumps(record), "user": json.dumps(metadata or {})}
+    if coded is not None:
+        fields["codec"] = json.dumps(coded)
     # mlx-lm's load_prompt_cache reads [metadata, class names, scalars]; its scalar loop
     # raises "Unknown type <_LOAD_WITH>" on the marker before it looks up any class.
     meta = {f"0.{k}": v for k, v in fields.items()}
@@ -214,6 +236,8 @@ def load_cache(path: str | Path, model=None, *,
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"{where} is not a velox prompt cache: {e}") from None
     meta = _read_meta(where, raw, arrays)
+    if "0.codec" in raw:
+        _decode_rows(where, raw["0.codec"], arrays)
     layers, layer_params, record_meta = meta["layers"], meta["layer_params"], meta["record"]
     used: set[str] = set()
     shared = None
@@ -244,6 +268,110 @@ def load_cache(path: str | Path, model=None, *,
                                  if isinstance(c, VeloxCache)):
         model_step.install(model)
     return caches, meta["user"]
+
+
+_KVTC_PARAMS = ("bit_budget", "bit_choices", "beta")
+
+
+def _kvtc_params(params: dict[str, Any]) -> dict[str, Any]:
+    from velox.codecs import kvtc
+    extra = sorted(set(params) - set(_KVTC_PARAMS))
+    if extra:
+        raise ValueError(f"codec_params {extra} are not KVTC's ({', '.join(_KVTC_PARAMS)})")
+    out = {"bit_budget": int(params.get("bit_budget", 512)),
+           "bit_choices": str(params.get("bit_choices", kvtc.DEFAULT_CHOICES)),
+           "beta": float(params.get("beta", 3.5))}
+    kvtc.tables(1, out)  # checks them
+    return out
+
+
+def _row_arrays(i: int, m: Method, st: tuple, arrays: dict[str, mx.array]) -> list[str]:
+    """Names of layer ``i``'s float row arrays ``[b, h, n, head_dim]`` (not its tables)."""
+    b, h, d, _ = method_dims(m, st)
+    out = []
+    for name, x in arrays.items():
+        parts = name.split(".")
+        if parts[0] != str(i) or "tables" in parts[1] or "value_tables" in parts[1]:
+            continue
+        if (x.ndim == 4 and mx.issubdtype(x.dtype, mx.floating) and x.shape[2]
+                and tuple(x.shape[:2]) == (b, h) and x.shape[3] == d):
+            out.append(name)
+    return out
+
+
+def _exact_rows(st: tuple, name: str, x: mx.array, offset: int) -> np.ndarray:
+    """Rows of ``x`` (layer state ``st``'s array ``name``) kept exact: positions below the
+    sinks, the newest, empty slots. Positions from the record's ``positions`` where it has
+    one of the array's ``[b, h, n]``, else the storage order (less its trailing ``empty`` rows)."""
+    b, h, n, _ = x.shape
+    pos = getattr(st, "positions", None)
+    if isinstance(pos, mx.array) and tuple(pos.shape) == (b, h, n):
+        p = np.array(pos)
+        return (p < KVTC_SINKS) | (p >= offset - KVTC_RECENT)
+    empty = getattr(st, "empty", 0)
+    held = n - empty if isinstance(empty, int) and 0 <= empty <= n else n
+    i = np.broadcast_to(np.arange(n), (b, h, n))
+    return (i < KVTC_SINKS) | (i >= held - KVTC_RECENT)
+
+
+def _encode_rows(caches: list, arrays: dict[str, mx.array], codec: Any,
+                 params: dict[str, Any]) -> dict[str, Any]:
+    """Replace the caches' row arrays in ``arrays`` by their KVTC codes (``save_cache``'s
+    ``codec``); the description :func:`_decode_rows` reads."""
+    from velox.codecs import kvtc
+    from velox.codec_cache import stored_tokens
+    if codec not in CODECS:
+        raise ValueError(f"codec={codec!r} is not one of {', '.join(map(repr, CODECS))} (or "
+                         "None: the arrays as they are)")
+    params = _kvtc_params(params)
+    info: dict[str, Any] = {}
+    for i, c in enumerate(caches):
+        st = c.velox_state
+        if st is None:
+            continue
+        if c.method.key == "kvtc" and f"{i}.key_codes.codes" in arrays:
+            name, t = f"{i}.key_codes.codes", st.tables
+            held = stored_tokens(st)
+            got = kvtc.compress_codes_np(np.array(arrays.pop(name)), np.array(t.bits), t.total, held)
+            info[name] = {"kind": "codes", "shape": list(st.key_codes.codes.shape), "held": held,
+                          "total": t.total, "bits": f"{i}.tables.bits"}
+            arrays.update({f"{name}@kvtc.{k}": mx.array(v) for k, v in got.items()})
+        offset = c.offset - (0 if c.tail is None else c.tail[0].shape[2])
+        for name in _row_arrays(i, c.method, st, arrays):
+            x = arrays.pop(name)
+            exact = _exact_rows(st, name, x, offset)
+            got = kvtc.compress_rows_np(np.array(x.astype(mx.float32)), exact, **params)
+            info[name] = {"kind": "rows", "shape": list(x.shape), "dtype": _dtype_name(x.dtype)}
+            arrays.update({f"{name}@kvtc.{k}": mx.array(v) for k, v in got.items()})
+    return {"name": "kvtc", "params": params, "arrays": info}
+
+
+def _decode_rows(where: str, text: str, arrays: dict[str, mx.array]) -> None:
+    """Undo :func:`_encode_rows` in ``arrays`` (a file's, its checksum checked)."""
+    from velox.codecs import kvtc
+    try:
+        desc = json.loads(text)
+        name, params, info = desc["name"], desc["params"], desc["arrays"]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{where}: the metadata 'codec' is not a codec description") from None
+    if name not in CODECS:
+        raise ValueError(f"{where}: coded with {name!r}; this velox reads {', '.join(CODECS)}")
+    params = _kvtc_params(params)
+    for key, d in info.items():
+        parts = {k.split("@kvtc.", 1)[1]: k for k in arrays if k.startswith(f"{key}@kvtc.")}
+        try:
+            got = {k: np.array(arrays[v]) for k, v in parts.items()}
+            if d["kind"] == "codes":
+                out = mx.array(kvtc.decompress_codes_np(got, tuple(d["shape"]), np.array(arrays[d["bits"]]),
+                                                        d["total"], d["held"]))
+            else:
+                rows = kvtc.decompress_rows_np(got, tuple(d["shape"]), **params)
+                out = mx.array(rows).astype(getattr(mx, d["dtype"]))
+        except (KeyError, ValueError, TypeError, IndexError) as e:
+            raise ValueError(f"{where}: KVTC codes of {key} do not decode ({type(e).__name__}: {e})") from None
+        for v in parts.values():
+            del arrays[v]
+        arrays[key] = out
 
 
 def _format_version(name: Any) -> int | None:

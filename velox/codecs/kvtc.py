@@ -51,7 +51,8 @@ from . import Codec, register_codec
 __all__ = ["KvtcTables", "KvtcCodes", "tables", "encode", "decode", "scores", "encode_np",
            "decode_np", "scores_np", "allocate", "allocate_np", "total_bits", "parse_choices",
            "distortion_table", "fit", "fit_np", "fitted", "bytes_per_row", "table_arrays",
-           "quantize_np", "dequantize_np", "DEFAULT_CHOICES", "MAX_BITS", "CODEC"]
+           "quantize_np", "dequantize_np", "entropy_encode_np", "entropy_decode_np", "compress_rows_np",
+           "decompress_rows_np", "compress_codes_np", "decompress_codes_np", "DEFAULT_CHOICES", "MAX_BITS", "CODEC"]
 
 #: The seed's bit choices (``kvtc_bit_choices``), as the method's ``bit_choices`` string.
 DEFAULT_CHOICES = "0,1,2,3,4,6,8"
@@ -516,3 +517,118 @@ CODEC = register_codec(Codec(
     error="coefficient i within sigma_i s / 2^bits_i of the row's principal coefficient "
           "(s = the row's float16 scale, max |y_i / sigma_i| over the coded components); a "
           "0-bit component decodes to the mean"))
+
+
+# ---- entropy coding (stored caches) ---------------------------------------------------------
+
+def entropy_encode_np(q: np.ndarray, bits: np.ndarray, rows: np.ndarray | None = None):
+    """Range-code codes ``q [b, h, n, d]`` (uint32, each below ``2^bits``) of allocations
+    ``bits [b, h, d]``: ``(words uint32, means int32 [b, h, d], scales uint8 [b, h, d])``.
+    Each (batch row, kv head, coded component) has a quantized Laplace model fitted to its
+    symbols (``velox.entropy.fit_laplace``: the rounded mean and a one-byte scale); 0-bit
+    components hold no symbol. ``rows`` (bool ``[b, h, n]``) picks the rows coded (all by
+    default). Lossless: :func:`entropy_decode_np` returns the same codes."""
+    from .. import entropy
+    q = np.asarray(q, np.int64)
+    b = np.asarray(bits, np.int64)
+    if rows is None:
+        rows = np.ones(q.shape[:3], bool)
+    on = np.broadcast_to(b[:, :, None, :] > 0, q.shape) & rows[..., None]
+    qz = np.where(on, q, 0)
+    cnt = np.maximum(on.sum(axis=2), 1)
+    mean = np.round(qz.sum(axis=2) / cnt).astype(np.int64)              # [b, h, d]
+    spread = np.where(on, np.abs(q - mean[:, :, None, :]), 0).sum(axis=2) / cnt
+    scale = entropy.index_of(spread)
+    sym = np.moveaxis(q, 2, 3)[np.moveaxis(on, 2, 3)]                    # [b, h, d, n] order
+    per = np.moveaxis(on, 2, 3).sum(axis=-1)                             # symbols a component
+    means = np.repeat(mean.ravel(), per.ravel()).astype(np.float64)
+    scales = np.repeat(entropy.scale_of(scale).ravel(), per.ravel())
+    hi = (1 << MAX_BITS) - 1
+    words = entropy.encode(np.zeros(0, np.int64), 1, sym, 0, hi, means, scales)
+    return words, mean.astype(np.int32), scale
+
+
+def entropy_decode_np(words: np.ndarray, bits: np.ndarray, n: int, means: np.ndarray,
+                      scales: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+    """Inverse of :func:`entropy_encode_np`: codes ``uint32 [b, h, n, d]`` (0 where a
+    component has no bits or a row was not coded)."""
+    from .. import entropy
+    b = np.asarray(bits, np.int64)
+    bb, h, d = b.shape
+    if rows is None:
+        rows = np.ones((bb, h, n), bool)
+    on = np.broadcast_to(b[:, :, None, :] > 0, (bb, h, n, d)) & rows[..., None]
+    on_t = np.moveaxis(on, 2, 3)
+    per = on_t.sum(axis=-1)
+    m = np.repeat(np.asarray(means, np.int64).ravel(), per.ravel()).astype(np.float64)
+    s = np.repeat(entropy.scale_of(scales).ravel(), per.ravel())
+    _, sym = entropy.decode(words, 0, 1, 0, (1 << MAX_BITS) - 1, m, s)
+    out = np.zeros((bb, h, d, n), np.int64)
+    out[on_t] = sym
+    return np.moveaxis(out, 3, 2).astype(np.uint32)
+
+
+# ---- stored rows (prompt-cache files) -------------------------------------------------------
+
+def _np_tables(basis, mean, sigma, bits, budget: int, choices: str, beta: float) -> KvtcTables:
+    d = basis.shape[-1]
+    return KvtcTables(basis, mean, sigma, bits, d, int(budget), choices, float(beta),
+                      total_bits(int(budget), choices, d), False)
+
+
+def compress_rows_np(rows: np.ndarray, exact: np.ndarray, *, bit_budget: int = 512,
+                     bit_choices: str = DEFAULT_CHOICES, beta: float = 3.5) -> dict:
+    """Rows ``[b, h, n, d]`` (float32) as KVTC codes, range-coded: the rows where ``exact``
+    (bool ``[b, h, n]``) and the rows with a non-finite entry held as they are, the others
+    fitted (:func:`fit_np`, one basis a batch row and kv head, on the coded rows only), coded
+    and range-coded (:func:`entropy_encode_np`). Returns the arrays :func:`decompress_rows_np`
+    reads (every one counted in a file's bytes)."""
+    x = np.asarray(rows, np.float32)
+    keep = np.asarray(exact, bool) | ~np.isfinite(x).all(axis=-1)
+    basis, mean, sigma, bits, _ = fit_np(np.where(keep[..., None], np.nan, x), bit_budget,
+                                         bit_choices, beta)
+    t = _np_tables(basis, mean, sigma, bits, bit_budget, bit_choices, beta)
+    with np.errstate(invalid="ignore"):
+        q, s16 = quantize_np(t, _rotate_np(t, np.where(keep[..., None], 0, x)))
+    words, lmean, lscale = entropy_encode_np(q, bits, ~keep)
+    return {"words": words, "basis": basis, "mean": mean.astype(np.float32),
+            "sigma": sigma.astype(np.float32), "bits": bits, "model_mean": lmean,
+            "model_scale": lscale, "scale": s16[~keep], "exact": np.packbits(keep.ravel()),
+            "exact_rows": x[keep]}
+
+
+def decompress_rows_np(a: dict, shape: tuple, *, bit_budget: int = 512,
+                       bit_choices: str = DEFAULT_CHOICES, beta: float = 3.5) -> np.ndarray:
+    """Inverse of :func:`compress_rows_np`: float32 rows ``shape`` (``[b, h, n, d]``), the
+    exact ones bit for bit, the others KVTC's reconstruction."""
+    b, h, n, d = shape
+    keep = np.unpackbits(np.asarray(a["exact"]), count=b * h * n).astype(bool).reshape(b, h, n)
+    t = _np_tables(*(np.asarray(a[k]) for k in ("basis", "mean", "sigma", "bits")),
+                   bit_budget, bit_choices, beta)
+    q = entropy_decode_np(np.asarray(a["words"]), t.bits, n, a["model_mean"], a["model_scale"], ~keep)
+    s16 = np.zeros((b, h, n), np.float16)
+    s16[~keep] = np.asarray(a["scale"])
+    out = dequantize_np(t, q, s16) @ t.basis + _tok(t.mean)
+    out = out.astype(np.float32)
+    out[keep] = np.asarray(a["exact_rows"], np.float32)
+    return out
+
+
+def compress_codes_np(stream: np.ndarray, bits: np.ndarray, total: int, held: int) -> dict:
+    """A KVTC state's packed codes ``uint8 [b, h, n, w]`` range-coded losslessly, the first
+    ``held`` rows (the tokens; the rest are empty rows, zeros)."""
+    b, h, n, _ = stream.shape
+    q = _unpack_np(np.asarray(stream), np.asarray(bits), total, np.shape(bits)[-1])
+    rows = np.zeros((b, h, n), bool)
+    rows[:, :, :held] = True
+    words, lmean, lscale = entropy_encode_np(q, bits, rows)
+    return {"words": words, "model_mean": lmean, "model_scale": lscale}
+
+
+def decompress_codes_np(a: dict, shape: tuple, bits: np.ndarray, total: int, held: int) -> np.ndarray:
+    """Inverse of :func:`compress_codes_np`: the packed codes, to the bit."""
+    b, h, n, _ = shape
+    rows = np.zeros((b, h, n), bool)
+    rows[:, :, :held] = True
+    q = entropy_decode_np(np.asarray(a["words"]), bits, n, a["model_mean"], a["model_scale"], rows)
+    return _pack_np(q, np.asarray(bits), total)
