@@ -52,9 +52,26 @@ def fit_spectral(keys: np.ndarray, params: dict[str, Any]) -> dict[str, np.ndarr
             for k in ("rotation", "scales", "eigenvalues", "participation_ratio")}
 
 
+def fit_kvtc(keys: np.ndarray, params: dict[str, Any]) -> dict[str, np.ndarray]:
+    """KVTC's calibration of one layer, one PCA a kv head (``velox.codecs.kvtc.fit_np``): the
+    basis ``[kv_heads, d, d]`` (rows by decreasing variance), the mean and the components'
+    variances ``[kv_heads, d]`` (their floored spreads squared); the method computes the bit
+    allocation from them for its budget when it installs them. ``keys`` is ``[tokens, kv_heads,
+    head_dim]``."""
+    from velox.codecs.kvtc import DEFAULT_CHOICES, fit_np
+
+    k = np.swapaxes(np.asarray(keys, np.float32), 0, 1)  # [kv_heads, tokens, d]
+    basis, mean, sigma, _, _ = fit_np(k, int(params.get("bit_budget", 512)),
+                                      str(params.get("bit_choices", DEFAULT_CHOICES)),
+                                      float(params.get("beta", 3.5)))
+    return {"basis": basis, "mean": mean.astype(np.float32),
+            "variances": (sigma.astype(np.float64) ** 2).astype(np.float32)}
+
+
 #: method key -> fitter of its artifact from every layer's keys.
 FITTERS: dict[str, Callable[[np.ndarray, dict[str, Any]], dict[str, np.ndarray]]] = {
     "spectral": fit_spectral,
+    "kvtc": fit_kvtc,
 }
 
 

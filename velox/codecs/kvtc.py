@@ -7,7 +7,7 @@ A row ``x`` is centred and rotated into its principal basis, ``y = (x - mean) @ 
 ``velox.codecs.spectral.pca_rotation``); component ``i`` gets ``bits[i]`` bits from
 :func:`allocate` (a component of 0 bits is dropped: it decodes to the mean). The coefficients
 are scaled by their component's spread ``sigma[i]`` and by one float16 scale a row,
-``s = max_i |y_i / sigma_i|`` over the components that get bits, and each ``u_i = y_i / (sigma_i
+``s = max_i |y_i / sigma_i|`` over the components that get bits (rounded up to a float16), and each ``u_i = y_i / (sigma_i
 s)`` in ``[-1, 1]`` takes the uniform code ``q_i = floor((u_i + 1) 2^(b_i - 1))`` (clipped to
 ``[0, 2^b_i)``), decoded at the cell's centre. The codes of a row form one little-endian bit
 stream, component ``i``'s ``bits[i]`` bits after those of the components before it: every row
@@ -29,8 +29,8 @@ prefill, :func:`fit`, :func:`fit_np`); rows ``[b, h, n, d]`` broadcast against t
 uncalibrated tables (no ``basis`` in the parameters) are the identity basis, a zero mean, unit
 spreads and the allocation of equal variances: a placeholder that a fit replaces.
 
-Error: coefficient ``i`` is within ``sigma_i s / 2^b_i`` of ``y_i`` (plus float32 rounding and
-the float16 rounding of ``s``); a 0-bit coefficient decodes to 0 (the row to the mean along
+Error: coefficient ``i`` is within ``sigma_i s / 2^b_i`` of ``y_i`` (plus float32 rounding;
+a row whose scale passes float16's largest value saturates); a 0-bit coefficient decodes to 0 (the row to the mean along
 it). Scores rotate the query once: ``q . x^ = (q @ basis.T) . y^ + q . mean``.
 
 Float32 arithmetic in the same order in the MLX functions and their NumPy twins: the same codes
@@ -421,7 +421,9 @@ def _quantize(t: KvtcTables, y: mx.array):
     u = y / _tok(t.sigma)
     zero = mx.array(0.0, mx.float32)
     a = mx.where(on & mx.isfinite(u), mx.abs(u), zero).max(axis=-1)
-    s16 = mx.minimum(a, _F16_MAX).astype(mx.float16)
+    a = mx.minimum(a, _F16_MAX)
+    s16 = a.astype(mx.float16)  # rounded up: every coded |u| / s <= 1
+    s16 = (s16.view(mx.uint16) + (s16.astype(mx.float32) < a).astype(mx.uint16)).view(mx.float16)
     s = s16.astype(mx.float32)
     inv = mx.where(s > 0, 1.0 / s, zero)
     half = mx.power(mx.array(2.0, mx.float32), b.astype(mx.float32) - 1)
@@ -472,7 +474,9 @@ def quantize_np(t: KvtcTables, y: np.ndarray):
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         u = (y / _tok(np.asarray(t.sigma))).astype(np.float32)
         a = np.where(on & np.isfinite(u), np.abs(u), np.float32(0)).max(axis=-1)
-        s16 = np.minimum(a, np.float32(_F16_MAX)).astype(np.float16)
+        a = np.minimum(a, np.float32(_F16_MAX))
+        s16 = a.astype(np.float16)
+        s16 = (s16.view(np.uint16) + (s16.astype(np.float32) < a).astype(np.uint16)).view(np.float16)
         s = s16.astype(np.float32)
         inv = np.where(s > 0, np.float32(1.0) / s, np.float32(0)).astype(np.float32)
         half = np.power(np.float32(2.0), b.astype(np.float32) - 1).astype(np.float32)
