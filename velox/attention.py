@@ -155,28 +155,42 @@ def candidate_weights(queries: Float[Array, "b h g m d"], stored: Float[Array, "
     return softmax(candidate_logits(queries, stored, new))
 
 
+#: Elements of one block's logits in :func:`candidate_mass` (float32: 64 MiB), so that a
+#: 2048-token prefill chunk over 4096 candidates with 32 query heads goes 128 queries a block.
+MASS_TILE = 1 << 24
+
+
 def candidate_mass(queries: Float[Array, "b h g m d"], stored: Float[Array, "b h n d"] | CodedKeys,
                    new: Float[Array, "b h s d"], coef: Float[Array, "m"] | None = None,
-                   block: int = 256, noise=None) -> Float[Array, "b h ns"]:
+                   block: int | None = None, noise=None) -> Float[Array, "b h ns"]:
     """Attention each candidate receives from the chunk's last ``m`` queries.
 
     Summed over queries (weighted by ``coef``), averaged over the ``g`` query heads of a kv
-    head. Queries go in blocks of ``block`` so long chunks never hold every weight at once.
+    head. Queries go in blocks of ``block`` (by default as many as keep a block's logits
+    within :data:`MASS_TILE` elements, at most 256), one block's weights at a time: each
+    block's queries depend on the sum so far, so a long chunk never holds more than one
+    block's logits and weights (a prefill's peak memory).
     ``noise(start, stop, visible)``, when given, is added to the logits of queries
     ``start..stop-1`` over the ``n + visible`` candidates they may see before the softmax
     (``[b, h, 1 or g, stop - start, n + visible]``: Keyformer's Gumbel noise).
     """
-    m, s = queries.shape[3], new.shape[2]
+    b, h, g, m, _ = queries.shape
+    s = new.shape[2]
+    if block is None:
+        block = max(1, min(256, MASS_TILE // (b * h * g * (stored_count(stored) + s))))
     total = None
     for start in range(0, m, block):
         stop = min(start + block, m)
         # the block's queries are the chunk's tokens s-m+start .. s-m+stop-1: only the new
         # keys up to the block's last query can be visible
         visible = s - m + stop
+        q = queries[:, :, :, start:stop]
+        if total is not None:  # one block's weights at a time: the next block waits for this sum
+            q = mx.depends(q, [total])
         if noise is None:
-            w = candidate_weights(queries[:, :, :, start:stop], stored, new[:, :, :visible])
+            w = candidate_weights(q, stored, new[:, :, :visible])
         else:
-            logits = candidate_logits(queries[:, :, :, start:stop], stored, new[:, :, :visible])
+            logits = candidate_logits(q, stored, new[:, :, :visible])
             w = softmax(logits + noise(start, stop, visible))
         if coef is not None:
             w = w * coef[start:stop, None]
