@@ -179,6 +179,8 @@ class _Layout(NamedTuple):
     rename: dict
     split: bool = False     # n_outlier / outlier_bits parameters: the channel split
     chunked: bool = False   # rows in chunks, the last `empty` of them empty (state_type's)
+    value_rename: dict = {}  # values held by a registered codec: its parameter -> init's
+    check: Callable | None = None  # check(state) before any rows are encoded (raises)
 
 
 _LAYOUT: dict[type, _Layout] = {}
@@ -186,7 +188,9 @@ _LAYOUT: dict[type, _Layout] = {}
 
 def state_type(name: str, init: Callable, doc: str, *, codec: str, codes: type, tables: type,
                values: str = "affine", rename: dict[str, str] | None = None,
-               split: bool = False) -> type:
+               split: bool = False, value_types: tuple[type, type] | None = None,
+               value_rename: dict[str, str] | None = None,
+               check: Callable | None = None) -> type:
     """The state record of a codec cache, from its ``init``: ``key_codes`` (a ``codes``
     record), ``value_codes`` (:data:`ValueCodes`), ``tables`` (a ``tables`` record),
     ``value_tables`` (:data:`ValueTables`; an ``init`` with ``value_codec`` only),
@@ -199,24 +203,32 @@ def state_type(name: str, init: Callable, doc: str, *, codec: str, codes: type, 
     and ``outlier_bits`` and the keys' channels split in two (module doc); ``codes`` and
     ``tables`` are then those of ``n_outlier = 0``. The value codec is ``init``'s
     ``value_codec`` parameter (with ``value_bits``), or ``values`` (``"affine"``: 8-bit, or
-    ``"exact"``) for an ``init`` without them.
+    ``"exact"``) for an ``init`` without them, or the name of a registered codec (``values``
+    then names the codec, ``value_types`` its ``(codes, tables)`` records and ``value_rename``
+    maps each of its parameters to ``init``'s: the values are that codec's codes, its tables
+    in ``value_tables``, decoded for attention). ``check(state)``, given, runs before any rows
+    are encoded (it raises to refuse a state, e.g. one with no calibrated tables).
     """
-    if values not in ("affine", "exact"):
-        raise ValueError("values (the value codec of an init without value_codec) is 'affine' or 'exact'")
+    own = values not in ("affine", "exact")
+    if own and value_types is None:
+        raise ValueError("values (the value codec of an init without value_codec) is 'affine', "
+                         "'exact', or a registered codec with value_types=(codes, tables)")
     names = {n for n, _ in param_fields(init)}
     if split and not {"n_outlier", "outlier_bits"} <= names:
         raise ValueError("a split codec cache's init has the parameters n_outlier and outlier_bits")
     chosen = {"value_codec", "value_bits"} & names
     if chosen and len(chosen) != 2:
         raise ValueError("a codec cache's init has both value_codec and value_bits, or neither")
-    fields = [("key_codes", codes), ("value_codes", ValueCodes), ("tables", tables),
-              *([("value_tables", ValueTables)] if chosen else []),
+    fields = [("key_codes", codes), ("value_codes", value_types[0] if own else ValueCodes),
+              ("tables", tables),
+              *([("value_tables", value_types[1] if own else ValueTables)] if chosen or own else []),
               *([("key_channels", Int[Array, "b h c"])] if split else []),
               ("next_pos", Int[Array, "b h"]), ("empty", int)]
     record = NamedTuple(name, [*fields, *param_fields(init), ("cache_dtype", str), ("backend", str)])
     record.__doc__ = doc
     record.__module__ = init.__module__
-    _LAYOUT[record] = _Layout(codec, values, dict(rename or {}), split, chunked=True)
+    _LAYOUT[record] = _Layout(codec, values, dict(rename or {}), split, chunked=True,
+                              value_rename=dict(value_rename or {}), check=check)
     return record
 
 
@@ -254,8 +266,11 @@ def empty(state_type: type, args: dict) -> tuple:
     key_codes = type(one)(*(x[:, :, :0] for x in one))
     kind = args.get("value_codec", lay.values)
     bits = args.get("value_bits", VALUE_BITS)
-    _check_values(kind, bits)
-    vt = _value_tables(kind, bits, d, args.get("seed", tq.DEFAULT_SEED))
+    if kind in VALUE_CODECS:
+        _check_values(kind, bits)
+        vt = _value_tables(kind, bits, d, args.get("seed", tq.DEFAULT_SEED))
+    else:  # a registered codec holds the values
+        vt = get_codec(kind).tables(d, {n: args[m] for n, m in lay.value_rename.items()})
     # the value record of no token: one encoded zero row, cut to length 0
     zero = _encode_values_mlx(kind, bits, vt, mx.zeros((b, h, 1, d), dtype), dtype)
     value_codes = type(zero)(*(x[:, :, :0] for x in zero))
@@ -265,6 +280,13 @@ def empty(state_type: type, args: dict) -> tuple:
         c = d if args["n_outlier"] else 0
         given["key_channels"] = mx.zeros((b, h, c), mx.int32) + mx.arange(c, dtype=mx.int32)
     return state_type(**{f: given[f] if f in given else args[f] for f in state_type._fields})
+
+
+def _checked(state) -> None:
+    """The layout's ``check`` of a state about to encode rows (none: nothing to check)."""
+    check = _LAYOUT[type(state)].check
+    if check is not None:
+        check(state)
 
 
 # --- the rows a state holds -----------------------------------------------------------
@@ -362,7 +384,7 @@ def _head_dim(state) -> int:
     v = state.value_codes
     if isinstance(v, ExactRows):
         return v.rows.shape[3]
-    if isinstance(v, tq.MseCodes):
+    if isinstance(v, tq.MseCodes) or value_codec(state) not in VALUE_CODECS:
         return state.value_tables.head_dim
     # affine codes, whose rows may be padded to the pack unit: the key tables' head_dim (every
     # key codec's tables record has one, but QJL's, whose sketch is [m, d])
@@ -412,6 +434,8 @@ def _value_tables(kind: str, bits: int, d: int, seed: int) -> tuple:
 
 def _encode_values_mlx(kind: str, bits: int, vt, values, cd: mx.Dtype):
     """The value record of ``values [b, h, s, d]`` (MLX)."""
+    if kind not in VALUE_CODECS:
+        return get_codec(kind).encode(vt, values)
     if kind == "exact":
         return ExactRows(values.astype(quant.side_dtype(cd)))
     if kind == "mse":
@@ -431,6 +455,9 @@ def _encode_values_np(kind: str, bits: int, vt, values, cd: mx.Dtype):
     if kind == "exact":
         return ExactRows(values.astype(quant.side_dtype(cd)))
     x = ref.to_np(values, np.float32)
+    if kind not in VALUE_CODECS:
+        c = get_codec(kind).encode_np(numpy_tables(vt), x)
+        return type(c)(*(mx.array(np.ascontiguousarray(a)) for a in c))
     if kind == "mse":
         c = tq.mse_encode_np(numpy_tables(vt), x)
         return tq.MseCodes(mx.array(np.ascontiguousarray(c.idx)).astype(mx.uint32),
@@ -454,6 +481,8 @@ def _encode_values_np(kind: str, bits: int, vt, values, cd: mx.Dtype):
 
 def _values_f32(state, values) -> Float[Array, "b h n d"]:
     """A value record's rows, decoded to float32 (every row: a dense decode)."""
+    if value_codec(state) not in VALUE_CODECS:
+        return get_codec(value_codec(state)).decode(value_tables(state), values)
     if isinstance(values, ExactRows):
         return values.rows.astype(mx.float32)
     if isinstance(values, tq.MseCodes):
@@ -524,6 +553,7 @@ def _encode_mlx(state, keys, values):
     """``(state, key codes, value codes)`` of new rows on the ``mlx`` backend (the state with
     its outlier channels chosen, if this is its first update holding tokens)."""
     cd = quant.dtype_of(state.cache_dtype)
+    _checked(state)
     state = _chosen(state, keys, reference=False)
     kc = codec_of(state).encode(state.tables, _in_codec_order(state, keys))
     vc = _encode_values_mlx(value_codec(state), value_bits(state), value_tables(state), values, cd)
@@ -533,6 +563,7 @@ def _encode_mlx(state, keys, values):
 def _encode_reference(state, keys, values):
     """:func:`_encode_mlx` by the codec's NumPy twins and ``velox.reference.quantize``."""
     cd = quant.dtype_of(state.cache_dtype)
+    _checked(state)
     state = _chosen(state, keys, reference=True)
     codec = codec_of(state)
     rows = ref.to_np(keys, np.float32)
