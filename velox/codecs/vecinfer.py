@@ -1,0 +1,260 @@
+"""VecInfer's codecs: smoothed, Hadamard-rotated keys and plain values held as product-quantized
+indices (Yao et al., "VecInfer: Efficient LLM Inference with Low-Bit KV Cache via
+Outlier-Suppressed Vector Quantization", arXiv 2510.06175).
+
+``"vecinfer_keys"`` (params ``sub_dim``, ``bits``, ``codebook``, ``seed``, ``kv_heads``,
+``layer``):
+
+* encode: each channel divided by its smoothing factor ``lambda`` (``[h, d]``, calibrated:
+  ``lambda_i = sqrt(max |K_i|)`` over calibration keys; ones for a random codebook), rotated by
+  the normalized Sylvester Hadamard matrix ``H / sqrt(d)`` (orthogonal and symmetric; a fixed
+  Haar rotation where ``d`` is not a power of two: :func:`rotation`), cut into
+  ``d / sub_dim`` sub-vectors, each held as the index of its nearest centroid
+  (:func:`velox.codecs.pq.assign`) of a ``2^bits``-entry codebook (``[h, K, sub_dim]``, one a
+  kv head, shared by its sub-spaces), packed ``bits`` a sub-vector (:func:`velox.codecs.pq.pack`).
+* decode: ``lambda * (H^T / sqrt(d)) c[idx]``.
+* scores: the query is multiplied by ``lambda`` and rotated once (``(lambda q) . (k / lambda) =
+  q . k``), then read through the lookup table of its sub-vectors against the codebook, one
+  gather-sum over the indices (:func:`velox.codecs.pq.scores`): no key is rebuilt.
+
+``"vecinfer_values"`` (params ``sub_dim``, ``bits``, ``codebook``, ``seed``, ``kv_heads``,
+``layer``): the same product quantization of the raw values (no smoothing, no rotation: the
+paper's transforms suppress the keys' outliers).
+
+The codebook comes from calibration: ``codebook="smollm2-135m-instruct"`` reads layer
+``layer`` of the artifact shipped in ``velox.adapters/data`` (:data:`SHIPPED`), which fits only
+that model's kv heads and head_dim (the tables say ``calibrated = False`` otherwise, and the
+method refuses to encode); :func:`tables_from_arrays` builds tables from any fit
+(``velox calibrate --method vecinfer``); ``codebook="random"`` draws ``K`` standard normal
+centroids from ``seed`` (tests only). Codebooks are held in float16 (their bytes count where a
+state holds them), smoothing factors in float32.
+
+Bits per element: ``bits / sub_dim`` exactly (12 / 4 = 3 for keys, 8 / 8 = 1 for values at the
+defaults), no side data a token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import lru_cache
+from importlib import resources
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from .._typing import Array, Float, UInt
+from . import Codec, register_codec
+from . import pq
+from .rotation import hadamard, is_power_of_two, matmul_per_slice, random_rotation
+
+__all__ = ["VecInferTables", "VQCodes", "SHIPPED", "rotation", "shipped_arrays", "smoothing",
+           "tables_from_arrays", "key_tables", "value_tables", "KEYS", "VALUES"]
+
+#: Calibrations shipped in ``velox.adapters/data``: name -> file.
+SHIPPED = {"smollm2-135m-instruct": "vecinfer_smollm2.npz"}
+
+
+class VecInferTables(NamedTuple):
+    # no batch axis: shared by the rows (velox.ragged reads the annotations)
+    smooth: Float[Array, "*h d"]      # [h, d] float32 (keys; divided by it) or [0] (values: none)
+    rotation: Float[Array, "r r"]     # [d, d] float32 normalized Hadamard (keys) or [0, 0] (values)
+    codebook: Float[Array, "*h k s"]  # [K, s] or [h, K, s] float16
+    head_dim: int
+    sub_dim: int
+    bits: int
+    calibrated: bool     # False: the shipped calibration does not fit (the method refuses)
+
+
+class VQCodes(NamedTuple):
+    idx: UInt[Array, "b h n w"]  # w = ceil(d / sub_dim * bits / 32) uint32 words
+
+
+def smoothing(keys: np.ndarray, floor: float = 1e-6) -> np.ndarray:
+    """VecInfer's smoothing factors of calibration keys ``[t, h, d]``: ``sqrt(max_t |K|)`` per
+    kv head and channel, ``[h, d]`` float32 (floored so no channel divides by 0)."""
+    k = np.abs(np.asarray(keys, np.float64)).max(axis=0)
+    return np.sqrt(np.maximum(k, floor)).astype(np.float32)
+
+
+@lru_cache(maxsize=4)
+def shipped_arrays(name: str) -> tuple[dict, dict]:
+    """``(arrays, info)`` of the shipped calibration ``name`` (:data:`SHIPPED`): ``smooth
+    [layers, h, d]``, ``key_codebook [layers, h, K, s]``, ``value_codebook [layers, h, K, s]``."""
+    if name not in SHIPPED:
+        raise ValueError(f"no shipped VecInfer calibration {name!r}; shipped: {', '.join(SHIPPED)}")
+    with resources.as_file(resources.files("velox.adapters") / "data" / SHIPPED[name]) as p:
+        with np.load(p) as f:
+            arrays = {k: f[k] for k in f.files if k != "metadata"}
+            info = json.loads(str(f["metadata"]))
+    return arrays, info
+
+
+def rotation(d: int) -> np.ndarray:
+    """The keys' rotation ``[d, d]`` float32: the normalized Sylvester Hadamard matrix for a
+    power-of-two ``d``, else the Haar rotation of ``velox.codecs.rotation.random_rotation(d,
+    0)`` (the same for every model and seed)."""
+    if is_power_of_two(d):
+        return (hadamard(d) / math.sqrt(d)).astype(np.float32)
+    return random_rotation(d, 0)
+
+
+def _head_dim(head_dim: int, sub_dim: int) -> int:
+    d = int(head_dim)
+    if sub_dim < 1 or d % sub_dim:
+        raise ValueError(f"sub_dim={sub_dim} must divide head_dim={d}")
+    return d
+
+
+def tables_from_arrays(head_dim: int, sub_dim: int, bits: int, codebook, smooth=None, *,
+                       rotate: bool, calibrated: bool = True) -> VecInferTables:
+    """Tables from a codebook ``[K, s]`` or ``[h, K, s]`` (``K = 2^bits``, ``s = sub_dim``)
+    and, for keys (``rotate``), smoothing factors ``[h, d]`` or ``[d]`` (``None``: ones)."""
+    d = _head_dim(head_dim, sub_dim)
+    cb = np.asarray(codebook, np.float32)
+    if cb.ndim not in (2, 3) or cb.shape[-2:] != (1 << bits, sub_dim):
+        raise ValueError(f"codebook of shape {cb.shape} is not [{1 << bits}, {sub_dim}] nor "
+                         f"[kv_heads, {1 << bits}, {sub_dim}] (bits={bits}, sub_dim={sub_dim})")
+    if rotate:
+        sm = np.ones(d, np.float32) if smooth is None else np.asarray(smooth, np.float32)
+        if sm.shape[-1] != d or sm.ndim not in (1, 2) or not np.all(sm > 0):
+            raise ValueError(f"smoothing factors of shape {sm.shape} must be {d} positive "
+                             "numbers (a kv head)")
+        rot = rotation(d)
+    else:
+        sm, rot = np.zeros(0, np.float32), np.zeros((0, 0), np.float32)
+    return VecInferTables(mx.array(sm), mx.array(rot), mx.array(cb.astype(np.float16)), d,
+                          sub_dim, bits, calibrated)
+
+
+def _tables(head_dim: int, params: dict, side: str) -> VecInferTables:
+    sub_dim, bits = int(params.get("sub_dim", 4)), int(params.get("bits", 12))
+    which = params.get("codebook", "random")
+    rotate = side == "key"
+    if which == "random":
+        rng = np.random.default_rng([int(params.get("seed", 0)), 0 if rotate else 1])
+        cb = rng.standard_normal((1 << bits, sub_dim)).astype(np.float32)
+        return tables_from_arrays(head_dim, sub_dim, bits, cb, rotate=rotate)
+    arrays, info = shipped_arrays(which)
+    layer, h = int(params.get("layer", -1)), int(params.get("kv_heads", -1))
+    cb = arrays[f"{side}_codebook"]
+    fits = (0 <= layer < cb.shape[0] and h == cb.shape[1] and int(head_dim) == info["head_dim"]
+            and cb.shape[-2:] == (1 << bits, sub_dim))
+    if not fits:  # a placeholder the method refuses to encode with (check_calibrated)
+        return tables_from_arrays(head_dim, sub_dim, bits, np.zeros((1 << bits, sub_dim)),
+                                  rotate=rotate, calibrated=False)
+    return tables_from_arrays(head_dim, sub_dim, bits, cb[layer],
+                              arrays["smooth"][layer] if rotate else None, rotate=rotate)
+
+
+def key_tables(head_dim: int, params: dict) -> VecInferTables:
+    return _tables(head_dim, params, "key")
+
+
+def value_tables(head_dim: int, params: dict) -> VecInferTables:
+    return _tables(head_dim, params, "value")
+
+
+def _per_head(v):
+    return v if v.ndim == 1 else v[:, None, :]
+
+
+def _check(t: VecInferTables, shape) -> None:
+    if len(shape) != 4 or shape[-1] != t.head_dim:
+        raise ValueError(f"rows must be [b, h, n, {t.head_dim}], got {tuple(shape)}")
+    for a in (t.smooth if t.smooth.ndim == 2 else None, t.codebook if t.codebook.ndim == 3 else None):
+        if a is not None and a.shape[0] != shape[1]:
+            raise ValueError(f"the tables hold {a.shape[0]} kv heads; rows of shape "
+                             f"{tuple(shape)} do not")
+
+
+# --- MLX ------------------------------------------------------------------------------------
+
+def _transformed(t: VecInferTables, x: mx.array) -> mx.array:
+    x = x.astype(mx.float32)
+    if t.smooth.size:
+        x = x / _per_head(t.smooth)
+    if t.rotation.size:
+        x = matmul_per_slice(x, t.rotation.T)
+    return x
+
+
+def encode(t: VecInferTables, rows: mx.array) -> VQCodes:
+    _check(t, rows.shape)
+    idx = pq.assign(pq.split(_transformed(t, rows), t.sub_dim), t.codebook)
+    return VQCodes(pq.pack(idx, t.bits))
+
+
+def _indices(t: VecInferTables, codes: VQCodes) -> mx.array:
+    return pq.unpack(codes.idx, t.bits, t.head_dim // t.sub_dim)
+
+
+def decode(t: VecInferTables, codes: VQCodes) -> mx.array:
+    y = pq.decode(t.codebook, _indices(t, codes))
+    if t.rotation.size:
+        y = y @ t.rotation
+    if t.smooth.size:
+        y = y * _per_head(t.smooth)
+    return y
+
+
+def scores(t: VecInferTables, queries: mx.array, codes: VQCodes) -> mx.array:
+    q = queries.astype(mx.float32)
+    if t.smooth.size:
+        q = q * _per_head(t.smooth)
+    if t.rotation.size:
+        q = q @ t.rotation.T
+    return pq.scores(q, t.codebook, _indices(t, codes))
+
+
+# --- NumPy twins ----------------------------------------------------------------------------
+
+def _np(t: VecInferTables):
+    return (np.asarray(t.smooth, np.float32), np.asarray(t.rotation, np.float32),
+            np.asarray(t.codebook).astype(np.float32))
+
+
+def encode_np(t: VecInferTables, rows: np.ndarray) -> VQCodes:
+    x = np.asarray(rows, np.float32)
+    _check(t, x.shape)
+    sm, rot, cb = _np(t)
+    if sm.size:
+        x = x / _per_head(sm)
+    if rot.size:
+        x = x @ rot.T
+    return VQCodes(pq.pack_np(pq.assign_np(pq.split(x, t.sub_dim), cb), t.bits))
+
+
+def decode_np(t: VecInferTables, codes: VQCodes) -> np.ndarray:
+    sm, rot, cb = _np(t)
+    y = pq.decode_np(cb, pq.unpack_np(np.asarray(codes.idx), t.bits, t.head_dim // t.sub_dim))
+    if rot.size:
+        y = y @ rot
+    if sm.size:
+        y = y * _per_head(sm)
+    return y
+
+
+def scores_np(t: VecInferTables, queries: np.ndarray, codes: VQCodes) -> np.ndarray:
+    sm, rot, cb = _np(t)
+    q = np.asarray(queries, np.float32)
+    if sm.size:
+        q = q * _per_head(sm)
+    if rot.size:
+        q = q @ rot.T
+    idx = pq.unpack_np(np.asarray(codes.idx), t.bits, t.head_dim // t.sub_dim)
+    return pq.scores_np(q, cb, idx)
+
+
+_ERROR = ("no bound: each sub-vector is replaced by its nearest centroid (exact when the codebook "
+          "holds it); scores are q . decode(k) read from the lookup table")
+_PARAMS = ("sub_dim", "bits", "codebook", "seed", "kv_heads", "layer")
+
+KEYS = register_codec(Codec(
+    name="vecinfer_keys", tables=key_tables, encode=encode, decode=decode, scores=scores,
+    encode_np=encode_np, decode_np=decode_np, scores_np=scores_np, params=_PARAMS, error=_ERROR))
+
+VALUES = register_codec(Codec(
+    name="vecinfer_values", tables=value_tables, encode=encode, decode=decode, scores=scores,
+    encode_np=encode_np, decode_np=decode_np, scores_np=scores_np, params=_PARAMS, error=_ERROR))
