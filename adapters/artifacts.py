@@ -32,7 +32,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["FORMAT", "FITTERS", "fit_spectral", "calibrate", "save_artifact", "load_artifact",
+__all__ = ["FORMAT", "FITTERS", "WANTS_VALUES", "fit_spectral", "fit_vecinfer", "calibrate", "save_artifact", "load_artifact",
            "model_dims", "layer_arrays"]
 
 #: The artifact format: 2 holds one fit a (layer, kv head); 1 held one a layer (heads pooled).
@@ -52,6 +52,34 @@ def fit_spectral(keys: np.ndarray, params: dict[str, Any]) -> dict[str, np.ndarr
             for k in ("rotation", "scales", "eigenvalues", "participation_ratio")}
 
 
+def fit_vecinfer(keys: np.ndarray, params: dict[str, Any], values: np.ndarray,
+                 ) -> dict[str, np.ndarray]:
+    """VecInfer's calibration of one layer, one fit a kv head: the smoothing factors
+    ``smooth [kv_heads, d]`` (``sqrt(max |K_i|)``), and k-means codebooks (Lloyd in MLX,
+    ``velox.codecs.pq.kmeans``, seeded) of the smoothed, Hadamard-rotated keys' sub-vectors,
+    ``key_codebook [kv_heads, 2^key_codebook_bits, key_sub_dim]``, and of the values',
+    ``value_codebook [kv_heads, 2^value_codebook_bits, value_sub_dim]``. ``keys`` and
+    ``values`` are ``[tokens, kv_heads, head_dim]``; ``params`` may set the four sub-dims and
+    bits (the method's defaults otherwise), ``iters`` (20) and ``seed`` (0)."""
+    from velox.codecs import pq
+    from velox.codecs.vecinfer import smoothing, tables_from_arrays
+
+    ks, vs = int(params.get("key_sub_dim", 4)), int(params.get("value_sub_dim", 8))
+    kb, vb = int(params.get("key_codebook_bits", 12)), int(params.get("value_codebook_bits", 8))
+    iters, seed = int(params.get("iters", 20)), int(params.get("seed", 0))
+    k, v = np.asarray(keys, np.float32), np.asarray(values, np.float32)
+    t, h, d = k.shape
+    sm = smoothing(k)
+    kc, vc = [], []
+    for i in range(h):  # one fit a kv head: heads never pooled
+        rot = tables_from_arrays(d, ks, kb, np.zeros((1 << kb, ks)), sm[i], rotate=True)
+        y = (k[:, i] / sm[i]) @ np.asarray(rot.rotation).T
+        kc.append(np.array(pq.kmeans(y.reshape(-1, ks), 1 << kb, iters=iters, seed=seed)))
+        vc.append(np.array(pq.kmeans(v[:, i].reshape(-1, vs), 1 << vb, iters=iters, seed=seed)))
+    return {"smooth": sm, "key_codebook": np.stack(kc).astype(np.float16),
+            "value_codebook": np.stack(vc).astype(np.float16)}
+
+
 def fit_kvtc(keys: np.ndarray, params: dict[str, Any]) -> dict[str, np.ndarray]:
     """KVTC's calibration of one layer, one PCA a kv head (``velox.codecs.kvtc.fit_np``): the
     basis ``[kv_heads, d, d]`` (rows by decreasing variance), the mean and the components'
@@ -68,11 +96,14 @@ def fit_kvtc(keys: np.ndarray, params: dict[str, Any]) -> dict[str, np.ndarray]:
             "variances": (sigma.astype(np.float64) ** 2).astype(np.float32)}
 
 
-#: method key -> fitter of its artifact from every layer's keys.
-FITTERS: dict[str, Callable[[np.ndarray, dict[str, Any]], dict[str, np.ndarray]]] = {
+#: method key -> fitter of its artifact from every layer's keys (and values: WANTS_VALUES).
+FITTERS: dict[str, Callable[..., dict[str, np.ndarray]]] = {
     "spectral": fit_spectral,
     "kvtc": fit_kvtc,
+    "vecinfer": fit_vecinfer,
 }
+#: Methods whose fitter takes the layer's values too (``fit(keys, params, values)``).
+WANTS_VALUES = frozenset({"vecinfer"})
 
 
 def model_dims(model) -> dict[str, int]:
@@ -87,16 +118,20 @@ def calibrate(method: str, model, tokenizer, text: str, *, model_name: str, sour
               params: dict[str, Any] | None = None, progress: bool = True) -> tuple[dict, dict]:
     """Fit ``method``'s artifact on ``model`` over ``text``: ``(arrays, provenance)``."""
     from velox import __version__
-    from velox.adapters.calibration import capture_qk
+    from velox.adapters.calibration import capture_qk, capture_qkv
 
     if method not in FITTERS:
         raise ValueError(f"{method} has no calibration (calibrated methods: {', '.join(sorted(FITTERS))})")
     tokens = tokenizer.encode(text)
     _say(progress, f"calibrating {method}: capturing keys over {len(tokens)} tokens")
-    _, keys = capture_qk(model, tokens)
+    if method in WANTS_VALUES:
+        _, keys, values = capture_qkv(model, tokens)
+    else:
+        (_, keys), values = capture_qk(model, tokens), None
     per_layer = []
     for i, k in enumerate(keys):
-        per_layer.append(FITTERS[method](k, dict(params or {})))
+        extra = () if values is None else (values[i],)
+        per_layer.append(FITTERS[method](k, dict(params or {}), *extra))
         _bar(progress, i + 1, len(keys))
     arrays = {name: np.stack([p[name] for p in per_layer]) for name in per_layer[0]}
     _say(progress, f"fitted {', '.join(f'{k} {tuple(v.shape)}' for k, v in arrays.items())}")
@@ -165,3 +200,36 @@ def _bar(progress: bool, done: int, total: int, width: int = 30) -> None:
 def _say(progress: bool, text: str) -> None:
     if progress:
         print(text, file=sys.stderr, flush=True)
+
+
+#: The shipped VecInfer calibration of the embedded SmolLM2: the text and token count it is
+#: fitted on (the opening of the shipped ``holmes`` text), and the Lloyd rounds.
+VECINFER_SHIPPED = {"text": "holmes", "tokens": 1024, "iters": 6, "seed": 0}
+
+
+def build_vecinfer_shipped(out: str | Path | None = None, progress: bool = True) -> Path:
+    """Fit VecInfer on the embedded SmolLM2 over :data:`VECINFER_SHIPPED` and write the
+    ``.npz`` shipped in ``velox.adapters/data`` (``velox.codecs.vecinfer.SHIPPED``): the
+    arrays of :func:`fit_vecinfer` stacked over layers and the provenance as JSON
+    (``python -m velox.adapters.artifacts``)."""
+    import time
+
+    from velox.adapters.harness import load_text
+    from velox.adapters.smollm2 import MODEL_DIRNAME, load_default_model
+
+    cfg = VECINFER_SHIPPED
+    model, tokenizer = load_default_model()
+    tokens = tokenizer.encode(load_text(cfg["text"]))[: cfg["tokens"]]
+    t0 = time.perf_counter()
+    arrays, info = calibrate("vecinfer", model, tokenizer, tokenizer.decode(tokens),
+                             model_name=MODEL_DIRNAME, source=f"shipped text {cfg['text']!r}",
+                             params={"iters": cfg["iters"], "seed": cfg["seed"]}, progress=progress)
+    info["seconds"] = round(time.perf_counter() - t0, 1)
+    path = Path(out) if out else Path(__file__).parent / "data" / "vecinfer_smollm2.npz"
+    np.savez_compressed(path, metadata=np.array(json.dumps(info, sort_keys=True)), **arrays)
+    _say(progress, f"wrote {path} ({path.stat().st_size} bytes) in {info['seconds']} s")
+    return path
+
+
+if __name__ == "__main__":
+    build_vecinfer_shipped()

@@ -22,7 +22,7 @@ import numpy as np
 
 from velox.methods.qfilters import qfilters_from_queries
 
-__all__ = ["CALIBRATION_TEXT", "SMOLLM2_ARTIFACT", "capture_qk", "calibrate_qfilters",
+__all__ = ["CALIBRATION_TEXT", "SMOLLM2_ARTIFACT", "capture_qk", "capture_qkv", "calibrate_qfilters",
            "save_qfilters", "load_qfilters"]
 
 #: The shipped SmolLM2-135M-Instruct filters (inside the ``velox.adapters`` package).
@@ -110,6 +110,42 @@ def capture_qk(model: nn.Module, tokens: list[int] | mx.array) -> tuple[list[np.
         queries.append(q)
         keys.append(k)
     return queries, keys
+
+
+class _ValueCapture(nn.Module):
+    """Stands in for an attention layer's ``v_proj``: applies it, records what it returns."""
+
+    def __init__(self, proj: nn.Module):
+        super().__init__()
+        self.proj = proj
+        self.out: list[mx.array] = []
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.proj(x)
+        self.out.append(y)
+        return y
+
+
+def capture_qkv(model: nn.Module, tokens: list[int] | mx.array
+                ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """:func:`capture_qk`'s queries and keys and each layer's values ``[t, kv_heads, d]``
+    (``self_attn.v_proj``'s output, wrapped for the forward and restored afterwards)."""
+    layers = [layer.self_attn for layer in model.layers]
+    originals = [attn.v_proj for attn in layers]
+    captures = [_ValueCapture(p) for p in originals]
+    try:
+        for attn, cap in zip(layers, captures):
+            attn.v_proj = cap
+        queries, keys = capture_qk(model, tokens)
+    finally:
+        for attn, proj in zip(layers, originals):
+            attn.v_proj = proj
+    values = []
+    for cap, k in zip(captures, keys):
+        if len(cap.out) != 1:
+            raise ValueError(f"a layer's v_proj ran {len(cap.out)} times in one forward, expected 1")
+        values.append(np.array(cap.out[0][0].astype(mx.float32)).reshape(k.shape))
+    return queries, keys, values
 
 
 def calibrate_qfilters(model: nn.Module, tokens: list[int] | mx.array) -> np.ndarray:
