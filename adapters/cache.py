@@ -553,8 +553,8 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
         artifacts: a calibration artifact of ``method`` fitted on this model (``velox
             calibrate``; ``velox.adapters.artifacts``): checked against the model (layers, kv
             heads, head dim) and installed layer by layer; a missing or mismatched file is a
-            ``ValueError``. Without one a calibrated method runs its documented
-            data-oblivious fallback.
+            ``ValueError``. Without one a calibrated method runs what its spec's
+            ``contract.uncalibrated`` says (a warning names it), or its shipped fit.
         rollback: the steps ``trim`` can undo exactly (a journal of the cache's fields before
             each of its last ``rollback`` steps; 0, the default, keeps none and ``trim``
             removes nothing), at most :data:`ROLLBACK_MAX` (64). With ``rollback=d``, a call
@@ -597,10 +597,12 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
     routed = _routes_attention(model)
     mode = _choose_mode(m, real_queries=real_queries, routed=routed, model=type(model).__name__)
     fitted = None
-    if artifacts is None and m.calibrate is not None and method not in _FALLBACK_SAID:
+    without = m.spec.contract.get("uncalibrated", "its documented fallback")
+    if (artifacts is None and m.calibrate is not None and without != "shipped"
+            and method not in _FALLBACK_SAID):
         _FALLBACK_SAID.add(method)
         warnings.warn(f"{method}: no calibration artifact (artifacts=FILE, from velox calibrate "
-                      f"--method {method}); using its data-oblivious fallback", stacklevel=2)
+                      f"--method {method}); using {without}", stacklevel=2)
     if artifacts is not None:
         from .artifacts import layer_arrays, load_artifact
         if m.calibrate is None:

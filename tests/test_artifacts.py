@@ -160,5 +160,9 @@ def test_the_fallback_says_so_once(smollm2, monkeypatch):
         mlxlm.make_cache(model, "spectral")
         mlxlm.make_cache(model, "spectral")
         mlxlm.make_cache(model, "tova", budget=64)
-    said = [w for w in seen if "data-oblivious fallback" in str(w.message)]
-    assert len(said) == 1 and "spectral" in str(said[0].message)
+        mlxlm.make_cache(model, "kvtc")
+        mlxlm.make_cache(model, "vecinfer")  # the embedded model's shipped fit: nothing to say
+    said = [str(w.message) for w in seen if "no calibration artifact" in str(w.message)]
+    assert len(said) == 2, said
+    assert said[0].startswith("spectral:") and "data-oblivious" in said[0]
+    assert said[1].startswith("kvtc:") and "first update (the prefill)" in said[1]

@@ -136,6 +136,7 @@ from .methods import (  # noqa: E402  (each registers its method)
     kivi_sink,
     knorm,
     kvquant,
+    kvtc,
     kvzip,
     morphkv,
     nestedkv,
@@ -153,6 +154,7 @@ from .methods import (  # noqa: E402  (each registers its method)
     turboquant_mse,
     turboquant_prod,
     turboquant_rvq,
+    vecinfer,
     zipcache,
 )
 AdaKVState = adakv.State
@@ -200,6 +202,9 @@ knorm_init, knorm_update, knorm_get_kv, knorm_bytes = (
 KVQuantState = kvquant.State
 kvquant_init, kvquant_update, kvquant_get_kv, kvquant_bytes = (
     kvquant.init, kvquant.update, kvquant.get_kv, kvquant.nbytes)
+KVTCState = kvtc.State
+kvtc_init, kvtc_update, kvtc_get_kv, kvtc_bytes = (
+    kvtc.init, kvtc.update, kvtc.get_kv, kvtc.nbytes)
 KVzipState = kvzip.State
 kvzip_init, kvzip_update, kvzip_get_kv, kvzip_bytes = (
     kvzip.init, kvzip.update, kvzip.get_kv, kvzip.nbytes)
@@ -251,6 +256,9 @@ turboquant_prod_init, turboquant_prod_update, turboquant_prod_get_kv, turboquant
 TurboQuantRvqState = turboquant_rvq.State
 turboquant_rvq_init, turboquant_rvq_update, turboquant_rvq_get_kv, turboquant_rvq_bytes = (
     turboquant_rvq.init, turboquant_rvq.update, turboquant_rvq.get_kv, turboquant_rvq.nbytes)
+VecInferState = vecinfer.State
+vecinfer_init, vecinfer_update, vecinfer_get_kv, vecinfer_bytes = (
+    vecinfer.init, vecinfer.update, vecinfer.get_kv, vecinfer.nbytes)
 ZipCacheState = zipcache.State
 zipcache_init, zipcache_update, zipcache_get_kv, zipcache_bytes = (
     zipcache.init, zipcache.update, zipcache.get_kv, zipcache.nbytes)
@@ -269,18 +277,19 @@ __all__ += [
     "kivi_init", "kivi_update", "kivi_get_kv", "kivi_bytes", "kivi_sink", "KiviSinkState",
     "kivi_sink_init", "kivi_sink_update", "kivi_sink_get_kv", "kivi_sink_bytes", "knorm",
     "KNormState", "knorm_init", "knorm_update", "knorm_get_kv", "knorm_bytes", "kvquant",
-    "KVQuantState", "kvquant_init", "kvquant_update", "kvquant_get_kv", "kvquant_bytes", "kvzip",
-    "KVzipState", "kvzip_init", "kvzip_update", "kvzip_get_kv", "kvzip_bytes", "morphkv",
-    "MorphKVState", "morphkv_init", "morphkv_update", "morphkv_get_kv", "morphkv_bytes",
-    "nestedkv", "NestedKVState", "nestedkv_init", "nestedkv_update", "nestedkv_get_kv",
-    "nestedkv_bytes", "polar", "PolarState", "polar_init", "polar_update", "polar_get_kv",
-    "polar_bytes", "pyramidkv", "PyramidKVState", "pyramidkv_init", "pyramidkv_update",
-    "pyramidkv_get_kv", "pyramidkv_bytes", "qfilters", "QFiltersState", "qfilters_init",
-    "qfilters_update", "qfilters_get_kv", "qfilters_bytes", "qjl", "QJLState", "qjl_init",
-    "qjl_update", "qjl_get_kv", "qjl_bytes", "rocketkv", "RocketKVState", "rocketkv_init",
-    "rocketkv_update", "rocketkv_get_kv", "rocketkv_bytes", "skvq", "SKVQState", "skvq_init",
-    "skvq_update", "skvq_get_kv", "skvq_bytes", "snapkv", "SnapKVState", "snapkv_init",
-    "snapkv_update", "snapkv_get_kv", "snapkv_bytes", "spectral", "SpectralState", "spectral_init",
+    "KVQuantState", "kvquant_init", "kvquant_update", "kvquant_get_kv", "kvquant_bytes", "kvtc",
+    "KVTCState", "kvtc_init", "kvtc_update", "kvtc_get_kv", "kvtc_bytes", "kvzip", "KVzipState",
+    "kvzip_init", "kvzip_update", "kvzip_get_kv", "kvzip_bytes", "morphkv", "MorphKVState",
+    "morphkv_init", "morphkv_update", "morphkv_get_kv", "morphkv_bytes", "nestedkv",
+    "NestedKVState", "nestedkv_init", "nestedkv_update", "nestedkv_get_kv", "nestedkv_bytes",
+    "polar", "PolarState", "polar_init", "polar_update", "polar_get_kv", "polar_bytes",
+    "pyramidkv", "PyramidKVState", "pyramidkv_init", "pyramidkv_update", "pyramidkv_get_kv",
+    "pyramidkv_bytes", "qfilters", "QFiltersState", "qfilters_init", "qfilters_update",
+    "qfilters_get_kv", "qfilters_bytes", "qjl", "QJLState", "qjl_init", "qjl_update", "qjl_get_kv",
+    "qjl_bytes", "rocketkv", "RocketKVState", "rocketkv_init", "rocketkv_update",
+    "rocketkv_get_kv", "rocketkv_bytes", "skvq", "SKVQState", "skvq_init", "skvq_update",
+    "skvq_get_kv", "skvq_bytes", "snapkv", "SnapKVState", "snapkv_init", "snapkv_update",
+    "snapkv_get_kv", "snapkv_bytes", "spectral", "SpectralState", "spectral_init",
     "spectral_update", "spectral_get_kv", "spectral_bytes", "squeeze", "SqueezeState",
     "squeeze_init", "squeeze_update", "squeeze_get_kv", "squeeze_bytes", "streaming_llm",
     "StreamingLLMState", "streaming_llm_init", "streaming_llm_update", "streaming_llm_get_kv",
@@ -290,7 +299,8 @@ __all__ += [
     "TurboQuantProdState", "turboquant_prod_init", "turboquant_prod_update",
     "turboquant_prod_get_kv", "turboquant_prod_bytes", "turboquant_rvq", "TurboQuantRvqState",
     "turboquant_rvq_init", "turboquant_rvq_update", "turboquant_rvq_get_kv",
-    "turboquant_rvq_bytes", "zipcache", "ZipCacheState", "zipcache_init", "zipcache_update",
-    "zipcache_get_kv", "zipcache_bytes",
+    "turboquant_rvq_bytes", "vecinfer", "VecInferState", "vecinfer_init", "vecinfer_update",
+    "vecinfer_get_kv", "vecinfer_bytes", "zipcache", "ZipCacheState", "zipcache_init",
+    "zipcache_update", "zipcache_get_kv", "zipcache_bytes",
 ]
 # --- end generated exports ---

@@ -29,14 +29,14 @@ from ..codecs import kvtc as codec
 from ..codecs.kvtc import KvtcCodes, KvtcTables
 from ..registry import register
 
-__all__ = ["KvtcState", "State", "init", "update", "get_kv", "nbytes", "positions", "attend",
+__all__ = ["KVTCState", "State", "init", "update", "get_kv", "nbytes", "positions", "attend",
            "calibrated", "prefill_fitted"]
 
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
          bit_budget: int = 512, bit_choices: str = codec.DEFAULT_CHOICES, beta: float = 3.5,
          value_codec: str = "affine", value_bits: int = 8,
-         backend: str = "auto") -> "KvtcState":
+         backend: str = "auto") -> "KVTCState":
     """Empty KVTC state.
 
     Args:
@@ -47,21 +47,21 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
         value_codec: how values are held, "affine" by default (velox.codec_cache.VALUE_CODECS).
         value_bits: bits per value element of "affine" or "mse" values, 1 to 8.
     """
-    state = codec_cache.empty(KvtcState, locals())
+    state = codec_cache.empty(KVTCState, locals())
     lead = (batch, kv_heads)  # the placeholder tables, one copy a batch row and kv head
     fresh = {k: mx.array(np.broadcast_to(np.array(v), (*lead, *v.shape)).copy())
              for k, v in codec.table_arrays(state.tables).items()}
     return state._replace(tables=state.tables._replace(**fresh))
 
 
-KvtcState = codec_cache.state_type(
-    "KvtcState", init, "KVTC key codes (principal coefficients packed at their allocated bits, a "
+KVTCState = codec_cache.state_type(
+    "KVTCState", init, "KVTC key codes (principal coefficients packed at their allocated bits, a "
     "float16 scale a row), values (per-token codes or exact rows), each (batch row, kv head)'s "
     "basis, mean, spreads and allocation.", codec="kvtc", codes=KvtcCodes, tables=KvtcTables)
-State = KvtcState
+State = KVTCState
 
 
-def prefill_fitted(state: KvtcState, keys: mx.array) -> KvtcState:
+def prefill_fitted(state: KVTCState, keys: mx.array) -> KVTCState:
     """``state`` with its tables fitted to ``keys`` if it holds no row yet and is not
     calibrated (the first update that holds tokens fits, one fit a batch row and kv head);
     else ``state``."""
@@ -70,7 +70,7 @@ def prefill_fitted(state: KvtcState, keys: mx.array) -> KvtcState:
     return state._replace(tables=codec.fitted(state.tables, keys))
 
 
-def calibrated(state: KvtcState, arrays: dict) -> KvtcState:
+def calibrated(state: KVTCState, arrays: dict) -> KVTCState:
     """``state`` with one layer's calibration installed (``velox.adapters.artifacts``'s
     ``fit_kvtc``: ``basis [kv_heads, d, d]``, ``mean`` and ``variances [kv_heads, d]``), the
     allocation computed for the state's budget; the state must hold no token yet."""
@@ -109,7 +109,7 @@ def _attend_update(state, queries, keys, values, *, scale, mask=None):
 _MLX = Backend(_update_mlx, steady_step=codec_cache._steady_step, fill=_fill,
                fill_attention=codec_cache._fill_attention)
 
-method = register("kvtc", KvtcState, init, {"reference": _update_reference, "mlx": _MLX},
+method = register("kvtc", KVTCState, init, {"reference": _update_reference, "mlx": _MLX},
                   get_kv=codec_cache.get_kv, positions=codec_cache.positions,
                   dims=codec_cache.dims, attend=codec_cache.attend, attend_update=_attend_update,
                   capacity=codec_cache.capacity, uncounted=codec_cache.uncounted,
