@@ -185,3 +185,21 @@ def test_kmeans_lowers_the_error_of_its_draw():
         idx = pq.assign_np(pts[None, None, :, None], cb)[0, 0, :, 0]
         return float(((pts - cb[idx]) ** 2).sum())
     assert err(fit) < 0.8 * err(draw)
+
+
+def test_spherical_kmeans_is_the_normalized_mean_of_the_largest_cosines():
+    pts = rows(4, (3000, 4))
+    pts /= np.linalg.norm(pts, axis=1, keepdims=True)
+    # one round by hand: each drawn point takes the points of largest cosine, its centroid
+    # is their mean scaled to unit norm
+    init = pq.kmeans_np_init(pts, 16, 2)
+    near = np.argmax(pts @ init.T, axis=1)
+    want = np.stack([pts[near == c].mean(axis=0) for c in range(16)])
+    want /= np.linalg.norm(want, axis=1, keepdims=True)
+    got = np.array(pq.kmeans(pts, 16, iters=1, seed=2, spherical=True))
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    fit = np.array(pq.kmeans(pts, 16, iters=8, seed=2, spherical=True))
+    assert np.allclose(np.linalg.norm(fit, axis=1), 1.0, atol=1e-6)
+    assert np.array_equal(fit, np.array(pq.kmeans(pts, 16, iters=8, seed=2, spherical=True)))
+    # more rounds raise the mean cosine of each point to its centroid
+    assert (pts @ fit.T).max(axis=1).mean() > (pts @ got.T).max(axis=1).mean()

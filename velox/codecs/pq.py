@@ -176,11 +176,13 @@ def kmeans_np_init(points: np.ndarray, k: int, seed: int, init: str = "sample") 
 
 
 def kmeans(points, k: int, *, iters: int = 20, seed: int = 0, init: str = "sample",
-           metric=None) -> mx.array:
+           metric=None, spherical: bool = False) -> mx.array:
     """Lloyd's algorithm in MLX: ``k`` centroids ``[k, s]`` (float32) of ``points [N, s]``
     (``N >= k``), from :func:`kmeans_np_init`'s draw, ``iters`` rounds of assignment
     (:func:`assign`, under ``metric`` if given) and means; an empty cluster takes the point
-    farthest from its centroid, each such point used once (deterministic)."""
+    farthest from its centroid, each such point used once (deterministic). ``spherical``:
+    each round's centroids are scaled to unit norm (spherical k-means: for unit-norm points
+    and centroids the nearest centroid is the one of largest cosine)."""
     x = mx.array(np.asarray(points, np.float32))
     n, s = x.shape
     if not 1 <= k <= n:
@@ -199,6 +201,8 @@ def kmeans(points, k: int, *, iters: int = 20, seed: int = 0, init: str = "sampl
             fill = np.array(new)
             fill[np.flatnonzero(cnt == 0)] = np.array(x)[far]
             new = mx.array(fill)
+        if spherical:
+            new = new / mx.maximum(mx.sqrt((new * new).sum(axis=-1, keepdims=True)), 1e-30)
         cb = new
     mx.eval(cb)
     return cb
