@@ -180,7 +180,7 @@ class _Layout(NamedTuple):
     split: bool = False     # n_outlier / outlier_bits parameters: the channel split
     chunked: bool = False   # rows in chunks, the last `empty` of them empty (state_type's)
     value_rename: dict = {}  # values held by a registered codec: its parameter -> init's
-    check: Callable | None = None  # check(state) before any rows are encoded (raises)
+    prepare: Callable | None = None  # prepare(state, keys) -> state before rows are encoded
 
 
 _LAYOUT: dict[type, _Layout] = {}
@@ -190,7 +190,7 @@ def state_type(name: str, init: Callable, doc: str, *, codec: str, codes: type, 
                values: str = "affine", rename: dict[str, str] | None = None,
                split: bool = False, value_types: tuple[type, type] | None = None,
                value_rename: dict[str, str] | None = None,
-               check: Callable | None = None) -> type:
+               prepare: Callable | None = None) -> type:
     """The state record of a codec cache, from its ``init``: ``key_codes`` (a ``codes``
     record), ``value_codes`` (:data:`ValueCodes`), ``tables`` (a ``tables`` record),
     ``value_tables`` (:data:`ValueTables`; an ``init`` with ``value_codec`` only),
@@ -206,8 +206,10 @@ def state_type(name: str, init: Callable, doc: str, *, codec: str, codes: type, 
     ``"exact"``) for an ``init`` without them, or the name of a registered codec (``values``
     then names the codec, ``value_types`` its ``(codes, tables)`` records and ``value_rename``
     maps each of its parameters to ``init``'s: the values are that codec's codes, its tables
-    in ``value_tables``, decoded for attention). ``check(state)``, given, runs before any rows
-    are encoded (it raises to refuse a state, e.g. one with no calibrated tables).
+    in ``value_tables``, decoded for attention). ``prepare(state, keys) -> state``, given, runs
+    before any rows are encoded, on both backends and every path (update, fill, the steady
+    and compiled step): it may raise to refuse a state (VecInfer without calibrated tables)
+    or return it with tables fitted to the first keys (KVTC's prefill basis).
     """
     own = values not in ("affine", "exact")
     if own and value_types is None:
@@ -228,7 +230,7 @@ def state_type(name: str, init: Callable, doc: str, *, codec: str, codes: type, 
     record.__doc__ = doc
     record.__module__ = init.__module__
     _LAYOUT[record] = _Layout(codec, values, dict(rename or {}), split, chunked=True,
-                              value_rename=dict(value_rename or {}), check=check)
+                              value_rename=dict(value_rename or {}), prepare=prepare)
     return record
 
 
@@ -282,11 +284,10 @@ def empty(state_type: type, args: dict) -> tuple:
     return state_type(**{f: given[f] if f in given else args[f] for f in state_type._fields})
 
 
-def _checked(state) -> None:
-    """The layout's ``check`` of a state about to encode rows (none: nothing to check)."""
-    check = _LAYOUT[type(state)].check
-    if check is not None:
-        check(state)
+def _prepared(state, keys):
+    """The layout's ``prepare`` of a state about to encode ``keys`` (none: the state)."""
+    prepare = _LAYOUT[type(state)].prepare
+    return state if prepare is None else prepare(state, keys)
 
 
 # --- the rows a state holds -----------------------------------------------------------
@@ -553,7 +554,7 @@ def _encode_mlx(state, keys, values):
     """``(state, key codes, value codes)`` of new rows on the ``mlx`` backend (the state with
     its outlier channels chosen, if this is its first update holding tokens)."""
     cd = quant.dtype_of(state.cache_dtype)
-    _checked(state)
+    state = _prepared(state, keys)
     state = _chosen(state, keys, reference=False)
     kc = codec_of(state).encode(state.tables, _in_codec_order(state, keys))
     vc = _encode_values_mlx(value_codec(state), value_bits(state), value_tables(state), values, cd)
@@ -563,7 +564,7 @@ def _encode_mlx(state, keys, values):
 def _encode_reference(state, keys, values):
     """:func:`_encode_mlx` by the codec's NumPy twins and ``velox.reference.quantize``."""
     cd = quant.dtype_of(state.cache_dtype)
-    _checked(state)
+    state = _prepared(state, keys)
     state = _chosen(state, keys, reference=True)
     codec = codec_of(state)
     rows = ref.to_np(keys, np.float32)

@@ -24,10 +24,8 @@ import mlx.core as mx
 import numpy as np
 
 from .. import codec_cache
-from ..backend import Backend
 from ..codecs import kvtc as codec
 from ..codecs.kvtc import KvtcCodes, KvtcTables
-from ..registry import register
 
 __all__ = ["KVTCState", "State", "init", "update", "get_kv", "nbytes", "positions", "attend",
            "calibrated", "prefill_fitted"]
@@ -54,13 +52,6 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
     return state._replace(tables=state.tables._replace(**fresh))
 
 
-KVTCState = codec_cache.state_type(
-    "KVTCState", init, "KVTC key codes (principal coefficients packed at their allocated bits, a "
-    "float16 scale a row), values (per-token codes or exact rows), each (batch row, kv head)'s "
-    "basis, mean, spreads and allocation.", codec="kvtc", codes=KvtcCodes, tables=KvtcTables)
-State = KVTCState
-
-
 def prefill_fitted(state: KVTCState, keys: mx.array) -> KVTCState:
     """``state`` with its tables fitted to ``keys`` if it holds no row yet and is not
     calibrated (the first update that holds tokens fits, one fit a batch row and kv head);
@@ -68,6 +59,14 @@ def prefill_fitted(state: KVTCState, keys: mx.array) -> KVTCState:
     if state.tables.calibrated or codec_cache.capacity(state):
         return state
     return state._replace(tables=codec.fitted(state.tables, keys))
+
+
+KVTCState = codec_cache.state_type(
+    "KVTCState", init, "KVTC key codes (principal coefficients packed at their allocated bits, a "
+    "float16 scale a row), values (per-token codes or exact rows), each (batch row, kv head)'s "
+    "basis, mean, spreads and allocation.", codec="kvtc", codes=KvtcCodes, tables=KvtcTables,
+    prepare=prefill_fitted)
+State = KVTCState
 
 
 def calibrated(state: KVTCState, arrays: dict) -> KVTCState:
@@ -88,31 +87,6 @@ def calibrated(state: KVTCState, arrays: dict) -> KVTCState:
     return state._replace(tables=codec.tables(d, params))
 
 
-def _update_mlx(state, keys, values, queries):
-    return codec_cache._update_mlx(prefill_fitted(state, keys), keys, values, queries)
-
-
-def _update_reference(state, keys, values, queries):
-    return codec_cache._update_reference(prefill_fitted(state, keys), keys, values, queries)
-
-
-def _fill(state, keys, values):
-    return codec_cache._fill(prefill_fitted(state, keys), keys, values)
-
-
-def _attend_update(state, queries, keys, values, *, scale, mask=None):
-    return codec_cache._attend_update(prefill_fitted(state, keys), queries, keys, values,
-                                      scale=scale, mask=mask)
-
-
-# a steady step holds tokens already: the codec cache's own
-_MLX = Backend(_update_mlx, steady_step=codec_cache._steady_step, fill=_fill,
-               fill_attention=codec_cache._fill_attention)
-
-method = register("kvtc", KVTCState, init, {"reference": _update_reference, "mlx": _MLX},
-                  get_kv=codec_cache.get_kv, positions=codec_cache.positions,
-                  dims=codec_cache.dims, attend=codec_cache.attend, attend_update=_attend_update,
-                  capacity=codec_cache.capacity, uncounted=codec_cache.uncounted,
-                  calibrate=calibrated)
+method = codec_cache.register_method("kvtc", KVTCState, init, calibrate=calibrated)
 init, update, get_kv, nbytes = method.init, method.update, method.get_kv, method.nbytes
 positions, attend = method.positions, method.attend

@@ -58,7 +58,8 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
     return codec_cache.empty(VecInferState, locals())
 
 
-def _check_calibrated(state) -> None:
+def _check_calibrated(state, keys):
+    """``state``, refused (``ValueError``) without calibrated codebooks."""
     if not state.tables.calibrated or not state.value_tables.calibrated:
         _, h, d, _ = codec_cache.dims(state)
         raise ValueError(
@@ -66,6 +67,7 @@ def _check_calibrated(state) -> None:
             f"layer={state.layer}): the shipped calibration fits the embedded SmolLM2 only. "
             f"Fit this model's with `{CALIBRATE}` and pass make_cache(model, 'vecinfer', "
             f"artifacts=FILE); codebook='random' is for tests")
+    return state
 
 
 _RENAME_K = {"sub_dim": "key_sub_dim", "bits": "key_codebook_bits", "codebook": "codebook",
@@ -77,7 +79,7 @@ VecInferState = codec_cache.state_type(
     "VecInferState", init, "VecInfer key and value indices (packed), the smoothing factors, "
     "the Hadamard rotation and the key and value codebooks.", codec="vecinfer_keys",
     codes=VQCodes, tables=VecInferTables, rename=_RENAME_K, values="vecinfer_values",
-    value_types=(VQCodes, VecInferTables), value_rename=_RENAME_V, check=_check_calibrated)
+    value_types=(VQCodes, VecInferTables), value_rename=_RENAME_V, prepare=_check_calibrated)
 State = VecInferState
 
 
