@@ -96,3 +96,4 @@ def codes_nbytes(codes) -> int:
 from . import affine, polar, prod, qjl, spectral, turboquant, split  # noqa: E402,F401
 from . import pq, vecinfer  # noqa: E402,F401
 from . import kvtc  # noqa: E402,F401
+from . import a2ats  # noqa: E402,F401
