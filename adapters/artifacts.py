@@ -32,7 +32,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["FORMAT", "FITTERS", "WANTS_VALUES", "fit_spectral", "fit_vecinfer", "calibrate", "save_artifact", "load_artifact",
+__all__ = ["FORMAT", "FITTERS", "WANTS_VALUES", "fit_spectral", "fit_vecinfer", "fit_a2ats", "WANTS_QUERIES", "calibrate", "save_artifact", "load_artifact",
            "model_dims", "layer_arrays"]
 
 #: The artifact format: 2 holds one fit a (layer, kv head); 1 held one a layer (heads pooled).
@@ -96,12 +96,85 @@ def fit_kvtc(keys: np.ndarray, params: dict[str, Any]) -> dict[str, np.ndarray]:
             "variances": (sigma.astype(np.float64) ** 2).astype(np.float32)}
 
 
+def fit_a2ats(keys: np.ndarray, params: dict[str, Any], *, queries: np.ndarray, rope,
+              ) -> dict[str, np.ndarray]:
+    """A²ATS's calibration of one layer, one fit a kv head: the model's RoPE frequencies
+    ``freqs [kv_heads, d / 2]`` (measured from the layer's ``rope``,
+    ``velox.codecs.a2ats.rope_frequencies``), the queries' second moment at distance ``b``,
+    ``metric [kv_heads, J, s, s]`` (``H_j = E[q_j q_j^T]`` over the kv head's query heads, each
+    post-RoPE query at position ``t`` turned by ``b - t``), and a codebook a sub-space of the
+    pre-RoPE keys (each un-rotated by its position), ``codebook [kv_heads, J, 2^bits, s]``
+    (float16), fitted by Lloyd's k-means under ``H_j`` (``velox.codecs.pq.kmeans``, seeded; a
+    cluster's mean minimises its H-weighted error) or, with ``use_query_aware`` false, plain
+    k-means; ``b [kv_heads]``. ``keys`` ``[tokens, kv_heads, d]`` and ``queries`` ``[tokens,
+    q_heads, d]`` are one forward's from position 0; ``params`` may set ``sub_dim`` (8),
+    ``codebook_bits`` (8), ``b`` (2048), ``use_query_aware`` (True), ``iters`` (10), ``seed``
+    (0)."""
+    from velox.codecs import pq
+    from velox.codecs.a2ats import rope_frequencies, rotate_np
+
+    s, bits = int(params.get("sub_dim", 8)), int(params.get("codebook_bits", 8))
+    b, aware = int(params.get("b", 2048)), bool(params.get("use_query_aware", True))
+    iters, seed = int(params.get("iters", 10)), int(params.get("seed", 0))
+    k, q = np.asarray(keys, np.float32), np.asarray(queries, np.float32)
+    t, h, d = k.shape
+    g, j = q.shape[1] // h, d // s
+    freqs = rope_frequencies(rope, d)
+    pos = np.arange(t, dtype=np.int32)[:, None]
+    pre = rotate_np(k, -np.broadcast_to(pos, (t, h)), freqs)            # [t, h, d]
+    qb = rotate_np(q, np.broadcast_to(b - pos, q.shape[:2]), freqs)      # [t, hq, d]
+    cbs, hs = [], []
+    for i in range(h):  # one fit a kv head: heads never pooled
+        qi = qb[:, i * g:(i + 1) * g].reshape(-1, j, s).astype(np.float64)
+        hi = np.einsum("njs,njr->jsr", qi, qi) / len(qi)                  # [J, s, s]
+        hs.append(hi.astype(np.float32))
+        cbs.append(np.stack([np.array(pq.kmeans(
+            pre[:, i, jj * s:(jj + 1) * s], 1 << bits, iters=iters, seed=seed,
+            metric=mx.array(hs[-1][jj]) if aware else None)) for jj in range(j)]))
+    return {"codebook": np.stack(cbs).astype(np.float16), "metric": np.stack(hs),
+            "freqs": np.broadcast_to(freqs, (h, d // 2)).copy(),
+            "b": np.full((h,), b, np.float32)}
+
+
+#: The shipped A²ATS calibration of the embedded SmolLM2 (``velox.codecs.a2ats.SHIPPED``):
+#: the text and token count it is fitted on (the opening of the shipped ``holmes`` text), the
+#: Lloyd rounds and seed, at the method's default bits, sub_dim and b.
+A2ATS_SHIPPED = {"text": "holmes", "tokens": 1024, "iters": 10, "seed": 0}
+
+
+def build_a2ats_shipped(out: str | Path | None = None, progress: bool = True) -> Path:
+    """Fit A²ATS on the embedded SmolLM2 over :data:`A2ATS_SHIPPED` and write the ``.npz``
+    shipped in ``velox.adapters/data``: :func:`fit_a2ats`'s arrays stacked over layers and the
+    provenance (with the fit's seconds) as JSON."""
+    import time
+
+    from velox.adapters.harness import load_text
+    from velox.adapters.smollm2 import MODEL_DIRNAME, load_default_model
+
+    cfg = A2ATS_SHIPPED
+    model, tokenizer = load_default_model()
+    text = tokenizer.decode(tokenizer.encode(load_text(cfg["text"]))[: cfg["tokens"]])
+    t0 = time.perf_counter()
+    arrays, info = calibrate("a2ats", model, tokenizer, text, model_name=MODEL_DIRNAME,
+                             source=f"shipped text {cfg['text']!r}",
+                             params={"iters": cfg["iters"], "seed": cfg["seed"]}, progress=progress)
+    info["seconds"] = round(time.perf_counter() - t0, 1)
+    path = Path(out) if out else Path(__file__).parent / "data" / "a2ats_smollm2.npz"
+    np.savez_compressed(path, metadata=np.array(json.dumps(info, sort_keys=True)), **arrays)
+    _say(progress, f"wrote {path} ({path.stat().st_size} bytes) in {info['seconds']} s")
+    return path
+
+
 #: method key -> fitter of its artifact from every layer's keys (and values: WANTS_VALUES).
 FITTERS: dict[str, Callable[..., dict[str, np.ndarray]]] = {
     "spectral": fit_spectral,
     "kvtc": fit_kvtc,
     "vecinfer": fit_vecinfer,
+    "a2ats": fit_a2ats,
 }
+#: Methods whose fitter takes the layer's queries and its ``rope`` module too
+#: (``fit(keys, params, queries=..., rope=...)``).
+WANTS_QUERIES = frozenset({"a2ats"})
 #: Methods whose fitter takes the layer's values too (``fit(keys, params, values)``).
 WANTS_VALUES = frozenset({"vecinfer"})
 
@@ -125,13 +198,15 @@ def calibrate(method: str, model, tokenizer, text: str, *, model_name: str, sour
     tokens = tokenizer.encode(text)
     _say(progress, f"calibrating {method}: capturing keys over {len(tokens)} tokens")
     if method in WANTS_VALUES:
-        _, keys, values = capture_qkv(model, tokens)
+        queries, keys, values = capture_qkv(model, tokens)
     else:
-        (_, keys), values = capture_qk(model, tokens), None
+        (queries, keys), values = capture_qk(model, tokens), None
     per_layer = []
     for i, k in enumerate(keys):
         extra = () if values is None else (values[i],)
-        per_layer.append(FITTERS[method](k, dict(params or {}), *extra))
+        kw = {"queries": queries[i], "rope": model.layers[i].self_attn.rope} \
+            if method in WANTS_QUERIES else {}
+        per_layer.append(FITTERS[method](k, dict(params or {}), *extra, **kw))
         _bar(progress, i + 1, len(keys))
     arrays = {name: np.stack([p[name] for p in per_layer]) for name in per_layer[0]}
     _say(progress, f"fitted {', '.join(f'{k} {tuple(v.shape)}' for k, v in arrays.items())}")
