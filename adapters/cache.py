@@ -112,6 +112,21 @@ class _Model:
     record: tuple | None = None
     n_layers: int = 0
 
+    def record_of(self, m: Method) -> Any:
+        """The cross-layer record ``m`` steps (made on first use); ``None`` for a method
+        without one."""
+        if m.layer_update is None:
+            return None
+        if self.record is None:
+            self.record = m.model_init(self.layer_params)
+        return self.record
+
+    def keep(self, record: Any) -> None:
+        """Take the record a layer's update returned (its arrays scheduled for evaluation)."""
+        if record is not None:
+            self.record = record
+            mx.async_eval(_arrays(record))
+
 
 # --- the cache ------------------------------------------------------------------------
 
@@ -203,21 +218,12 @@ class _BatchMerge:
 
 
 class VeloxCache(SteppedCache):
-    """mlx-lm cache protocol around one layer's velox state (any registered method): the
-    settings of the layer and one ``velox.layer.Held`` record (``held``: the state of the
-    method it steps, a pending row, the offset, a pending step); every step is a function of
-    ``velox.layer``, the cache stores what it returns (module doc: the protocol's facts).
-
-    Settings (fixed at construction): ``method``, ``params``, ``backend``, ``layer``,
-    ``compile``, ``real_queries``, ``decode``, ``decode_cap``, ``rollback`` and ``mode``.
-    ``last_step`` says how the last step ran (``"proxy"``, ``"deferred"``, ``"fused"``,
-    ``"fill"``, ``"tail"``, ``"compiled"``); nothing reads it to choose a path.
-
-    ``observe`` (``None`` or ``fn(layer, info)``): called after every update of the state
-    with its ``velox.decode.StepInfo`` (tokens held and dropped, bytes, the step's rows'
-    quantization error). An observed cache decodes layer by layer, writing each row at once;
-    copies of the cache share ``fn``. Off, it costs nothing.
-    """
+    """mlx-lm's cache protocol over one layer's ``velox.layer.Held`` record (``held``); each
+    step is a function of ``velox.layer`` whose result the cache stores (module doc: the
+    protocol's facts). Settings are fixed at construction; ``last_step`` says how the last
+    step ran (nothing reads it). ``observe`` (``None`` or ``fn(layer, info)``, shared by
+    copies) gets every update's ``velox.decode.StepInfo``; an observed cache decodes layer
+    by layer, and off it costs nothing."""
 
     def __init__(self, method: str, params: dict[str, Any] | None = None, *,
                  backend: str = "auto", layer: int = 0, model: _Model | None = None,
@@ -307,21 +313,18 @@ class VeloxCache(SteppedCache):
         return layer.trimmable_tokens(self.held.state)
 
     def can_trim(self, n: int) -> bool:
-        """Whether ``trim(n)`` is exact now (``n`` 0 or the tokens of the newest journaled
-        steps: any ``n <= rollback`` once decoding)."""
+        """Whether ``trim(n)`` is exact now (any ``n <= rollback`` once decoding)."""
         return layer.can_trim(self.held.state, n)
 
     @_BatchMerge
     def merge(cls, caches: list) -> "velox.adapters.batch.VeloxBatchCache":
-        """mlx-lm's batch protocol (a classmethod): ``velox.adapters.batch.VeloxBatchCache``
-        of these caches. Absent on a cache whose model's attention does not reach the wrapper:
-        mlx-lm then serves that model one request at a time."""
+        """mlx-lm's batch protocol: a ``VeloxBatchCache`` of these caches (absent where the
+        model's attention misses the wrapper: mlx-lm then serves one request at a time)."""
         return VeloxBatchCache.merge(caches)
 
     def trim(self, n: int) -> int:
-        """Remove the newest ``n`` tokens exactly (the cache as if it never saw them) and
-        return ``n``; ``ValueError`` where ``can_trim(n)`` is false. Without rollback nothing
-        is removed and 0 is returned."""
+        """Remove the newest ``n`` tokens exactly and return ``n`` (``ValueError`` where
+        ``can_trim(n)`` is false); without rollback nothing, and 0."""
         if not self.rollback:
             return 0
         self.held = layer.trim(self.held, n, self.rollback)
@@ -343,8 +346,7 @@ class VeloxCache(SteppedCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes the state really holds (a tail, its queries and a journal's arrays included),
-        plus a pending step's tokens."""
+        """Bytes the state holds (a tail, its queries, a journal) and a pending step's."""
         total = 0 if self.held.state is None else self._m.nbytes(self._state)
         return total + sum(x.nbytes for x in self._pending_arrays())
 
@@ -385,10 +387,7 @@ class VeloxCache(SteppedCache):
     # -- updates -------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Take this step's tokens; return what its attention reads (stored + new, or the new
-        ones alone where the wrapper attends by itself). Proxy mode updates here; deferred
-        mode leaves the update to the wrapped attention. With ``rollback=d`` a call of 2 to
-        ``d + 1`` tokens on a cache holding tokens (a verify call) waits whole for the
-        wrapper, which runs it as one-token steps."""
+        ones alone where the wrapper attends by itself; a verify call waits whole for it)."""
         h, s = self.held, keys.shape[2]
         if h.fast and s == 1 and h.pending is None and _capture_installed():
             # after a fused step: nothing to check; the row is written inside the next one
@@ -436,8 +435,8 @@ class VeloxCache(SteppedCache):
         return _with_state(out, layer.new_arrays(self.held))
 
     def _verify(self, queries: mx.array, *, scale: float, sinks) -> mx.array:
-        """A verify call as the one-token steps it stands for, each journaled, so a trim of
-        any of its tokens restores exactly; projections and MLPs stay batched."""
+        """A verify call as the one-token steps it stands for, each journaled (a trim of any
+        of them is exact); projections and MLPs stay batched."""
         step, s = self.held.pending, self.held.pending.keys.shape[2]
         self.held = self.held._replace(offset=self.held.offset - s, pending=None)
         out = []
@@ -448,15 +447,14 @@ class VeloxCache(SteppedCache):
         return mx.concatenate(out, axis=2)
 
     def absorb(self, keys: mx.array, values: mx.array, *, queries: mx.array | None = None) -> None:
-        """Feed keys/values (and the queries to score them with) straight into the state, for
-        callers that computed a layer's rows themselves (KVzip's context reconstruction)."""
+        """Feed rows (and their queries) straight into the state (KVzip's reconstruction)."""
         self._settle()
         self.held, step = layer.take(self._plan, self.held, keys, values)
         self._absorb(step, queries)
 
     def _settle(self) -> None:
-        """Complete a pending step whose attention never reached the wrapper, with the
-        proxy; a cache loaded without its model then learns its mode is proxy."""
+        """Complete with the proxy a pending step whose attention missed the wrapper (a
+        cache loaded without its model then learns its mode is proxy)."""
         step = self.held.pending
         if step is None:
             return
@@ -478,26 +476,19 @@ class VeloxCache(SteppedCache):
         mx.async_eval(layer.new_arrays(self.held))
 
     def _record(self) -> Any:
-        """The model-level record of a cross-layer method (made on first use), else ``None``."""
-        model = self._model
-        if model is None or self._m.layer_update is None:
-            return None
-        if model.record is None:
-            model.record = self._m.model_init(model.layer_params)
-        return model.record
+        return None if self._model is None else self._model.record_of(self._m)
 
     def _updated(self, before, step: Pending, record) -> None:
         """After an update: keep the model-level record, call the observer."""
         if record is not None:
-            self._model.record = record
-            mx.async_eval(_arrays(record))
+            self._model.keep(record)
         held = self.__dict__.get("_observe")
         if held is not None and before is not None:
             held.fn(self.layer, step_info(self._m, before, self._state, step.keys, step.values))
 
     def _plain(self) -> bool:
-        """A single-token step is the method's alone: no journal, tail, observer, unknown
-        route or model-level record (the fast path and chunked storage's compiled step)."""
+        """No journal, tail, observer, unknown route or model-level record: a single-token
+        step is the method's alone (the fast path, chunked storage's compiled step)."""
         return (not self.rollback and self._m is self.method and not self.observe
                 and not self._route_unknown and self.method.layer_update is None)
 
