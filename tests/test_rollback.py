@@ -24,10 +24,11 @@ H, GROUPS, D = 2, 2, 32          # kv heads, query heads per kv head, head dim
 PREFILL = (30, 5)                # two prompt chunks (the second on a non-empty cache)
 SCALE = D ** -0.5
 
-# Small settings: bounded methods evict, quantizers flush, append tails are absorbed.
+# Small settings: bounded methods evict, quantizers flush, append tails are absorbed; codebook
+# methods calibrated for another model take seeded random codebooks.
 SMALL = dict(budget=10, window_size=8, n_sink=2, grace=2, recent=2, obs_window=4, window=4,
              residual_length=4, group_size=8, merge_window=4, threshold_window=8,
-             calib_tokens=8, kernel_size=3, page_size=4)
+             calib_tokens=8, kernel_size=3, page_size=4, codebook="random")
 CROSS_LAYER = [k for k in method_keys() if get_method(k).layer_update is not None]
 METHODS = [k for k in method_keys() if k not in CROSS_LAYER]
 
