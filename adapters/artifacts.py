@@ -32,8 +32,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["FORMAT", "FITTERS", "WANTS_VALUES", "fit_spectral", "fit_vecinfer", "fit_a2ats", "WANTS_QUERIES", "calibrate", "save_artifact", "load_artifact",
-           "model_dims", "layer_arrays"]
+__all__ = ["FORMAT", "FITTERS", "WANTS_VALUES", "WANTS_QUERIES", "SHIPPED_FITS", "fit_spectral",
+           "fit_vecinfer", "fit_a2ats", "fit_kvtc", "calibrate", "build_shipped", "save_artifact",
+           "load_artifact", "model_dims", "layer_arrays"]
 
 #: The artifact format: 2 holds one fit a (layer, kv head); 1 held one a layer (heads pooled).
 FORMAT = "velox-artifact-2"
@@ -140,29 +141,6 @@ def fit_a2ats(keys: np.ndarray, params: dict[str, Any], *, queries: np.ndarray, 
 #: the text and token count it is fitted on (the opening of the shipped ``holmes`` text), the
 #: Lloyd rounds and seed, at the method's default bits, sub_dim and b.
 A2ATS_SHIPPED = {"text": "holmes", "tokens": 1024, "iters": 10, "seed": 0}
-
-
-def build_a2ats_shipped(out: str | Path | None = None, progress: bool = True) -> Path:
-    """Fit A²ATS on the embedded SmolLM2 over :data:`A2ATS_SHIPPED` and write the ``.npz``
-    shipped in ``velox.adapters/data``: :func:`fit_a2ats`'s arrays stacked over layers and the
-    provenance (with the fit's seconds) as JSON."""
-    import time
-
-    from velox.adapters.harness import load_text
-    from velox.adapters.smollm2 import MODEL_DIRNAME, load_default_model
-
-    cfg = A2ATS_SHIPPED
-    model, tokenizer = load_default_model()
-    text = tokenizer.decode(tokenizer.encode(load_text(cfg["text"]))[: cfg["tokens"]])
-    t0 = time.perf_counter()
-    arrays, info = calibrate("a2ats", model, tokenizer, text, model_name=MODEL_DIRNAME,
-                             source=f"shipped text {cfg['text']!r}",
-                             params={"iters": cfg["iters"], "seed": cfg["seed"]}, progress=progress)
-    info["seconds"] = round(time.perf_counter() - t0, 1)
-    path = Path(out) if out else Path(__file__).parent / "data" / "a2ats_smollm2.npz"
-    np.savez_compressed(path, metadata=np.array(json.dumps(info, sort_keys=True)), **arrays)
-    _say(progress, f"wrote {path} ({path.stat().st_size} bytes) in {info['seconds']} s")
-    return path
 
 
 #: method key -> fitter of its artifact from every layer's keys (and values: WANTS_VALUES).
@@ -282,29 +260,36 @@ def _say(progress: bool, text: str) -> None:
 VECINFER_SHIPPED = {"text": "holmes", "tokens": 1024, "iters": 6, "seed": 0}
 
 
-def build_vecinfer_shipped(out: str | Path | None = None, progress: bool = True) -> Path:
-    """Fit VecInfer on the embedded SmolLM2 over :data:`VECINFER_SHIPPED` and write the
-    ``.npz`` shipped in ``velox.adapters/data`` (``velox.codecs.vecinfer.SHIPPED``): the
-    arrays of :func:`fit_vecinfer` stacked over layers and the provenance as JSON
-    (``python -m velox.adapters.artifacts``)."""
+#: Calibrations shipped for the embedded SmolLM2 (``velox.adapters/data``): method -> (its
+#: fit's settings, the file the method's codec names in its ``SHIPPED``).
+SHIPPED_FITS = {"vecinfer": (VECINFER_SHIPPED, "vecinfer_smollm2.npz"),
+                "a2ats": (A2ATS_SHIPPED, "a2ats_smollm2.npz")}
+
+
+def build_shipped(method: str, out: str | Path | None = None, progress: bool = True) -> Path:
+    """Fit ``method`` on the embedded SmolLM2 over its :data:`SHIPPED_FITS` settings and write
+    the ``.npz`` shipped in ``velox.adapters/data``: the fitter's arrays stacked over layers
+    and the provenance (with the fit's seconds) as JSON (``python -m velox.adapters.artifacts
+    METHOD``)."""
     import time
 
     from velox.adapters.harness import load_text
     from velox.adapters.smollm2 import MODEL_DIRNAME, load_default_model
 
-    cfg = VECINFER_SHIPPED
+    cfg, name = SHIPPED_FITS[method]
     model, tokenizer = load_default_model()
     tokens = tokenizer.encode(load_text(cfg["text"]))[: cfg["tokens"]]
     t0 = time.perf_counter()
-    arrays, info = calibrate("vecinfer", model, tokenizer, tokenizer.decode(tokens),
+    arrays, info = calibrate(method, model, tokenizer, tokenizer.decode(tokens),
                              model_name=MODEL_DIRNAME, source=f"shipped text {cfg['text']!r}",
                              params={"iters": cfg["iters"], "seed": cfg["seed"]}, progress=progress)
     info["seconds"] = round(time.perf_counter() - t0, 1)
-    path = Path(out) if out else Path(__file__).parent / "data" / "vecinfer_smollm2.npz"
+    path = Path(out) if out else Path(__file__).parent / "data" / name
     np.savez_compressed(path, metadata=np.array(json.dumps(info, sort_keys=True)), **arrays)
     _say(progress, f"wrote {path} ({path.stat().st_size} bytes) in {info['seconds']} s")
     return path
 
 
 if __name__ == "__main__":
-    build_vecinfer_shipped()
+    for _method in sys.argv[1:] or SHIPPED_FITS:
+        build_shipped(_method)

@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 __all__ = ["Codec", "register_codec", "get_codec", "codec_names", "append", "take",
-           "numpy_tables", "codes_nbytes"]
+           "numpy_tables", "codes_nbytes", "shipped_calibration"]
 
 
 class Codec(NamedTuple):
@@ -85,6 +85,21 @@ def take(codes, idx: mx.array):
 def numpy_tables(tables):
     """``tables`` with every MLX array as a NumPy array (for the ``*_np`` twins)."""
     return type(tables)(*(np.array(x) if isinstance(x, mx.array) else x for x in tables))
+
+
+def shipped_calibration(method: str, shipped: dict[str, str], name: str) -> tuple[dict, dict]:
+    """``(arrays, info)`` of the calibration ``name`` shipped for ``method`` (``shipped``:
+    name -> ``.npz`` file in ``velox.adapters/data``, its provenance JSON under ``metadata``)."""
+    import json
+    from importlib import resources
+
+    if name not in shipped:
+        raise ValueError(f"no shipped {method} calibration {name!r}; shipped: {', '.join(shipped)}")
+    with resources.as_file(resources.files("velox.adapters") / "data" / shipped[name]) as p:
+        with np.load(p) as f:
+            arrays = {k: f[k] for k in f.files if k != "metadata"}
+            info = json.loads(str(f["metadata"]))
+    return arrays, info
 
 
 def codes_nbytes(codes) -> int:

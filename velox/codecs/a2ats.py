@@ -34,16 +34,14 @@ un-rotate), angles ``pos * f`` in float32 in both twins.
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
-from importlib import resources
 from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
 from .._typing import Array, Float, UInt
-from . import Codec, register_codec
+from . import Codec, register_codec, shipped_calibration
 from . import pq
 
 __all__ = ["A2atsTables", "A2atsCodes", "SHIPPED", "ROPE_SCALINGS", "inverse_frequencies",
@@ -141,13 +139,7 @@ def shipped_arrays(name: str) -> tuple[dict, dict]:
     """``(arrays, info)`` of the shipped calibration ``name`` (:data:`SHIPPED`): ``codebook
     [layers, h, J, K, s]``, ``metric [layers, h, J, s, s]``, ``freqs [layers, h, d / 2]``,
     ``b [layers, h]``."""
-    if name not in SHIPPED:
-        raise ValueError(f"no shipped A2ATS calibration {name!r}; shipped: {', '.join(SHIPPED)}")
-    with resources.as_file(resources.files("velox.adapters") / "data" / SHIPPED[name]) as p:
-        with np.load(p) as f:
-            arrays = {k: f[k] for k in f.files if k != "metadata"}
-            info = json.loads(str(f["metadata"]))
-    return arrays, info
+    return shipped_calibration("A2ATS", SHIPPED, name)
 
 
 def _check_metric(h: np.ndarray, j: int, s: int) -> np.ndarray:

@@ -35,17 +35,15 @@ defaults), no side data a token.
 
 from __future__ import annotations
 
-import json
 import math
 from functools import lru_cache
-from importlib import resources
 from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
 from .._typing import Array, Float, UInt
-from . import Codec, register_codec
+from . import Codec, register_codec, shipped_calibration
 from . import pq
 from .rotation import hadamard, is_power_of_two, matmul_per_slice, random_rotation
 
@@ -82,13 +80,7 @@ def smoothing(keys: np.ndarray, floor: float = 1e-6) -> np.ndarray:
 def shipped_arrays(name: str) -> tuple[dict, dict]:
     """``(arrays, info)`` of the shipped calibration ``name`` (:data:`SHIPPED`): ``smooth
     [layers, h, d]``, ``key_codebook [layers, h, K, s]``, ``value_codebook [layers, h, K, s]``."""
-    if name not in SHIPPED:
-        raise ValueError(f"no shipped VecInfer calibration {name!r}; shipped: {', '.join(SHIPPED)}")
-    with resources.as_file(resources.files("velox.adapters") / "data" / SHIPPED[name]) as p:
-        with np.load(p) as f:
-            arrays = {k: f[k] for k in f.files if k != "metadata"}
-            info = json.loads(str(f["metadata"]))
-    return arrays, info
+    return shipped_calibration("VecInfer", SHIPPED, name)
 
 
 def rotation(d: int) -> np.ndarray:
