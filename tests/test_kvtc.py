@@ -257,3 +257,26 @@ def test_attention_on_codes_equals_dense():
                                                 mx.concatenate([v, k1], 2), scale=0.25)
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4, rtol=1e-4)
     assert codec_cache.stored_tokens(s) == 40
+
+
+@pytest.mark.parametrize("backend", ["mlx", "reference"])
+def test_an_evictor_composed_with_kvtc_fits_at_its_first_keys(backend):
+    """``tova+kvtc``: the composition runs KVTC's prepare step, so a budget above the prompt
+    holds the keys exactly as ``kvtc`` alone codes them (the same prefill basis and codes),
+    and eviction keeps the basis fitted on the first keys."""
+    rng = np.random.default_rng(3)
+    keys = mx.array((rng.standard_normal((1, 2, 40, 16)) * np.linspace(4, 0.2, 16)).astype(np.float32))
+    values = mx.array(rng.standard_normal((1, 2, 40, 16)).astype(np.float32))
+    alone = velox.update(velox.init("kvtc", 1, 2, 16, bit_budget=48, backend=backend), keys, values)
+    both = velox.update(velox.init("tova+kvtc", 1, 2, 16, budget=64, bit_budget=48,
+                                   backend=backend), keys, values)
+    assert np.array_equal(np.array(both.tables.basis), np.array(alone.tables.basis))
+    for a, b in zip(alone.key_codes, both.key_codes):
+        assert np.array_equal(np.array(a)[:, :, :40], np.array(b)[:, :, :40])
+    small = velox.init("tova+kvtc", 1, 2, 16, budget=24, bit_budget=48, backend=backend)
+    small = velox.update(small, keys, values)
+    assert np.array_equal(np.array(small.tables.basis), np.array(alone.tables.basis))
+    step = velox.update(small, keys[:, :, :1] * 0.5, values[:, :, :1])
+    assert np.array_equal(np.array(step.tables.basis), np.array(alone.tables.basis))
+    k_hat, _ = velox.get_kv(small)
+    assert k_hat.shape[2] == 24

@@ -47,5 +47,8 @@ class CodedKeys(NamedTuple):
                              tables=type(self.tables)(*map(conv, self.tables)))
 
     def head(self, i: int, j: int, rows: np.ndarray) -> "CodedKeys":
-        """Row ``i``, kv head ``j`` of NumPy codes (:meth:`numpy`), with one head's ``rows``."""
-        return self._replace(rows=rows, codes=type(self.codes)(*(x[i:i + 1, j:j + 1] for x in self.codes)))
+        """Row ``i``, kv head ``j`` of NumPy codes (:meth:`numpy`), with one head's ``rows``
+        (and tables, where the codec holds a fit a row and head: its ``head``)."""
+        tables = self.tables if self.codec.head is None else self.codec.head(self.tables, i, j)
+        return self._replace(rows=rows, tables=tables,
+                             codes=type(self.codes)(*(x[i:i + 1, j:j + 1] for x in self.codes)))

@@ -383,8 +383,10 @@ def _evict_then_code(policy: str, codec_name: str) -> Method:
     P = composable(policy)
     codec = get_codec(codec_name)
     C = get_method(codec_name)  # the codec's own method: its parameters' spec
+    # the codec's parameters that are its method's (not arrays a calibration installs)
+    cnames = tuple(n for n in codec.params if n in C.spec.params)
     by_logits = evict.scores_by_logits(P)
-    spec = _code_spec(P.spec, C.spec, key, codec.params, by_logits)
+    spec = _code_spec(P.spec, C.spec, key, cnames, by_logits)
     pure = bool(P.spec.contract.get("exact_rows", False))
     hints = typing.get_type_hints(P.state_type)
     Policy = NamedTuple(f"{P.state_type.__name__}Policy",
@@ -395,16 +397,18 @@ def _evict_then_code(policy: str, codec_name: str) -> Method:
         f"{P.state_type.__name__}{C.state_type.__name__.replace('State', '')}",
         [("policy", Policy), ("key_codes", chints["key_codes"]),
          ("value_codes", codec_cache.Int8Rows), ("tables", chints["tables"]),
-         ("next_pos", mx.array)] + [(n, type(C.spec.params[n].default)) for n in codec.params]
+         ("next_pos", mx.array)] + [(n, type(C.spec.params[n].default)) for n in cnames]
         + [("cache_dtype", str), ("backend", str)])
-    # values: 8-bit affine codes (value_codec and value_bits are not parameters of a composition)
-    codec_cache._LAYOUT[State] = codec_cache._Layout(codec_name, "affine", {})
+    # values: 8-bit affine codes (value_codec and value_bits are not parameters of a composition);
+    # the codec method's prepare step (a fit at the first keys, a refusal) runs before encoding
+    codec_cache._LAYOUT[State] = codec_cache._Layout(
+        codec_name, "affine", {}, prepare=codec_cache._LAYOUT[C.state_type].prepare)
 
     def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
              backend: str = "auto", **params: Any):
         """Empty composed state; ``params`` are the policy's plus the codec's (checked by the
         registry's wrapper before this runs)."""
-        cparams = {n: params.pop(n) for n in codec.params}
+        cparams = {n: params.pop(n) for n in cnames}
         pstate = P.init(batch, kv_heads, head_dim, dtype=dtype, backend=backend, **params)
         args = dict(batch=batch, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, **cparams)
         empty = codec_cache.empty(State, dict(args, policy=None, backend=pstate.backend))
@@ -412,10 +416,11 @@ def _evict_then_code(policy: str, codec_name: str) -> Method:
 
     def _with_rows(state, keys, values):
         """The state's key and value codes with ``keys``, ``values`` appended, coded by the
-        state's backend (MLX functions, or the NumPy twins)."""
+        state's backend (MLX functions, or the NumPy twins), and the tables they were coded
+        with (the codec method's prepare step may fit them at the first keys)."""
         step = codec_cache._update_reference if state.backend == "reference" else codec_cache._update_mlx
         out = step(state, keys, values, None)
-        return out.key_codes, out.value_codes
+        return out.key_codes, out.value_codes, out.tables
 
     slotted = _slot_policy(P)
 
@@ -431,7 +436,7 @@ def _evict_then_code(policy: str, codec_name: str) -> Method:
         holding tokens: one stored row goes along, so choices made at the first tokens hold)."""
         one = state._replace(key_codes=type(state.key_codes)(*(x[:, :, :1] for x in state.key_codes)),
                              value_codes=type(state.value_codes)(*(x[:, :, :1] for x in state.value_codes)))
-        kc, vc = _with_rows(one, keys, values)
+        kc, vc, _ = _with_rows(one, keys, values)  # a row held: the tables stand
         return (type(kc)(*(x[:, :, 1:] for x in kc)), type(vc)(*(x[:, :, 1:] for x in vc)))
 
     def _update(state, keys, values, queries):
@@ -445,6 +450,7 @@ def _evict_then_code(policy: str, codec_name: str) -> Method:
                               next_pos=state.next_pos)
         backend = P.backends[state.backend]
         n = k_hat.shape[2]
+        tables = state.tables
         if pure and slotted:  # the policy says how it moved the rows: the codes follow
             new, move = backend.with_move(pstate, keys, values, queries)
             if move.slot is not None:
@@ -452,12 +458,12 @@ def _evict_then_code(policy: str, codec_name: str) -> Method:
                 kc = type(fk)(*evict.apply_move(move, tuple(state.key_codes), tuple(fk)))
                 vc = type(fv)(*evict.apply_move(move, tuple(state.value_codes), tuple(fv)))
             else:
-                kc, vc = _with_rows(state, keys, values)
+                kc, vc, tables = _with_rows(state, keys, values)
                 if move.idx is not None:
                     kc, vc = take(kc, move.idx), take(vc, move.idx)
         elif pure:
             new = backend(pstate, keys, values, queries)
-            kc, vc = _with_rows(state, keys, values)
+            kc, vc, tables = _with_rows(state, keys, values)
             if new.positions.shape[2] != n + s:  # candidate index of each kept position
                 cand = mx.concatenate([pstate.positions, evict.new_positions(state.next_pos, s)], 2)
                 idx = _kept_index(cand, new.positions)
@@ -466,9 +472,9 @@ def _evict_then_code(policy: str, codec_name: str) -> Method:
             new = backend(pstate, keys, values, queries)
             none = state._replace(key_codes=type(state.key_codes)(*(x[:, :, :0] for x in state.key_codes)),
                                   value_codes=type(state.value_codes)(*(x[:, :, :0] for x in state.value_codes)))
-            kc, vc = _with_rows(none, new.keys, new.values)
+            kc, vc, tables = _with_rows(none, new.keys, new.values)
         return state._replace(policy=Policy(*(getattr(new, f) for f in Policy._fields)),
-                              key_codes=kc, value_codes=vc, next_pos=new.next_pos)
+                              key_codes=kc, value_codes=vc, tables=tables, next_pos=new.next_pos)
 
     def get_kv(state):
         """Decoded keys and dequantized values, in increasing absolute position."""

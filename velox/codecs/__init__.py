@@ -15,7 +15,8 @@ A codec is a :class:`Codec` record of pure functions over its own record of code
 * ``encode_np``, ``decode_np``, ``scores_np``: the NumPy twins (tables as NumPy arrays,
   ``numpy_tables``), the executable spec, giving the same codes.
 * ``params``: the names of the method parameters it reads; ``error``: its error statement
-  (a bound, or unbiasedness with a variance bound).
+  (a bound, or unbiasedness with a variance bound); ``head``: one (batch row, kv head)'s
+  tables, for a codec whose tables hold a fit a row and head (KVTC's prefill basis).
 
 Codes of a cache grow along the token axis: :func:`append` and :func:`take` work on any codes
 record. Codecs register by name (:func:`register_codec`, :func:`get_codec`).
@@ -46,6 +47,9 @@ class Codec(NamedTuple):
     scores_np: Callable[[Any, np.ndarray, Any], np.ndarray]
     params: tuple[str, ...]
     error: str
+    #: ``head(tables, i, j)``: batch row ``i``, kv head ``j``'s tables, where a codec's tables
+    #: hold one fit a row and head (NumPy, a ``reference`` score's one head); ``None``: shared.
+    head: Callable[[Any, int, int], Any] | None = None
 
 
 _CODECS: dict[str, Codec] = {}

@@ -514,13 +514,24 @@ def scores_np(t: KvtcTables, queries: np.ndarray, codes: KvtcCodes) -> np.ndarra
     return qr @ np.swapaxes(_coefficients_np(t, codes), -1, -2) + qm
 
 
+def head_tables(t: KvtcTables, i: int, j: int) -> KvtcTables:
+    """Batch row ``i``, kv head ``j``'s tables (leading ``[1, 1]``) of tables fitted a row and
+    head (``[b, h, ...]``), or a kv head's (``[h, ...]``); shared tables as they are."""
+    def one(x, base):  # base: the array's own axes (2 for the basis, 1 for the others)
+        x = np.asarray(x)
+        lead = x.ndim - base
+        return x[i:i + 1, j:j + 1] if lead == 2 else x[None, j:j + 1] if lead == 1 else x
+    return t._replace(basis=one(t.basis, 2), mean=one(t.mean, 1), sigma=one(t.sigma, 1),
+                      bits=one(t.bits, 1))
+
+
 CODEC = register_codec(Codec(
     name="kvtc", tables=tables, encode=encode, decode=decode, scores=scores,
     encode_np=encode_np, decode_np=decode_np, scores_np=scores_np,
     params=("bit_budget", "bit_choices", "beta", "basis", "mean", "variances"),
     error="coefficient i within sigma_i s / 2^bits_i of the row's principal coefficient "
           "(s = the row's float16 scale, max |y_i / sigma_i| over the coded components); a "
-          "0-bit component decodes to the mean"))
+          "0-bit component decodes to the mean", head=head_tables))
 
 
 # ---- entropy coding (stored caches) ---------------------------------------------------------
