@@ -120,9 +120,11 @@ __all__ = [
 
 # --- begin generated exports (scripts/update_exports.py) ---
 from .methods import (  # noqa: E402  (each registers its method)
+    a2ats,
     adakv,
     age_tiered,
     amc,
+    anchorkv,
     cachegen,
     cam,
     chunkkv,
@@ -140,6 +142,7 @@ from .methods import (  # noqa: E402  (each registers its method)
     kvzip,
     morphkv,
     nestedkv,
+    nsnquant,
     polar,
     pyramidkv,
     qfilters,
@@ -157,6 +160,9 @@ from .methods import (  # noqa: E402  (each registers its method)
     vecinfer,
     zipcache,
 )
+A2atsState = a2ats.State
+a2ats_init, a2ats_update, a2ats_get_kv, a2ats_bytes = (
+    a2ats.init, a2ats.update, a2ats.get_kv, a2ats.nbytes)
 AdaKVState = adakv.State
 adakv_init, adakv_update, adakv_get_kv, adakv_bytes = (
     adakv.init, adakv.update, adakv.get_kv, adakv.nbytes)
@@ -166,6 +172,9 @@ age_tiered_init, age_tiered_update, age_tiered_get_kv, age_tiered_bytes = (
 AMCState = amc.State
 amc_init, amc_update, amc_get_kv, amc_bytes = (
     amc.init, amc.update, amc.get_kv, amc.nbytes)
+AnchorKVState = anchorkv.State
+anchorkv_init, anchorkv_update, anchorkv_get_kv, anchorkv_bytes = (
+    anchorkv.init, anchorkv.update, anchorkv.get_kv, anchorkv.nbytes)
 CacheGenState = cachegen.State
 cachegen_init, cachegen_update, cachegen_get_kv, cachegen_bytes = (
     cachegen.init, cachegen.update, cachegen.get_kv, cachegen.nbytes)
@@ -214,6 +223,9 @@ morphkv_init, morphkv_update, morphkv_get_kv, morphkv_bytes = (
 NestedKVState = nestedkv.State
 nestedkv_init, nestedkv_update, nestedkv_get_kv, nestedkv_bytes = (
     nestedkv.init, nestedkv.update, nestedkv.get_kv, nestedkv.nbytes)
+NSNQuantState = nsnquant.State
+nsnquant_init, nsnquant_update, nsnquant_get_kv, nsnquant_bytes = (
+    nsnquant.init, nsnquant.update, nsnquant.get_kv, nsnquant.nbytes)
 PolarState = polar.State
 polar_init, polar_update, polar_get_kv, polar_bytes = (
     polar.init, polar.update, polar.get_kv, polar.nbytes)
@@ -263,33 +275,36 @@ ZipCacheState = zipcache.State
 zipcache_init, zipcache_update, zipcache_get_kv, zipcache_bytes = (
     zipcache.init, zipcache.update, zipcache.get_kv, zipcache.nbytes)
 __all__ += [
-    "adakv", "AdaKVState", "adakv_init", "adakv_update", "adakv_get_kv", "adakv_bytes",
-    "age_tiered", "AgeTieredState", "age_tiered_init", "age_tiered_update", "age_tiered_get_kv",
+    "a2ats", "A2atsState", "a2ats_init", "a2ats_update", "a2ats_get_kv", "a2ats_bytes", "adakv",
+    "AdaKVState", "adakv_init", "adakv_update", "adakv_get_kv", "adakv_bytes", "age_tiered",
+    "AgeTieredState", "age_tiered_init", "age_tiered_update", "age_tiered_get_kv",
     "age_tiered_bytes", "amc", "AMCState", "amc_init", "amc_update", "amc_get_kv", "amc_bytes",
-    "cachegen", "CacheGenState", "cachegen_init", "cachegen_update", "cachegen_get_kv",
-    "cachegen_bytes", "cam", "CaMState", "cam_init", "cam_update", "cam_get_kv", "cam_bytes",
-    "chunkkv", "ChunkKVState", "chunkkv_init", "chunkkv_update", "chunkkv_get_kv", "chunkkv_bytes",
-    "curdkv", "CurDKVState", "curdkv_init", "curdkv_update", "curdkv_get_kv", "curdkv_bytes",
-    "gear", "GearState", "gear_init", "gear_update", "gear_get_kv", "gear_bytes", "h2o",
-    "H2OState", "h2o_init", "h2o_update", "h2o_get_kv", "h2o_bytes", "keyformer", "KeyformerState",
-    "keyformer_init", "keyformer_update", "keyformer_get_kv", "keyformer_bytes", "kitty",
-    "KittyState", "kitty_init", "kitty_update", "kitty_get_kv", "kitty_bytes", "kivi", "KiviState",
-    "kivi_init", "kivi_update", "kivi_get_kv", "kivi_bytes", "kivi_sink", "KiviSinkState",
-    "kivi_sink_init", "kivi_sink_update", "kivi_sink_get_kv", "kivi_sink_bytes", "knorm",
-    "KNormState", "knorm_init", "knorm_update", "knorm_get_kv", "knorm_bytes", "kvquant",
+    "anchorkv", "AnchorKVState", "anchorkv_init", "anchorkv_update", "anchorkv_get_kv",
+    "anchorkv_bytes", "cachegen", "CacheGenState", "cachegen_init", "cachegen_update",
+    "cachegen_get_kv", "cachegen_bytes", "cam", "CaMState", "cam_init", "cam_update", "cam_get_kv",
+    "cam_bytes", "chunkkv", "ChunkKVState", "chunkkv_init", "chunkkv_update", "chunkkv_get_kv",
+    "chunkkv_bytes", "curdkv", "CurDKVState", "curdkv_init", "curdkv_update", "curdkv_get_kv",
+    "curdkv_bytes", "gear", "GearState", "gear_init", "gear_update", "gear_get_kv", "gear_bytes",
+    "h2o", "H2OState", "h2o_init", "h2o_update", "h2o_get_kv", "h2o_bytes", "keyformer",
+    "KeyformerState", "keyformer_init", "keyformer_update", "keyformer_get_kv", "keyformer_bytes",
+    "kitty", "KittyState", "kitty_init", "kitty_update", "kitty_get_kv", "kitty_bytes", "kivi",
+    "KiviState", "kivi_init", "kivi_update", "kivi_get_kv", "kivi_bytes", "kivi_sink",
+    "KiviSinkState", "kivi_sink_init", "kivi_sink_update", "kivi_sink_get_kv", "kivi_sink_bytes",
+    "knorm", "KNormState", "knorm_init", "knorm_update", "knorm_get_kv", "knorm_bytes", "kvquant",
     "KVQuantState", "kvquant_init", "kvquant_update", "kvquant_get_kv", "kvquant_bytes", "kvtc",
     "KVTCState", "kvtc_init", "kvtc_update", "kvtc_get_kv", "kvtc_bytes", "kvzip", "KVzipState",
     "kvzip_init", "kvzip_update", "kvzip_get_kv", "kvzip_bytes", "morphkv", "MorphKVState",
     "morphkv_init", "morphkv_update", "morphkv_get_kv", "morphkv_bytes", "nestedkv",
     "NestedKVState", "nestedkv_init", "nestedkv_update", "nestedkv_get_kv", "nestedkv_bytes",
-    "polar", "PolarState", "polar_init", "polar_update", "polar_get_kv", "polar_bytes",
-    "pyramidkv", "PyramidKVState", "pyramidkv_init", "pyramidkv_update", "pyramidkv_get_kv",
-    "pyramidkv_bytes", "qfilters", "QFiltersState", "qfilters_init", "qfilters_update",
-    "qfilters_get_kv", "qfilters_bytes", "qjl", "QJLState", "qjl_init", "qjl_update", "qjl_get_kv",
-    "qjl_bytes", "rocketkv", "RocketKVState", "rocketkv_init", "rocketkv_update",
-    "rocketkv_get_kv", "rocketkv_bytes", "skvq", "SKVQState", "skvq_init", "skvq_update",
-    "skvq_get_kv", "skvq_bytes", "snapkv", "SnapKVState", "snapkv_init", "snapkv_update",
-    "snapkv_get_kv", "snapkv_bytes", "spectral", "SpectralState", "spectral_init",
+    "nsnquant", "NSNQuantState", "nsnquant_init", "nsnquant_update", "nsnquant_get_kv",
+    "nsnquant_bytes", "polar", "PolarState", "polar_init", "polar_update", "polar_get_kv",
+    "polar_bytes", "pyramidkv", "PyramidKVState", "pyramidkv_init", "pyramidkv_update",
+    "pyramidkv_get_kv", "pyramidkv_bytes", "qfilters", "QFiltersState", "qfilters_init",
+    "qfilters_update", "qfilters_get_kv", "qfilters_bytes", "qjl", "QJLState", "qjl_init",
+    "qjl_update", "qjl_get_kv", "qjl_bytes", "rocketkv", "RocketKVState", "rocketkv_init",
+    "rocketkv_update", "rocketkv_get_kv", "rocketkv_bytes", "skvq", "SKVQState", "skvq_init",
+    "skvq_update", "skvq_get_kv", "skvq_bytes", "snapkv", "SnapKVState", "snapkv_init",
+    "snapkv_update", "snapkv_get_kv", "snapkv_bytes", "spectral", "SpectralState", "spectral_init",
     "spectral_update", "spectral_get_kv", "spectral_bytes", "squeeze", "SqueezeState",
     "squeeze_init", "squeeze_update", "squeeze_get_kv", "squeeze_bytes", "streaming_llm",
     "StreamingLLMState", "streaming_llm_init", "streaming_llm_update", "streaming_llm_get_kv",
