@@ -21,7 +21,11 @@ compared with the arrays in ``tests/golden/arrays.npz`` within ``atol + rtol |ex
   flipped last bit) and ``get_kv``. Their tolerance is ten times the largest difference seen
   there, relative to the field's magnitude (float32: at least 1e-6). Positions, codes, exact
   rows and scalars never changed there (nor with 1 or 2 OpenBLAS threads, nor on a rerun):
-  they are compared by hash.
+  they are compared by hash, except the code fields of a method whose spec says why its codes
+  follow BLAS rounding (``contract.blas_codes``: KVTC, whose basis is an eigendecomposition
+  fitted at the prefill, so that a coefficient near a cell boundary codes to either side);
+  those are listed under the method's ``unhashed`` and left out, its floating fields compared
+  as above.
 
 Observations are canonical (``rg.observe``): the per-token fields of a state of slots
 (``velox.evict``) are ordered by position and empty slots dropped, so the recordings (of
@@ -115,7 +119,10 @@ def replay(key: str, entry: dict, arrays: dict) -> list[str]:
     for backend, modes in entry["trajectories"].items():
         for mode, rec in modes.items():
             want = rg.decode_calls(rec["calls"])
-            got = [{f: x for f, x in obs.items() if f not in added and not _added_field(f, x)}
+            # a field added after the recording (at its neutral value) is left out; one the
+            # recording holds is compared
+            got = [{f: x for f, x in obs.items()
+                    if f in fields or (f not in added and not _added_field(f, x))}
                    for obs in rg.trajectory(key, backend, mode, overrides, CONFIG)]
             if len(got) != len(want):
                 problems.append(f"{key} {backend} {mode}: {len(got)} calls, recorded {len(want)}")
@@ -128,6 +135,8 @@ def replay(key: str, entry: dict, arrays: dict) -> list[str]:
                     break
                 bad = []
                 for f, h in zip(fields, hashes):
+                    if f in entry.get("unhashed", {}):  # codes that move with BLAS rounding
+                        continue
                     tol = rec["close"].get(f)
                     if tol is None:
                         if rg.digest(obs[f]) != h:

@@ -353,7 +353,8 @@ def _code_spec(policy: Spec, codec_spec: Spec, key: str, codec_params: tuple[str
             if {t for t in c.replace("(", " ").replace(")", " ").split() if t.isidentifier()}
             <= set(codec_params) | {"head_dim", "batch", "kv_heads", "min", "max"}),
         contract=dict(policy.contract, exact_rows=False, quantized=True, **keys_contract,
-                      **{k: v for k, v in codec_spec.contract.items() if k == "estimator"}),
+                      **{k: v for k, v in codec_spec.contract.items()
+                         if k in ("estimator", "blas_codes")}),
         tolerance=dict(codec_spec.tolerance),
         deviations=policy.deviations + _codec_deviations(codec_spec, codec_params) + (keys_line,),
         backends=tuple(b for b in policy.backends if b in ("reference", "mlx")))
