@@ -44,6 +44,7 @@ import numpy as np
 
 from velox.registry import get_method, method_keys
 from velox.spec import validate_params
+from velox.testing import test_params
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden"
@@ -109,9 +110,7 @@ def small_params(key: str, config: dict[str, Any]) -> dict[str, Any]:
     spec = get_method(key).spec
     out = {name: CAPS[name] for name, p in spec.params.items()
            if name in CAPS and p.type == "int" and p.default > CAPS[name]}
-    # a default the spec keeps out of tests (a shipped codebook fits the embedded model only)
-    out.update({name: p.test_choices[0] for name, p in spec.params.items()
-                if p.test_choices and p.default not in p.test_choices})
+    out.update(test_params(key))  # a default kept out of tests (a codebook shipped for one model)
     validate_params(spec, out, dims=dims(config))
     return out
 

@@ -17,6 +17,7 @@ from velox import wrap
 from velox.adapters import cache_files
 from velox.adapters.mlxlm import VeloxCache, cache_nbytes, load_cache, make_cache, save_cache
 from velox.registry import get_method, method_keys
+from velox.testing import test_params
 
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 3, 5, 7, 9] * 3
 
@@ -44,7 +45,7 @@ def decode(model, caches, first, n):
 def small(key):
     """Parameters that compress the 60-token prompt (as in test_adapter)."""
     spec = get_method(key).spec
-    p = {}
+    p = test_params(key)
     for name, param in spec.params.items():
         if param.test_max is not None and param.type == "int" and name in ("budget", "window_size"):
             p[name] = min(param.default, 24)

@@ -9,13 +9,14 @@ import pytest
 import velox
 from velox.ragged import RowStates
 from velox.registry import get_method, method_keys
+from velox.testing import test_params
 
 KEYS = method_keys()
 D = 32  # every method takes head_dim 32 at its defaults
 
 
 def _state(key):
-    return get_method(key).init(1, 2, D)
+    return get_method(key).init(1, 2, D, **test_params(key))
 
 
 def _rows(n=3):
@@ -231,7 +232,8 @@ def test_every_number_parameter_has_an_upper_bound(key):
         if p.type == "int":
             limit = 2**32 - 1 if name == "seed" else INT32_MAX
             assert p.max is not None and p.max <= limit, f"{key}.{name}: max {p.max}"
-            assert p.test_max is not None and p.test_max <= p.max, f"{key}.{name}: draws up to its max"
+            drawn = p.test_max if p.test_max is not None else max(p.test_choices, default=None)
+            assert drawn is not None and drawn <= p.max, f"{key}.{name}: draws up to its max"
         elif p.type == "float" and (policy, name) not in UNBOUNDED_FLOATS:
             assert p.max is not None, f"{key}.{name} has no max"
 

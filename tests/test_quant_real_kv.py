@@ -89,7 +89,8 @@ def test_error_on_real_keys_and_values(real_kv, key):
         errs = []
         for layer, (k, v) in real_kv.items():
             b, h, n, d = k.shape
-            st = m.init(b, h, d, dtype=k.dtype, **params)
+            at = {"layer": layer} if "layer" in m.spec.params else {}  # a per-layer calibration
+            st = m.init(b, h, d, dtype=k.dtype, **params, **at)
             st = m.update(st, k[:, :, :288], v[:, :, :288])
             for t in range(288, n):
                 st = m.update(st, k[:, :, t:t + 1], v[:, :, t:t + 1])

@@ -32,7 +32,7 @@ __all__ = ["Case", "cases", "param_strategy", "make_inputs", "run", "DTYPES",
            "check_capacity", "check_sinks", "check_positions", "check_next_pos",
            "check_error_bound", "check_bytes", "check_signature", "head_independent",
            "row_case", "assert_states_close", "NONFINITE", "nonfinite_tokens", "check_nonfinite",
-           "by_position", "check_slots"]
+           "by_position", "check_slots", "test_params"]
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 CONTENTS = ("normal", "peaky", "zeros", "repeat")
@@ -66,6 +66,18 @@ class Case:
     @property
     def tokens(self) -> int:
         return sum(self.chunks)
+
+
+def test_params(key: str) -> dict[str, Any]:
+    """The parameters a test passes so that ``key`` runs on any dims: each parameter whose
+    default the spec keeps out of tests (``test_choices`` without it: a codebook shipped for
+    the embedded model only) at its first test choice; ``{}`` for most methods."""
+    spec = get_method(key).spec
+    return {name: p.test_choices[0] for name, p in spec.params.items()
+            if p.test_choices and p.default not in p.test_choices}
+
+
+test_params.__test__ = False  # not a test for pytest to collect
 
 
 def _param_values(p: Param) -> st.SearchStrategy:
