@@ -86,7 +86,7 @@ def test_hadamard_forward_then_inverse_is_identity(d):
         assert np.array_equal(h, h.T) and np.allclose(np.abs(h), 1 / math.sqrt(d))
 
 
-@pytest.mark.parametrize("size,sub_dim", [(16, 4), (256, 8)])
+@pytest.mark.parametrize("size,sub_dim", [(16, 4), pytest.param(256, 8, marks=pytest.mark.slow)])
 def test_codebook_is_deterministic_and_magnitudes_positive(size, sub_dim):
     for magnitude in (False, True):
         cb = nsn.codebook(size, sub_dim, 1234, magnitude)
