@@ -202,6 +202,7 @@ def test_a_request_joins_a_running_batch(smol):
 
 # -- the benchmark script ------------------------------------------------------------------
 
+@pytest.mark.slow  # runs with --run-slow
 def test_benchmark_short_run(tmp_path, capsys):
     import importlib.util
     import json

@@ -82,6 +82,7 @@ def test_codec_attention_short_run(tmp_path, capsys):
     assert "attend/deq" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # runs with --run-slow
 def test_decode_speed_short_run(tmp_path, capsys):
     bench = _load("decode_speed")
     out = tmp_path / "speed.json"

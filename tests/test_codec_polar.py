@@ -89,6 +89,7 @@ def test_codebook_is_lloyd_max_of_the_level_density():
     assert all(a > b for a, b in zip(spread, spread[1:]))
 
 
+@pytest.mark.slow  # runs with --run-slow
 def test_error_decreases_with_bits_and_high_bits_recover_x():
     x = _rows((1, 2, 64, 64), 1)
     errs = []

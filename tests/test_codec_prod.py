@@ -167,6 +167,7 @@ def test_unbiased_over_seeds(bits):
     assert np.all(np.abs(dec.mean(0) - k) <= 4 * sigma_k / math.sqrt(SEEDS))
 
 
+@pytest.mark.slow  # runs with --run-slow
 def test_variance_bound_and_decreasing_in_m():
     rng = np.random.default_rng(5)
     d, bits = 32, 3

@@ -167,6 +167,7 @@ def _refs(per):
             for k, v in per.items()}
 
 
+@pytest.mark.slow  # runs with --run-slow
 def test_full_cache_matches_itself(tiny_llama, full_result):
     res, per = full_result
     again, _ = suite.evaluate_config(tiny_llama, TOK, suite._factory(tiny_llama, None), TINY,
@@ -210,6 +211,7 @@ def test_question_kept_out_of_compression(tiny_llama):
     assert caches[0].size() == 64  # mode in: the question was compressed too
 
 
+@pytest.mark.slow  # runs with --run-slow
 def test_compression_changes_the_figures(tiny_llama, full_result):
     res, per = full_result
     cfg = {"method": "streaming_llm", "level": {"ratio": 0.9}, "given": {}}
@@ -222,6 +224,7 @@ def test_compression_changes_the_figures(tiny_llama, full_result):
 
 # --- end to end ---------------------------------------------------------------------
 
+@pytest.mark.slow  # runs with --run-slow
 def test_quick_run_writes_files_and_merges(tiny_llama, tmp_path):
     proto = replace(TINY, tasks=("passkey", "cwe"), depths=(0.5,), cont_samples=1)
     a = suite.run_suite(tiny_llama, TOK, suite.configs(["tova"], ratios=[0.5]), proto)
