@@ -351,6 +351,7 @@ def test_attend_update_without_the_kernels(monkeypatch):
 
 
 @_marks(needs_emulation)
+@pytest.mark.slow  # runs with --run-slow
 def test_the_adapter_decodes_through_attend_update(monkeypatch):
     """Through mlx-lm's generate_step, KIVI's decode steps take the kernels' path (emulated):
     the same tokens as with the kernels off, and the same first layer's state."""

@@ -114,6 +114,7 @@ def drafts_accepted(k: int) -> int:
     return accepted
 
 
+@pytest.mark.slow  # runs with --run-slow
 def test_a_velox_draft_cache_with_enough_depth(smollm2, setup, reference):
     """A real draft (the model itself, with velox caches of its own; its logit of one token
     +100 after every even input token, so it is rejected now and then)."""
