@@ -97,7 +97,12 @@ def pack(codes: UInt[Array, "*batch m"], bits: int) -> UInt[Array, "*batch w"]:
         per = 32 // bits
         shifts = (mx.arange(per, dtype=mx.uint32) * bits)
         return (codes.reshape(*lead, m // per, per) << shifts).sum(axis=-1).astype(mx.uint32)
-    units = codes.reshape(*lead, m // 32, 32)
+    return pack_units(codes.reshape(*lead, m // 32, 32), bits).reshape(*lead, m * bits // 32)
+
+
+def pack_units(units: mx.array, bits: int) -> mx.array:
+    """Units of 32 codes ``uint32 [..., u, 32]`` of ``bits`` bits each as ``bits`` words a unit,
+    ``[..., u, bits]`` (code ``i`` of a unit in bits ``[i*bits, (i+1)*bits)`` of its stream)."""
     words = [None] * bits
     for i, (word, shift, spill) in enumerate(_word_layout(bits)):
         c = units[..., i]
@@ -105,7 +110,7 @@ def pack(codes: UInt[Array, "*batch m"], bits: int) -> UInt[Array, "*batch w"]:
         if spill:
             hi = c >> (32 - shift)
             words[word + 1] = hi if words[word + 1] is None else words[word + 1] | hi
-    return mx.stack(words, axis=-1).reshape(*lead, m * bits // 32)
+    return mx.stack(words, axis=-1)
 
 
 def unpack(words: UInt[Array, "*batch w"], bits: int) -> UInt[Array, "*batch m"]:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..quant import _word_layout
+from ..quant import _word_layout, pack_units
 
 __all__ = ["BLOCK_ELEMENTS", "MAX_BITS", "split", "merge", "words", "assign", "assign_np",
            "kmeans", "kmeans_np_init", "pack", "unpack", "pack_np", "unpack_np", "decode",
@@ -219,15 +219,7 @@ def pack(idx: mx.array, bits: int) -> mx.array:
     c = idx.astype(mx.uint32)
     if pad:
         c = mx.concatenate([c, mx.zeros((*lead, pad), mx.uint32)], axis=-1)
-    units = c.reshape(*lead, (j + pad) // 32, 32)
-    w = [None] * bits
-    for i, (word, shift, spill) in enumerate(_word_layout(bits)):
-        u = units[..., i]
-        w[word] = (u << shift) if w[word] is None else w[word] | (u << shift)
-        if spill:
-            hi = u >> (32 - shift)
-            w[word + 1] = hi if w[word + 1] is None else w[word + 1] | hi
-    out = mx.stack(w, axis=-1).reshape(*lead, (j + pad) // 32 * bits)
+    out = pack_units(c.reshape(*lead, (j + pad) // 32, 32), bits).reshape(*lead, (j + pad) // 32 * bits)
     return out[..., :words(j, bits)]
 
 
