@@ -248,7 +248,6 @@ class VeloxCache(SteppedCache):
 
     @property
     def observe(self) -> Callable[[int, StepInfo], Any] | None:
-        """The step observer, or ``None``."""
         held = self.__dict__.get("_observe")
         return None if held is None else held.fn
 
@@ -295,8 +294,7 @@ class VeloxCache(SteppedCache):
 
     @property
     def tail_queries(self) -> mx.array | None:
-        """Append mode: the tail's real queries (``None`` without a tail, or where a step
-        gave none: the tail is then absorbed with the key-as-query proxy)."""
+        """Append mode: the tail's real queries (``None`` also where a step gave none)."""
         st = layer.tail_state(self.held.state)
         return None if st is None else st.queries
 
@@ -305,43 +303,35 @@ class VeloxCache(SteppedCache):
         return layer.positions(self._m, self.held)
 
     def is_trimmable(self) -> bool:
-        """Whether ``trim`` can remove tokens: ``rollback > 0``."""
         return self.rollback > 0
 
     def trimmable_tokens(self) -> int:
-        """The most tokens :meth:`trim` removes now."""
         return layer.trimmable_tokens(self.held.state)
 
     def can_trim(self, n: int) -> bool:
-        """Whether ``trim(n)`` is exact now (any ``n <= rollback`` once decoding)."""
         return layer.can_trim(self.held.state, n)
 
     @_BatchMerge
     def merge(cls, caches: list) -> "velox.adapters.batch.VeloxBatchCache":
-        """mlx-lm's batch protocol: a ``VeloxBatchCache`` of these caches (absent where the
-        model's attention misses the wrapper: mlx-lm then serves one request at a time)."""
+        """mlx-lm's batch protocol (absent where the model's attention misses the wrapper)."""
         return VeloxBatchCache.merge(caches)
 
     def trim(self, n: int) -> int:
         """Remove the newest ``n`` tokens exactly and return ``n`` (``ValueError`` where
         ``can_trim(n)`` is false); without rollback nothing, and 0."""
-        if not self.rollback:
-            return 0
-        self.held = layer.trim(self.held, n, self.rollback)
-        return n
+        if self.rollback:
+            self.held = layer.trim(self.held, n, self.rollback)
+        return n if self.rollback else 0
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         if window_size is not None:
             raise ValueError("velox caches do not support sliding-window attention layers")
         if N == 1:
             return None
-        if return_array:
-            return _mlx_base.create_causal_mask(N, offset=self.size())
-        return "causal"
+        return _mlx_base.create_causal_mask(N, offset=self.size()) if return_array else "causal"
 
     @property
     def to_quantized(self):
-        """Refused: mlx-lm's ``kv_bits`` would swap this cache for a plain quantized one."""
         raise ValueError(_KV_BITS)
 
     @property
@@ -370,8 +360,6 @@ class VeloxCache(SteppedCache):
 
     # -- the compiled whole-model step (velox.adapters.model_step) -------------------
     def steady_state(self) -> tuple | None:
-        """``(method, record, row, offset)`` while the next single-token step may run in the
-        whole model's compiled step (``velox.decode.compiled_form``), else ``None``."""
         h = self.held
         if h.state is None or h.pending is not None or not _capture_installed() or self.observe:
             return None
@@ -380,7 +368,6 @@ class VeloxCache(SteppedCache):
         return None if form is None else (self._m, form, h.row, h.offset)
 
     def stepped(self, state, row) -> None:
-        """Take a compiled whole-model step's state and row: one token more, still fast."""
         self.held = Held(state, row, self.held.offset + 1, None, True)
         self.last_step = "compiled"
 
@@ -396,7 +383,7 @@ class VeloxCache(SteppedCache):
         if self._route_unknown and h.pending is None:
             install_query_capture()  # loaded without its model: its modules are imported now
         self._settle()
-        if (1 < s <= self.rollback + 1 and self.held.offset > 0 and self._wrapped()):
+        if 1 < s <= self.rollback + 1 and self.held.offset > 0 and self._wrapped():
             self.held = self.held._replace(offset=self.held.offset + s,
                                            pending=Pending(keys, values, new_only=True, split=True))
             return keys, values
@@ -404,16 +391,16 @@ class VeloxCache(SteppedCache):
 
     def _fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.held, step = layer.take(self._plan, self.held, keys, values)
-        if self.mode is Mode.DEFERRED and _capture_installed():
+        wrapped = self.mode is Mode.DEFERRED and _capture_installed()
+        if wrapped:
             self.held = layer.defer(self._plan, self.held, step, routed=not self._route_unknown)
             if self.held.pending.new_only:
                 return keys, values
-            k, v = layer.stored_rows(self._m, self.held.state, wrapped=True)
-            return evict.append_rows(k, keys), evict.append_rows(v, values)
-        k, v = layer.stored_rows(self._m, self._state, wrapped=False)
+        k, v = layer.stored_rows(self._m, self.held.state if wrapped else self._state, wrapped=wrapped)
         out = evict.append_rows(k, keys), evict.append_rows(v, values)
-        self._absorb(step, None)
-        self.last_step = layer.kind(self.held.state, "proxy")
+        if not wrapped:
+            self._absorb(step, None)
+            self.last_step = layer.kind(self.held.state, "proxy")
         return out
 
     def attention(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
@@ -425,26 +412,18 @@ class VeloxCache(SteppedCache):
         if step is None:  # proxy mode: the update already ran in update_and_fetch
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                         mask=mask, sinks=sinks)
-        if step.split:
-            return self._verify(queries, scale=scale, sinks=sinks)
+        if step.split:  # a verify call: the one-token steps it stands for, each journaled
+            s = step.keys.shape[2]
+            self.held = self.held._replace(offset=self.held.offset - s, pending=None)
+            return mx.concatenate([self.attention(queries[:, :, i:i + 1], *self._fetch(
+                step.keys[:, :, i:i + 1], step.values[:, :, i:i + 1]), scale=scale, mask=None,
+                sinks=sinks) for i in range(s)], axis=2)
         before = self._state if self.observe else None
         out, self.held, self.last_step, record = layer.attend(
             self._plan, self.held, queries, keys, values, scale=scale, mask=mask, sinks=sinks,
             plain=self._plain(), record=self._record(), index=self.layer)
         self._updated(before, step, record)
         return _with_state(out, layer.new_arrays(self.held))
-
-    def _verify(self, queries: mx.array, *, scale: float, sinks) -> mx.array:
-        """A verify call as the one-token steps it stands for, each journaled (a trim of any
-        of them is exact); projections and MLPs stay batched."""
-        step, s = self.held.pending, self.held.pending.keys.shape[2]
-        self.held = self.held._replace(offset=self.held.offset - s, pending=None)
-        out = []
-        for i in range(s):
-            keys, values = self._fetch(step.keys[:, :, i:i + 1], step.values[:, :, i:i + 1])
-            out.append(self.attention(queries[:, :, i:i + 1], keys, values, scale=scale,
-                                      mask=None, sinks=sinks))
-        return mx.concatenate(out, axis=2)
 
     def absorb(self, keys: mx.array, values: mx.array, *, queries: mx.array | None = None) -> None:
         """Feed rows (and their queries) straight into the state (KVzip's reconstruction)."""
@@ -493,7 +472,6 @@ class VeloxCache(SteppedCache):
                 and not self._route_unknown and self.method.layer_update is None)
 
     def _wrapped(self) -> bool:
-        """Deferred mode, the wrapper known to run for this layer."""
         return self.mode is Mode.DEFERRED and not self._route_unknown and _capture_installed()
 
 
