@@ -32,6 +32,23 @@ import jaxtyping
 import pytest
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _shape_checks_by_module(request):
+    """The test-time shape checks (``--jaxtyping-packages``) stay on for the core's unit,
+    property and contract tests, which call every annotated function with checked shapes;
+    modules marked ``unchecked`` (whole models driven through mlx-lm, where the checks of
+    every call on every layer and token doubled the time) run with them off, fixtures
+    included."""
+    if request.node.get_closest_marker("unchecked") is None:
+        yield
+        return
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)
+
+
 @pytest.fixture
 def no_shape_checks():
     """Switch off the test-time jaxtyping checks, to see the errors users get."""

@@ -12,7 +12,7 @@ import velox
 from velox.adapters.mlxlm import cache_fp16_bytes, cache_nbytes, make_cache
 from velox.registry import get_method, method_keys
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.unchecked]
 
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was "
         "the age of foolishness, it was the epoch of belief, it was the epoch of incredulity, it "

@@ -32,6 +32,8 @@ from velox.adapters.mlxlm import VeloxCache, make_cache
 from velox.registry import get_method, method_keys
 from velox.spec import validate_params
 
+pytestmark = pytest.mark.unchecked
+
 STEP = 8
 # Tiny sizes: every parameter a method has of these names takes this value.
 TINY = dict(budget=10, window_size=10, obs_window=4, residual_length=2, recent=2, n_sink=2,

@@ -16,6 +16,8 @@ from velox.adapters import model_step
 from velox.adapters.mlxlm import load_cache, make_cache, save_cache
 from velox.registry import get_method
 
+pytestmark = pytest.mark.unchecked
+
 CODECS = ["turboquant_mse", "turboquant_prod", "turboquant_rvq", "polar", "qjl", "spectral"]
 CHUNK = codec_cache.CHUNK
 

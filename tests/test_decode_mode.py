@@ -19,6 +19,8 @@ from velox.adapters.mlxlm import VeloxCache, cache_nbytes, load_cache, make_cach
 from velox.registry import get_method, method_keys
 from velox.testing import test_params
 
+pytestmark = pytest.mark.unchecked
+
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 3, 5, 7, 9] * 3
 
 

@@ -23,6 +23,8 @@ import velox
 from velox import evict
 from velox.registry import get_method, method_keys
 
+pytestmark = pytest.mark.unchecked
+
 B, H, PREFILL, WARM, STEPS = 1, 2, 16, 80, 800
 SLACK = evict.CONST_BYTES + (64 << 10)
 

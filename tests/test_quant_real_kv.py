@@ -16,7 +16,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import velox
 from velox.registry import get_method, method_keys
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.unchecked]
 
 LOSSY = [k for k in method_keys()
          if get_method(k).spec.family not in ("eviction", "merging")

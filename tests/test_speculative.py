@@ -11,7 +11,7 @@ from mlx_lm.models.cache import KVCache
 
 from velox.adapters.mlxlm import make_cache
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.unchecked]
 
 QUESTION = "Write one sentence about the sea, the wind and a small boat."
 PROMPT = 28  # prompt tokens
