@@ -80,7 +80,7 @@ from mlx_lm.models.cache import KVCache
 
 import velox
 from velox import evict, layer, wrap
-from velox.decode import (StepInfo, arrays as _arrays, compiled_form, step_info, steady_rows,
+from velox.decode import (StepInfo, arrays as _arrays, compiled_form, record_form, step_info, steady_rows,
                           with_state as _with_state)
 from velox.layer import Held, Pending, Plan
 from velox.adapters import guards, model_step
@@ -363,12 +363,22 @@ class VeloxCache(SteppedCache):
         h = self.held
         if h.state is None or h.pending is not None or not _capture_installed() or self.observe:
             return None
+        if self.record_step() is not None:  # a cross-layer method: its full state, no row
+            form = record_form(self._m, self._state) if self.compile else None
+            return None if form is None else (self._m, form, None, h.offset)
         form = compiled_form(self._m, h.state, h.offset, steady=h.fast,
                              plain=self.compile and self._plain(), row=h.row)
         return None if form is None else (self._m, form, h.row, h.offset)
 
+    def record_step(self) -> tuple[Any, int] | None:
+        m = self._m
+        if self._model is None or m.layer_update is None or self.mode is not Mode.DEFERRED:
+            return None
+        return (self._model, self.layer) if self._model.record_of(m) is not None else None
+
     def stepped(self, state, row) -> None:
-        self.held = Held(state, row, self.held.offset + 1, None, True)
+        fast = self.record_step() is None  # a record's layer takes its checked path next
+        self.held = Held(state, row, self.held.offset + 1, None, fast)
         self.last_step = "compiled"
 
     # -- updates -------------------------------------------------------------------

@@ -25,6 +25,10 @@ attention with the method's scores from its weights, the update, the new row lef
 next step. Each layer's output is made to depend on its new state (``velox.decode.with_state``),
 so mlx-lm's one evaluation of the logits computes every state.
 
+A cross-layer method's model-level record (:meth:`SteppedCache.record_step`) is one more
+input and output: the layers' shells thread it through their ``layer_update`` in order
+inside the trace (``velox.decode.record_form`` says which of their states are steady).
+
 The model's weights are constants of the compiled function (a model whose weights change
 after its first compiled step needs :func:`reset`).
 """
@@ -38,7 +42,7 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
-from velox.decode import arrays, split_step, split_step_with_row, with_state
+from velox.decode import arrays, attend, split_step, split_step_with_row, with_state
 from velox.registry import Method
 
 __all__ = ["Attends", "SteppedCache", "StepShell", "install", "uninstall", "reset",
@@ -68,13 +72,22 @@ class SteppedCache(Attends):
     def stepped(self, state, row) -> None:
         """Take the state and pending row a compiled step left (one token more)."""
 
+    def record_step(self) -> tuple[Any, int] | None:
+        """A cross-layer method's ``(holder, layer)``: the object whose ``record`` attribute
+        holds the model-level record this layer's update threads (every layer of the model
+        the same one; ``holder.keep(record)`` takes the new one), and the layer's index;
+        ``None`` for a method without a record."""
+        return None
+
 
 class StepShell(Attends):
     """One layer's cache inside the traced whole-model step: its state, pending row and the
     offset (an array); after the forward, ``new`` holds ``(state, row)``."""
 
-    def __init__(self, method: Method, state, row, offset: mx.array):
+    def __init__(self, method: Method, state, row, offset: mx.array, record: "_Box | None" = None,
+                 index: int = 0):
         self.method, self.held, self.row, self._offset = method, state, row, offset
+        self.record, self.index = record, index
         self.new: tuple | None = None
 
     @property
@@ -92,6 +105,12 @@ class StepShell(Attends):
         if sinks is not None or mask is not None or queries.shape[2] != 1:
             raise ValueError("the compiled decode step takes one token, no mask and no "
                              "attention sinks")
+        if self.record is not None:  # a cross-layer method: attention, then layer_update
+            out = attend(self.method, self.held, queries, keys, values, scale=scale)
+            self.record.value, new = self.method.layer_update(
+                self.record.value, self.index, self.held, keys, values, queries=queries)
+            self.new = (new, None)
+            return with_state(out, arrays(new) + arrays(self.record.value))
         if self.row is None:
             out, new, row = split_step(self.method, self.held, queries, keys, values, scale)
         else:
@@ -193,26 +212,49 @@ def _compiled_call(model, original: Callable, args: tuple, kwargs: dict) -> mx.a
     if len(layers) < len(caches) or any(x[3] != layers[0][3] for x in layers):
         counts["layer_by_layer"] = counts.get("layer_by_layer", 0) + 1
         return None
+    steps = [c.record_step() for c in caches]
+    holders = {id(x[0]) for x in steps if x is not None}
+    if len(holders) > 1 or (holders and any(x is None for x in steps)):
+        counts["layer_by_layer"] = counts.get("layer_by_layer", 0) + 1
+        return None  # one model-level record, threaded through every layer, or none
     counts["compiled"] = counts.get("compiled", 0) + 1
     offset = layers[0][3]
-    key = tuple((m.key, st.backend, row is None) for m, st, row, _ in layers)
+    indices = None if not holders else tuple(x[1] for x in steps)
+    key = (tuple((m.key, st.backend, row is None) for m, st, row, _ in layers), indices)
     fn = fns.get(key)
     if fn is None:
-        fn = fns[key] = mx.compile(_step_function(model, original, [x[0] for x in layers], key, traces))
-    logits, news = fn(inputs, mx.array(offset, dtype=mx.int32),
-                      [x[1] for x in layers], [x[2] for x in layers])
+        fn = fns[key] = mx.compile(_step_function(model, original, [x[0] for x in layers], key,
+                                                  traces, indices))
+    record = None if not holders else steps[0][0].record
+    if inputs.dtype != mx.uint32 and not mx.issubdtype(inputs.dtype, mx.floating):
+        inputs = inputs.astype(mx.uint32)  # the sampler's dtype: a prompt's int32 last token
+        # would trace the step a second time
+    logits, news, record = fn(inputs, mx.array(offset, dtype=mx.int32),
+                              [x[1] for x in layers], [x[2] for x in layers], record)
+    if holders:
+        steps[0][0].keep(record)
     for c, (state, row) in zip(caches, news):
         c.stepped(state, row)
     return logits
 
 
+class _Box:
+    """The model-level record while the compiled step is traced: each layer's shell reads it
+    and leaves the one its ``layer_update`` returns, in layer order."""
+
+    def __init__(self, value):
+        self.value = value
+
+
 def _step_function(model, original: Callable, methods: list[Method], key: tuple,
-                   traces: dict[tuple, int]) -> Callable:
+                   traces: dict[tuple, int], indices: tuple[int, ...] | None) -> Callable:
     ref = weakref.ref(model)
 
-    def step(inputs, offset, states, rows):
+    def step(inputs, offset, states, rows, record):
         traces[key] = traces.get(key, 0) + 1  # runs only while tracing
-        shells = [StepShell(m, s, r, offset) for m, s, r in zip(methods, states, rows)]
+        box = None if indices is None else _Box(record)
+        shells = [StepShell(m, s, r, offset, box, 0 if indices is None else indices[i])
+                  for i, (m, s, r) in enumerate(zip(methods, states, rows))]
         logits = original(ref(), inputs, cache=shells)
-        return logits, [sh.new for sh in shells]
+        return logits, [sh.new for sh in shells], None if box is None else box.value
     return step

@@ -337,7 +337,7 @@ def not_steady_because(m: Method, params: dict[str, Any] | None = None) -> str |
     (``velox.adapters.model_step``), or ``None`` where a full state is steady, or (chunked
     storage) a state with an empty row."""
     contract = m.spec.contract
-    if m.layer_update is not None:
+    if m.layer_update is not None and not contract.get("record_steady", False):
         return "it updates a record shared by every layer, layer by layer"
     if not contract.get("compilable", True):
         return contract.get("not_compilable_because", "its update is not compilable")
@@ -444,6 +444,22 @@ def fill_token(m: Method, state, keys, values, *, compile: bool = True):
         return None
     fill = m.backends[state.backend].fill
     return None if fill is None else fill(state, keys, values)
+
+
+def record_form(m: Method, state):
+    """A cross-layer method's layer ``state`` where the whole model's compiled decode step
+    takes it with the model-level record (``layer_update`` traced inside the step), or
+    ``None``: its spec says a full state keeps every shape through ``layer_update``
+    (``contract.record_steady``) and the state is full (its own capacity plus slack, no empty
+    slot), not on the ``reference`` backend."""
+    if (m.layer_update is None or not m.spec.contract.get("record_steady", False)
+            or state.backend == "reference"):
+        return None
+    fields = state._asdict()
+    cap = m.spec.capacity(fields)
+    if cap is None or evict.empty_slots(state):
+        return None
+    return state if m.kv_slots(state)[0].shape[2] == cap + slack(m, fields) else None
 
 
 def compiled_form(m: Method, state, held: int, *, steady: bool, plain: bool, row=None):
