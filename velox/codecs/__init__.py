@@ -116,3 +116,4 @@ from . import affine, polar, prod, qjl, spectral, turboquant, split  # noqa: E40
 from . import pq, vecinfer  # noqa: E402,F401
 from . import kvtc  # noqa: E402,F401
 from . import a2ats  # noqa: E402,F401
+from . import svdq  # noqa: E402,F401
