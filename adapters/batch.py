@@ -121,22 +121,34 @@ def _check_routed(rows: list) -> None:
 def _clone(c: VeloxCache, memo: dict | None = None) -> VeloxCache:
     """An independent copy of ``c`` sharing its (immutable) method object; a cross-layer
     row's layers copied one after the other (layer 0 first, as mlx-lm does) share one copy
-    of the row's model-level record. ``memo``: a ``copy.deepcopy`` memo to share instead."""
+    of the row's model-level record and one copy of each array they hold in common (the
+    record's, a layer's anchor's). ``memo``: a ``copy.deepcopy`` memo to share instead."""
     if memo is not None:  # one deepcopy of several layers: the memo shares the record
         memo.setdefault(id(c.method), c.method)
         return copy.deepcopy(c, memo)
     memo = {id(c.method): c.method}
     src = c._model
     if src is not None:
-        twin = src.__dict__.get("_velox_twin")
-        if c.layer == 0 or twin is None:
+        shared = src.__dict__.get("_velox_twin")
+        if c.layer == 0 or shared is None:
             src.__dict__.pop("_velox_twin", None)
-            twin = copy.deepcopy(src, {id(src.method): src.method})
-            src.__dict__["_velox_twin"] = twin
-        memo[id(src)] = twin
+            first = {id(src.method): src.method}
+            twin = copy.deepcopy(src, first)
+            shared = {id(src): twin, **_copied_arrays(first)}
+            src.__dict__["_velox_twin"] = shared
+        memo.update(shared)
         if c.layer == src.n_layers - 1:  # the pass is complete
             src.__dict__.pop("_velox_twin", None)
-    return copy.deepcopy(c, memo)
+    out = copy.deepcopy(c, memo)
+    if src is not None:
+        shared.update(_copied_arrays(memo))
+    return out
+
+
+def _copied_arrays(memo: dict) -> dict:
+    """The arrays a ``copy.deepcopy`` memo copied, by the id of their original (alive while
+    the caches copied hold them)."""
+    return {k: v for k, v in memo.items() if isinstance(v, mx.array)}
 
 
 def _shell(c: VeloxCache) -> VeloxCache:

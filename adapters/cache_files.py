@@ -54,8 +54,14 @@ _LOAD_WITH = "a velox prompt cache: load it with velox.adapters.mlxlm.load_cache
 
 
 def _split(value: Any, name: str, arrays: dict[str, mx.array]) -> Any:
-    """JSON-able description of a state field; arrays go to ``arrays`` under ``name``."""
+    """JSON-able description of a state field; arrays go to ``arrays`` under ``name``. An
+    array already saved (the same ``mx.array``: a cross-layer method's layer holding its
+    anchor's array, the model-level record holding a layer's) is named where it was saved
+    first, so the file holds it once and :func:`load_cache` gives every holder one array."""
     if isinstance(value, mx.array):
+        for saved, x in arrays.items():
+            if x is value:
+                return {"__array__": saved}
         arrays[name] = value
         return {"__array__": name}
     if isinstance(value, dict):

@@ -17,7 +17,6 @@ import mlx.core as mx
 
 from typing import Any
 
-from . import evict
 from .spec import load_spec, validate_params
 from .validate import check_update
 
@@ -45,8 +44,12 @@ def round_to_total(shares: Sequence[float | Fraction], total: int) -> list[int]:
 
 
 def checked_update(state, keys: mx.array, values: mx.array, queries: mx.array | None) -> None:
-    """Validate one layer's update inputs against ``state`` (raises ``ValueError``)."""
-    b, h, d, dtype = evict.dims(state)
+    """Validate one layer's update inputs against ``state`` (raises ``ValueError``): the dims
+    its method reads from it (``keys [b, h, n, d]`` where the method has no ``dims``)."""
+    from .registry import method_of
+    from .state_dims import method_dims
+
+    b, h, d, dtype = method_dims(method_of(state), state)
     check_update(keys, values, queries, batch=b, heads=h, head_dim=d, dtype=dtype)
 
 
