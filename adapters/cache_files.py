@@ -260,7 +260,8 @@ def load_cache(path: str | Path, model=None, *,
         if record_meta is not None:
             fresh = shared.method.model_init(layer_params)
             rec = _build(f"{where}: cross-layer record", type(fresh), record_meta, arrays, used)
-            # What the record learnt (e.g. reallocated budgets) differs from a fresh one.
+            # What the record learnt (e.g. reallocated budgets) differs from a fresh one, and
+            # the rows it carries are in the model's dtype, which a fresh one cannot know.
             _compare(f"{where}: cross-layer record", rec, fresh, static_values=False)
             shared.record = rec
     elif record_meta is not None or layer_params is not None:
@@ -673,8 +674,9 @@ def _leaves(record: tuple) -> dict[str, Any]:
 
 
 def _compare(where: str, stored: tuple, fresh: tuple, *, static_values: bool = True) -> None:
-    """Same fields, same static values (or types only), arrays of the same dtype and rank
-    whose shapes match on every axis a fresh (empty) record already fixes."""
+    """Same fields, same static values (or, ``static_values=False``: types only, and floating
+    arrays of any floating dtype), arrays of the same dtype and rank whose shapes match on
+    every axis a fresh (empty) record already fixes."""
     a, b = _leaves(stored), _leaves(fresh)
     if set(a) != set(b):
         raise ValueError(f"{where}: fields {sorted(set(a) ^ set(b))} do not match the method's record")
@@ -684,7 +686,8 @@ def _compare(where: str, stored: tuple, fresh: tuple, *, static_values: bool = T
             if not (isinstance(f, mx.array) and isinstance(s, mx.array)):
                 raise ValueError(f"{where}: {name} must be an array")
             want = "(" + ", ".join(str(n) if n else "*" for n in f.shape) + ")"
-            if s.dtype != f.dtype:
+            floats = mx.issubdtype(s.dtype, mx.floating) and mx.issubdtype(f.dtype, mx.floating)
+            if s.dtype != f.dtype and (static_values or not floats):
                 raise ValueError(f"{where}: array {name} is {_dtype_name(s.dtype)}, the method "
                                  f"holds {_dtype_name(f.dtype)}")
             if s.ndim != f.ndim or any(n and n != m for n, m in zip(f.shape, s.shape)):
