@@ -188,14 +188,14 @@ def _check_layer(m: Method, mode: Mode, layer: Any, rollback: int, params: dict[
     validated (every one, defaults filled in)."""
     if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
         raise ValueError(f"layer={layer!r} must be an integer >= 0")
-    if mode is Mode.PROXY and m.attend is not None:
-        raise ValueError(f"{m.key} attends through its own hook: it needs mode='deferred' (a "
-                         "model whose attention calls mlx-lm's scaled_dot_product_attention)")
     if rollback and m.layer_update is not None:
         raise ValueError(
             f"rollback={rollback}: {m.key} updates a model-level record shared by every layer, "
             "layer by layer, which neither a layer's journal restores nor a verify call split "
             "inside each layer reproduces; use rollback=0")
+    if mode is Mode.PROXY and m.attend is not None:
+        raise ValueError(f"{m.key} attends through its own hook: it needs mode='deferred' (a "
+                         "model whose attention calls mlx-lm's scaled_dot_product_attention)")
     full = validate_params(m.spec, params)
     if artifact is not None and m.calibrate is None:
         raise ValueError(f"{m.key} takes no calibration artifact")
