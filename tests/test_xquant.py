@@ -162,3 +162,22 @@ def test_a_reusing_layer_alone_keeps_its_tokens_exact():
     assert xq.quantized_tokens(st) == 0 and st.exact_keys.shape[2] == 70
     k, _ = M.get_kv(st)
     assert mx.array_equal(k, x.astype(mx.float16).astype(mx.float32)).item()
+
+
+def test_group_size_one_is_kivi():
+    """Every layer an anchor: each is KIVI at bits=base_bits, residual_length=window (codes,
+    scales, zeros and exact window to the bit)."""
+    from velox.methods import kivi
+
+    rng = np.random.default_rng(4)
+    record, st = _layers(2, group_size=1, window=5, base_bits=3)
+    ref = [kivi.init(1, 2, 32, bits=3, residual_length=5) for _ in st]
+    for s in (40, 1, 1, 30, 2):
+        xs = [(mx.array(rng.standard_normal((1, 2, s, 32)).astype(np.float32)),) * 2 for _ in st]
+        record, st = _forward(record, st, xs)
+        ref = [kivi.update(r, *x) for r, x in zip(ref, xs)]
+        for a, b in zip(st, ref):
+            assert all(mx.array_equal(x, y).item() for x, y in zip(M.get_kv(a), kivi.get_kv(b)))
+            assert mx.array_equal(a.key_codes, b.key_codes).item()
+            assert mx.array_equal(a.value_scales, b.value_scales).item()
+            assert M.nbytes(a) == kivi.nbytes(b) == state_nbytes(a)
