@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         f"of {args.chunk}. K/V cos: mean per-token cosine of the pair's vectors (token, head); "
         f">= {MERGE_COS}: share of (token, head) pairs MiniCache merges at its default threshold; "
         f"codes: share of equal {BITS}-bit KIVI codes (groups of {GROUP}); chance: the share "
-        f"independent codes of the same frequencies would give; CKA: linear CKA of the `[tokens, heads x dim]` matrices; tok sub / ch sub: "
+        f"independent codes of the same frequencies would give; CKA: linear CKA of the "
+        f"`[tokens, heads x dim]` matrices; tok sub / ch sub: "
         f"alignment of the top-{args.rank} left (token) / right (channel) singular subspaces "
         f"(random: {args.rank / n:.3f} / {args.rank / (h * d):.3f}).", "",
         *table(rows, means), ""]

@@ -105,8 +105,8 @@ def test_hand_worked_pair(backend):
         # flags are held, not counted.
         assert M.nbytes(st[1]) == 36 + retained * 2 * (8 + 4)
         assert st[1].directions_keys is st[0].directions_keys and st[1].kept_values is st[0].kept_values
-        assert M.nbytes(st[1]) == state_nbytes(st[1]) - sum(
-            getattr(st[0], f).nbytes for f in ("directions_keys", "directions_values", "kept_keys", "kept_values"))
+        shared = ("directions_keys", "directions_values", "kept_keys", "kept_values")
+        assert M.nbytes(st[1]) == state_nbytes(st[1]) - sum(getattr(st[0], f).nbytes for f in shared)
 
 
 @pytest.mark.parametrize("threshold", [-1.0, 0.0, 0.2])

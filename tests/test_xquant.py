@@ -5,8 +5,6 @@ live memory): tests/test_crosslayer_adapter.py."""
 
 from __future__ import annotations
 
-import copy
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -43,8 +41,9 @@ def test_hand_worked_pair(backend):
     20.667 (float16 20.671875), zero 1, on the anchor's codes: 1 (t = 0..5), 21.671875 (6..15),
     42.34375 (16..25), 63.015625 (26..31). Its residual ``k1 - that`` runs from -10.015625 (t =
     26) to 10 (t = 5); one bit: scale 20.015625, zero -10.015625, code 1 iff the residual is
-    above zero + scale / 2 = -0.0078125 (no residual is that exactly), adding 10 or -10.015625. Values are the same numbers along the
-    channels (``v0[t, c] = c``, ``v1[t, c] = 2c + 1``): per-token groups of 32 channels."""
+    above zero + scale / 2 = -0.0078125 (no residual is that exactly), adding 10 or -10.015625.
+    Values are the same numbers along the channels (``v0[t, c] = c``, ``v1[t, c] = 2c + 1``):
+    per-token groups of 32 channels."""
     t = np.arange(32, dtype=np.float32)
     k0 = np.broadcast_to(t[:, None], (32, 32))
     v0 = np.broadcast_to(t[None, :], (32, 32))

@@ -272,7 +272,8 @@ def _lead_reference(state: MiniCacheState, keys, values, follower: list | None) 
         fields[f"directions_{side}"] = mx.concatenate([getattr(state, f"directions_{side}"),
                                                        ref.to_mx(rows, dt)], axis=2)
         fields[f"kept_{side}"] = mx.concatenate([getattr(state, f"kept_{side}"), mx.array(kept)], axis=2)
-        fields[f"norm_{side}"] = mx.concatenate([getattr(state, f"norm_{side}"), ref.to_mx(norms, dt)], axis=2)
+        fields[f"norm_{side}"] = mx.concatenate([getattr(state, f"norm_{side}"),
+                                                 ref.to_mx(norms, dt)], axis=2)
     fields.update(keys=keys.astype(dt), values=values.astype(dt))
     return state._replace(**fields)
 
