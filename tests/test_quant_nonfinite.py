@@ -33,6 +33,7 @@ BAD = {"nan": math.nan, "inf": math.inf, "big": 1e6}
 G = "group"
 EXPECT = {
     "kivi": {"k": (G, 32), "v": (G, 32)},
+    "xquant": {"k": (G, 32), "v": (G, 32)},            # an anchor alone: KIVI's groups
     "age_tiered": {"k": (G, 32), "v": (G, 32)},
     "cachegen": {"k": (G, 32), "v": (G, 32)},
     "kitty": {"k": (G, 32), "v": (G, 64)},             # a value row is one group
