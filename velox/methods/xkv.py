@@ -59,6 +59,9 @@ KEY = "xkv"
 #: Rows with an entry beyond this magnitude (float16's largest finite value) are left out of
 #: the fit, as non-finite rows are: one such row would swamp the covariance of the others.
 FIT_LIMIT = 65504.0
+#: Eigenvalues at most this share of the largest count as empty directions (a chunk of fewer
+#: rows than head_dim leaves some): their basis is made canonical (:func:`fit`).
+NULL_SHARE = 1e-5
 
 
 class XKVState(NamedTuple):
@@ -143,21 +146,43 @@ def coded_width(rank: mx.array, head_dim: int, group_quant_size: int) -> mx.arra
     return mx.minimum(((rank + g - 1) // g) * g, head_dim)
 
 
+def _eigh_descending(m: mx.array) -> tuple[mx.array, mx.array]:
+    """Eigenvalues and eigenvectors (columns) of symmetric ``m`` by decreasing eigenvalue,
+    each vector signed so that its largest-magnitude entry is positive (CPU stream)."""
+    lam, vec = mx.linalg.eigh(m, stream=mx.cpu)
+    lam, vec = lam[..., ::-1], vec[..., ::-1]
+    top = mx.abs(vec).argmax(axis=-2)[..., None, :]
+    return lam, vec * mx.where(mx.take_along_axis(vec, top, axis=-2) < 0, -1.0, 1.0)
+
+
 def fit(scatter: mx.array, count: mx.array, *, rank: int, energy_threshold: float,
         group_quant_size: int) -> mx.array:
     """The basis ``[b, h, d, w]`` (float32) of the rows behind ``scatter [b, h, d, d]`` and
     ``count [b, h]``: the eigenvectors of their covariance by decreasing eigenvalue, each
-    signed so that its largest-magnitude entry is positive; each head's ``rank`` (or its energy
+    signed so that its largest-magnitude entry is positive, those of eigenvalues at most
+    ``NULL_SHARE`` of the largest replaced by a canonical basis of their space (the rows do
+    not tell its directions apart, so rounding would choose them); each head's ``rank`` (or its energy
     rank: the fewest leading eigenvalues holding ``energy_threshold`` of their sum, at least
     1) rounded up by :func:`coded_width`; ``w`` the widest head's, the columns beyond a head's
     own zero. The eigendecomposition runs on the CPU stream (MLX has it there only), and the
     width is read back to the host (the shapes follow it)."""
     d = scatter.shape[-1]
     cov = scatter / mx.maximum(count, 1.0)[..., None, None]
-    lam, vec = mx.linalg.eigh(cov, stream=mx.cpu)
-    lam, vec = mx.maximum(lam[..., ::-1], 0.0), vec[..., ::-1]
-    top = mx.abs(vec).argmax(axis=-2)[..., None, :]
-    vec = vec * mx.where(mx.take_along_axis(vec, top, axis=-2) < 0, -1.0, 1.0)
+    lam, vec = _eigh_descending(cov)
+    lam = mx.maximum(lam, 0.0)
+    # Directions the rows leave (near) empty: eigenvalues at most NULL_SHARE of the largest.
+    # eigh returns any orthonormal basis of that space, which the last bits of the rows turn
+    # at will; it becomes the eigenvectors of P D P instead (P the projector on it, D =
+    # diag(d, ..., 1)): the same basis whatever those bits (e_0, e_1, ... for all-zero keys).
+    real = lam > NULL_SHARE * lam[..., :1]
+    k = real.astype(mx.int32).sum(axis=-1)
+    held = vec * real[..., None, :].astype(mx.float32)
+    proj = mx.eye(d, dtype=mx.float32) - held @ held.swapaxes(-1, -2)
+    ramp = mx.arange(d, 0, -1, dtype=mx.float32)
+    _, free = _eigh_descending((proj * ramp) @ proj)
+    j = mx.arange(d, dtype=mx.int32)
+    after = mx.take_along_axis(free, mx.maximum(j - k[..., None], 0)[..., None, :], axis=-1)
+    vec = mx.where(j < k[..., None, None], vec, after)
     if rank:
         heads = mx.full(lam.shape[:-1], min(rank, d), mx.int32)
     else:
