@@ -67,3 +67,24 @@ def test_weights_attention_applies_only_where_the_weights_are_the_score():
     want = mx.fast.scaled_dot_product_attention(q, mx.concatenate([gk, k], 2), mx.concatenate([gv, v], 2),
                                                 scale=64 ** -0.5)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
+
+
+def test_candidate_mass_in_blocks_is_the_mass_of_one_block(monkeypatch):
+    """H2O's prefill mass in blocks of queries (each block after the sum so far) equals the
+    mass of all the queries at once; the default block is set per sequence, so a batch of
+    sequences goes as many queries a block as one sequence does."""
+    from velox import attention
+    mx.random.seed(5)
+    q, stored, new = (mx.random.normal(s) for s in ((2, 2, 3, 20, 16), (2, 2, 11, 16), (2, 2, 20, 16)))
+    whole = attention.candidate_mass(q, stored, new, block=20)
+    np.testing.assert_allclose(np.array(attention.candidate_mass(q, stored, new, block=3)),
+                               np.array(whole), rtol=2e-6, atol=1e-6)
+    seen = []
+    real = attention.candidate_weights
+    monkeypatch.setattr(attention, "candidate_weights",
+                        lambda qq, *a: seen.append(qq.shape[3]) or real(qq, *a))
+    monkeypatch.setattr(attention, "MASS_TILE", 2 * 3 * 31 * 4)  # 4 queries a block a sequence
+    for b in (1, 2):
+        seen.clear()
+        attention.candidate_mass(q[:b], stored[:b], new[:b])
+        assert seen == [4] * 5

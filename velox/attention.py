@@ -155,8 +155,10 @@ def candidate_weights(queries: Float[Array, "b h g m d"], stored: Float[Array, "
     return softmax(candidate_logits(queries, stored, new))
 
 
-#: Elements of one block's logits in :func:`candidate_mass` (float32: 64 MiB), so that a
-#: 2048-token prefill chunk over 4096 candidates with 32 query heads goes 128 queries a block.
+#: Elements of one block's logits a sequence in :func:`candidate_mass` (float32: 64 MiB), so
+#: that a 2048-token prefill chunk over 4096 candidates with 32 query heads goes 128 queries a
+#: block at any batch size (a batch's prefill holds a batch's worth of everything else; a tile
+#: shared by the batch sent 4 queries a block at 32 sequences, 512 blocks one after another).
 MASS_TILE = 1 << 24
 
 
@@ -167,7 +169,7 @@ def candidate_mass(queries: Float[Array, "b h g m d"], stored: Float[Array, "b h
 
     Summed over queries (weighted by ``coef``), averaged over the ``g`` query heads of a kv
     head. Queries go in blocks of ``block`` (by default as many as keep a block's logits
-    within :data:`MASS_TILE` elements, at most 256), one block's weights at a time: each
+    within :data:`MASS_TILE` elements a sequence, at most 256), one block's weights at a time: each
     block's queries depend on the sum so far, so a long chunk never holds more than one
     block's logits and weights (a prefill's peak memory).
     ``noise(start, stop, visible)``, when given, is added to the logits of queries
@@ -177,7 +179,7 @@ def candidate_mass(queries: Float[Array, "b h g m d"], stored: Float[Array, "b h
     b, h, g, m, _ = queries.shape
     s = new.shape[2]
     if block is None:
-        block = max(1, min(256, MASS_TILE // (b * h * g * (stored_count(stored) + s))))
+        block = max(1, min(256, MASS_TILE // (h * g * (stored_count(stored) + s))))
     total = None
     for start in range(0, m, block):
         stop = min(start + block, m)
