@@ -39,7 +39,8 @@ __all__ = ["main", "method_configs", "budget_params", "parse_param"]
 # --- arguments -----------------------------------------------------------------------
 
 def parse_param(text: str) -> tuple[str, Any]:
-    """``key=value`` -> ``(key, value)``; the value is an int, float, bool or string."""
+    """``key=value`` -> ``(key, value)``; the value is an int, float, bool or string
+    (comma-separated numbers stay the string they are: ``bit_schedule=8,4,2,1,1,0,0,0``)."""
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key:
@@ -51,6 +52,9 @@ def parse_param(text: str) -> tuple[str, Any]:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
         return key, raw
+    if isinstance(value, tuple) and value and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        return key, raw  # comma-separated numbers: the string a list parameter takes
     if not isinstance(value, (int, float, str)):
         raise ValueError(f"--param {key}: {raw!r} is not a number, bool or string")
     return key, value
@@ -135,11 +139,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="print the README's markdown table instead of the terminal one")
 
     cal = sub.add_parser("calibrate", help="fit a method's calibration artifact on a model")
-    cal.add_argument("--method", required=True, help="a calibrated method (spectral)")
+    cal.add_argument("--method", required=True, help="a calibrated method (spectral, kvtc, palu, ...)")
     cal.add_argument("--out", required=True, help="the artifact to write (.safetensors)")
     cal.add_argument("--model", help="an mlx-lm model folder (default: the embedded SmolLM2)")
     cal.add_argument("--text", help="a UTF-8 text file to calibrate on (default: the built-in "
                                     "public-domain text)")
+    cal.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                     help="a fitting parameter (repeatable), e.g. n_head_groups=2 for palu")
     cal.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS)
 
     sub.add_parser("serve", add_help=False,
@@ -170,7 +176,9 @@ def cmd_calibrate(args) -> int:
     model, tokenizer = _load(args.model, getattr(args, "verbose", False))
     name = args.model or "SmolLM2-135M-Instruct (embedded GGUF, fp32)"
     t0 = time.perf_counter()
-    arrays, info = calibrate(args.method, model, tokenizer, text, model_name=name, source=source)
+    params = dict(parse_param(p) for p in args.param)
+    arrays, info = calibrate(args.method, model, tokenizer, text, model_name=name, source=source,
+                             params=params)
     save_artifact(out, arrays, info)
     print(f"wrote {out}: {args.method} artifact for {name} ({info['layers']} layers, "
           f"{info['kv_heads']} kv heads, head_dim {info['head_dim']}) from {info['tokens']} tokens "

@@ -63,17 +63,24 @@ MIB = 1 << 20
 
 def parse_row(text: str) -> tuple[str, dict[str, Any]]:
     """``"name:key=value,key=value"`` -> ``(name, {key: value})``; values as ``--param`` reads
-    them (int, float, bool or string)."""
+    them (int, float, bool or string; an item without ``=`` continues the value before it, so
+    a comma-separated value such as ``bit_schedule=8,4,2,1,1,0,0,0`` stays one string)."""
     from velox.adapters.cli import parse_param
 
     name, _, rest = text.strip().partition(":")
     name = name.strip()
     if not name:
         raise ValueError(f"a row needs a name before ':', got {text!r}")
-    params: dict[str, Any] = {}
+    items: list[str] = []
     for item in rest.split(","):
         if not item.strip():
             continue
+        if "=" not in item and items:  # a comma inside a value: bit_schedule=8,4,2,1,1,0,0,0
+            items[-1] += "," + item.strip()
+        else:
+            items.append(item)
+    params: dict[str, Any] = {}
+    for item in items:
         key, value = parse_param(item)
         if key in params:
             raise ValueError(f"row {text!r} gives {key} twice")

@@ -235,6 +235,7 @@ def test_parse_param():
     assert cli.parse_param("decay=0.5") == ("decay", 0.5)
     assert cli.parse_param("per_head=true") == ("per_head", True)
     assert cli.parse_param("pooling=maxpool") == ("pooling", "maxpool")
+    assert cli.parse_param("bit_schedule=8,4,2,1,1,0,0,0") == ("bit_schedule", "8,4,2,1,1,0,0,0")
     with pytest.raises(ValueError, match="key=value"):
         cli.parse_param("=3")
 

@@ -32,6 +32,8 @@ def test_rows_parse_and_pass_any_parameter():
     assert params == {"bits": 3, "value_codec": "mse", "value_bits": 3}
     assert b.parse_row("spectral:apply_qjl=false,scale=0.5") == (
         "spectral", {"apply_qjl": False, "scale": 0.5})
+    assert b.parse_row("svdq:bit_schedule=8,4,2,1,1,0,0,0,group_size=8") == (
+        "svdq", {"bit_schedule": "8,4,2,1,1,0,0,0", "group_size": 8})
     assert b.row_label("kivi", {"bits": 2}) == "kivi bits=2"
     assert b.row_label("full", {}) == "mlx-lm KVCache (full)"
     for bad in (":bits=3", "kivi:bits", "kivi:bits=2,bits=3"):
