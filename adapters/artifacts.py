@@ -32,9 +32,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["FORMAT", "FITTERS", "WANTS_VALUES", "WANTS_QUERIES", "SHIPPED_FITS", "fit_spectral",
-           "fit_vecinfer", "fit_a2ats", "fit_kvtc", "calibrate", "build_shipped", "save_artifact",
-           "load_artifact", "model_dims", "layer_arrays"]
+__all__ = ["FORMAT", "FITTERS", "WANTS_VALUES", "WANTS_QUERIES", "WANTS_INPUTS", "SHIPPED_FITS",
+           "fit_spectral", "fit_vecinfer", "fit_a2ats", "fit_kvtc", "fit_palu", "calibrate",
+           "build_shipped", "save_artifact", "load_artifact", "model_dims", "layer_arrays"]
 
 #: The artifact format: 2 holds one fit a (layer, kv head); 1 held one a layer (heads pooled).
 FORMAT = "velox-artifact-2"
@@ -137,6 +137,50 @@ def fit_a2ats(keys: np.ndarray, params: dict[str, Any], *, queries: np.ndarray, 
             "b": np.full((h,), b, np.float32)}
 
 
+def _dense_weight(proj) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(weight [out, in], bias or None)`` of a linear layer (a quantized one dequantized)."""
+    w = proj.weight
+    if hasattr(proj, "scales"):  # mlx.nn.QuantizedLinear
+        w = mx.dequantize(w, proj.scales, getattr(proj, "biases", None), proj.group_size, proj.bits)
+    bias = proj.get("bias") if isinstance(proj, dict) else getattr(proj, "bias", None)
+    return (np.array(w.astype(mx.float32)),
+            None if bias is None else np.array(bias.astype(mx.float32)))
+
+
+def fit_palu(keys, params: dict[str, Any], *, attn, inputs: np.ndarray) -> dict[str, np.ndarray]:
+    """Palu's calibration of one layer (``velox.codecs.palu.weight_bases``): each group's
+    ``k_proj`` and ``v_proj`` weights decomposed, whitened by the covariance of the layer's
+    attention inputs ``inputs [tokens, hidden]`` (the SVD of ``W S``, ``S S^T = cov(x)``):
+    ``key_basis``, ``value_basis [kv_heads, d, g d]`` (each head's rows of its group's left
+    singular vectors), ``key_spread``, ``value_spread [kv_heads, g d]`` (each latent channel's
+    standard deviation on the inputs), ``key_mean``, ``value_mean [kv_heads, d]`` (the mean
+    outputs, the bias included), and the
+    model's RoPE frequencies ``freqs [kv_heads, d / 2]`` (``velox.codecs.a2ats.rope_frequencies``:
+    keys are projected before RoPE). ``params`` may set ``n_head_groups`` (4; the groups are
+    the largest divisor of kv_heads not above it, as the method takes them) and ``whiten``
+    (True). A layer whose keys are not a linear map of its inputs (a norm after ``k_proj``)
+    is refused. ``keys`` is not read."""
+    from velox.codecs.a2ats import rope_frequencies
+    from velox.codecs.palu import head_groups, input_moments, weight_bases
+
+    for norm in ("k_norm", "q_norm"):
+        if getattr(attn, norm, None) is not None:
+            raise ValueError(f"palu decomposes k_proj and v_proj: this model's attention has a "
+                             f"{norm} after the projection, so its keys are not a linear map")
+    h = int(attn.n_kv_heads)
+    wk, bk = _dense_weight(attn.k_proj)
+    wv, bv = _dense_weight(attn.v_proj)
+    d = wk.shape[0] // h
+    groups = head_groups(h, int(params.get("n_head_groups", 4)))
+    whiten = bool(params.get("whiten", True))
+    moments = input_moments(inputs)
+    kb, ks, km = weight_bases(wk, bk, moments, h, groups, whiten)
+    vb, vs, vm = weight_bases(wv, bv, moments, h, groups, whiten)
+    freqs = rope_frequencies(attn.rope, d)
+    return {"key_basis": kb, "key_spread": ks, "key_mean": km, "value_basis": vb,
+            "value_spread": vs, "value_mean": vm, "freqs": np.broadcast_to(freqs, (h, d // 2)).copy()}
+
+
 #: The shipped A²ATS calibration of the embedded SmolLM2 (``velox.codecs.a2ats.SHIPPED``):
 #: the text and token count it is fitted on (the opening of the shipped ``holmes`` text), the
 #: Lloyd rounds and seed, at the method's default bits, sub_dim and b.
@@ -149,12 +193,16 @@ FITTERS: dict[str, Callable[..., dict[str, np.ndarray]]] = {
     "kvtc": fit_kvtc,
     "vecinfer": fit_vecinfer,
     "a2ats": fit_a2ats,
+    "palu": fit_palu,
 }
 #: Methods whose fitter takes the layer's queries and its ``rope`` module too
 #: (``fit(keys, params, queries=..., rope=...)``).
 WANTS_QUERIES = frozenset({"a2ats"})
 #: Methods whose fitter takes the layer's values too (``fit(keys, params, values)``).
 WANTS_VALUES = frozenset({"vecinfer"})
+#: Methods whose fitter takes the layer's attention module and its inputs instead of keys
+#: (``fit(None, params, attn=..., inputs=...)``: a decomposition of the projection weights).
+WANTS_INPUTS = frozenset({"palu"})
 
 
 def model_dims(model) -> dict[str, int]:
@@ -169,13 +217,16 @@ def calibrate(method: str, model, tokenizer, text: str, *, model_name: str, sour
               params: dict[str, Any] | None = None, progress: bool = True) -> tuple[dict, dict]:
     """Fit ``method``'s artifact on ``model`` over ``text``: ``(arrays, provenance)``."""
     from velox import __version__
-    from velox.adapters.calibration import capture_qk, capture_qkv
+    from velox.adapters.calibration import capture_inputs, capture_qk, capture_qkv
 
     if method not in FITTERS:
         raise ValueError(f"{method} has no calibration (calibrated methods: {', '.join(sorted(FITTERS))})")
     tokens = tokenizer.encode(text)
     _say(progress, f"calibrating {method}: capturing keys over {len(tokens)} tokens")
-    if method in WANTS_VALUES:
+    if method in WANTS_INPUTS:
+        inputs = capture_inputs(model, tokens)
+        keys, values, queries = [None] * len(inputs), None, None
+    elif method in WANTS_VALUES:
         queries, keys, values = capture_qkv(model, tokens)
     else:
         (queries, keys), values = capture_qk(model, tokens), None
@@ -184,6 +235,8 @@ def calibrate(method: str, model, tokenizer, text: str, *, model_name: str, sour
         extra = () if values is None else (values[i],)
         kw = {"queries": queries[i], "rope": model.layers[i].self_attn.rope} \
             if method in WANTS_QUERIES else {}
+        if method in WANTS_INPUTS:
+            kw = {"attn": model.layers[i].self_attn, "inputs": inputs[i]}
         per_layer.append(FITTERS[method](k, dict(params or {}), *extra, **kw))
         _bar(progress, i + 1, len(keys))
     arrays = {name: np.stack([p[name] for p in per_layer]) for name in per_layer[0]}
@@ -262,12 +315,18 @@ VECINFER_SHIPPED = {"text": "holmes", "tokens": 1024, "iters": 6, "seed": 0}
 
 #: Calibrations shipped for the embedded SmolLM2 (``velox.adapters/data``): method -> (its
 #: fit's settings, the file the method's codec names in its ``SHIPPED``).
+#: The shipped Palu bases of the embedded SmolLM2 (``velox.codecs.palu.SHIPPED``): the opening
+#: of the shipped ``holmes`` text, the seed's head groups, whitened.
+PALU_SHIPPED = {"text": "holmes", "tokens": 2048, "n_head_groups": 4, "whiten": True}
+
 SHIPPED_FITS = {"vecinfer": (VECINFER_SHIPPED, "vecinfer_smollm2.npz"),
-                "a2ats": (A2ATS_SHIPPED, "a2ats_smollm2.npz")}
+                "a2ats": (A2ATS_SHIPPED, "a2ats_smollm2.npz"),
+                "palu": (PALU_SHIPPED, "palu_smollm2.npz")}
 
 
 def build_shipped(method: str, out: str | Path | None = None, progress: bool = True) -> Path:
-    """Fit ``method`` on the embedded SmolLM2 over its :data:`SHIPPED_FITS` settings and write
+    """Fit ``method`` on the embedded SmolLM2 over its :data:`SHIPPED_FITS` settings (the
+    text and tokens; the rest are the fitter's parameters) and write
     the ``.npz`` shipped in ``velox.adapters/data``: the fitter's arrays stacked over layers
     and the provenance (with the fit's seconds) as JSON (``python -m velox.adapters.artifacts
     METHOD``)."""
@@ -282,7 +341,8 @@ def build_shipped(method: str, out: str | Path | None = None, progress: bool = T
     t0 = time.perf_counter()
     arrays, info = calibrate(method, model, tokenizer, tokenizer.decode(tokens),
                              model_name=MODEL_DIRNAME, source=f"shipped text {cfg['text']!r}",
-                             params={"iters": cfg["iters"], "seed": cfg["seed"]}, progress=progress)
+                             params={k: v for k, v in cfg.items() if k not in ("text", "tokens")},
+                             progress=progress)
     info["seconds"] = round(time.perf_counter() - t0, 1)
     path = Path(out) if out else Path(__file__).parent / "data" / name
     np.savez_compressed(path, metadata=np.array(json.dumps(info, sort_keys=True)), **arrays)

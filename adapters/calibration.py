@@ -22,8 +22,8 @@ import numpy as np
 
 from velox.methods.qfilters import qfilters_from_queries
 
-__all__ = ["CALIBRATION_TEXT", "SMOLLM2_ARTIFACT", "capture_qk", "capture_qkv", "calibrate_qfilters",
-           "save_qfilters", "load_qfilters"]
+__all__ = ["CALIBRATION_TEXT", "SMOLLM2_ARTIFACT", "capture_qk", "capture_qkv", "capture_inputs",
+           "calibrate_qfilters", "save_qfilters", "load_qfilters"]
 
 #: The shipped SmolLM2-135M-Instruct filters (inside the ``velox.adapters`` package).
 SMOLLM2_ARTIFACT = "qfilters_smollm2.npz"
@@ -146,6 +146,41 @@ def capture_qkv(model: nn.Module, tokens: list[int] | mx.array
             raise ValueError(f"a layer's v_proj ran {len(cap.out)} times in one forward, expected 1")
         values.append(np.array(cap.out[0][0].astype(mx.float32)).reshape(k.shape))
     return queries, keys, values
+
+
+class _InputCapture(nn.Module):
+    """Stands in for an attention layer's ``k_proj``: records its input, applies it."""
+
+    def __init__(self, proj: nn.Module):
+        super().__init__()
+        self.proj = proj
+        self.out: list[mx.array] = []
+
+    def __call__(self, x: mx.array) -> mx.array:
+        self.out.append(x)
+        return self.proj(x)
+
+
+def capture_inputs(model: nn.Module, tokens: list[int] | mx.array) -> list[np.ndarray]:
+    """Each layer's attention input ``[t, hidden]`` (float32): what its ``k_proj`` and
+    ``v_proj`` read, recorded at ``k_proj`` (wrapped for one forward, restored afterwards)."""
+    tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
+    layers = [layer.self_attn for layer in model.layers]
+    originals = [attn.k_proj for attn in layers]
+    captures = [_InputCapture(p) for p in originals]
+    try:
+        for attn, cap in zip(layers, captures):
+            attn.k_proj = cap
+        mx.eval(model(tokens[None]))
+    finally:
+        for attn, proj in zip(layers, originals):
+            attn.k_proj = proj
+    out = []
+    for cap in captures:
+        if len(cap.out) != 1:
+            raise ValueError(f"a layer's k_proj ran {len(cap.out)} times in one forward, expected 1")
+        out.append(np.array(cap.out[0][0].astype(mx.float32)))
+    return out
 
 
 def calibrate_qfilters(model: nn.Module, tokens: list[int] | mx.array) -> np.ndarray:

@@ -28,7 +28,7 @@ SCALE = D ** -0.5
 # methods calibrated for another model take seeded random codebooks.
 SMALL = dict(budget=10, window_size=8, n_sink=2, grace=2, recent=2, obs_window=4, window=4,
              residual_length=4, group_size=8, merge_window=4, threshold_window=8,
-             calib_tokens=8, kernel_size=3, page_size=4, codebook="random")
+             calib_tokens=8, kernel_size=3, page_size=4, codebook="random", basis="prefill")
 CROSS_LAYER = [k for k in method_keys() if get_method(k).layer_update is not None]
 METHODS = [k for k in method_keys() if k not in CROSS_LAYER]
 

@@ -46,7 +46,7 @@ from .kvtc import MAX_BITS, _pack, _pack_np, _tok, _unpack, _unpack_np
 
 __all__ = ["SvdqTables", "SvdqCodes", "GROUPS", "DEFAULT_SCHEDULE", "SCHEDULES", "parse_schedule",
            "min_safe_rank", "group_sizes", "channel_bits", "bit_table", "total_bits",
-           "bytes_per_row", "tables", "fit", "fitted", "encode", "decode", "scores",
+           "bytes_per_row", "tables", "principal_axes", "energy_rank", "fit", "fitted", "encode", "decode", "scores",
            "encode_np", "decode_np", "scores_np", "latents_np", "head_tables", "CODEC"]
 
 #: Contiguous groups of latent channels the schedule assigns bits to.
@@ -180,15 +180,14 @@ def tables(head_dim: int, params: dict) -> SvdqTables:
                       total_bits(w, schedule, auto))
 
 
-def fit(rows: mx.array, t: SvdqTables):
-    """``(basis [..., w, d], mean [..., d], sigma [..., w], bits [..., w], rank [...],
-    eigenvalues [..., d])`` of rows ``[..., n, d]``: the mean and covariance of the rows
-    without a non-finite entry (scaled by their largest entry, so nothing overflows; the
-    eigenvalues are the scaled rows'), its eigenvectors by decreasing eigenvalue (each signed
-    so that its largest-magnitude entry is positive), the spreads (square roots of the
-    eigenvalues, floored at ``1e-6`` of the largest; all 1 when every eigenvalue is 0), the
-    rank (``t.fixed_rank``, or the fewest leading eigenvalues holding ``energy_threshold`` of
-    their sum, at least 1) and its bits. The eigendecomposition runs on the CPU stream."""
+def principal_axes(rows: mx.array):
+    """``(basis [..., d, d], mean [..., d], sigma [..., d], eigenvalues [..., d])`` of rows
+    ``[..., n, d]``: the mean and covariance of the rows without a non-finite entry (scaled by
+    their largest entry, so nothing overflows; the eigenvalues are the scaled rows'), its
+    eigenvectors as rows by decreasing eigenvalue (each signed so that its largest-magnitude
+    entry is positive), the spreads (square roots of the eigenvalues, floored at ``1e-6`` of
+    the largest, in the rows' scale; all 1 when every eigenvalue is 0). The eigendecomposition
+    runs on the CPU stream (MLX has it there only)."""
     x = rows.astype(mx.float32)
     ok = mx.all(mx.isfinite(x), axis=-1, keepdims=True)
     cnt = mx.maximum(ok.sum(axis=-2, keepdims=True), 1).astype(mx.float32)
@@ -207,16 +206,30 @@ def fit(rows: mx.array, t: SvdqTables):
     s = mx.sqrt(lam)
     top = s.max(axis=-1, keepdims=True)
     sigma = mx.where(top > 0, mx.maximum(s, _SIGMA_FLOOR * top), one) * c[..., 0]
+    return vec.swapaxes(-1, -2), (mean * c)[..., 0, :], sigma, lam
+
+
+def energy_rank(lam: mx.array, threshold: float, most: int) -> mx.array:
+    """The fewest leading eigenvalues of ``lam [..., d]`` (decreasing) whose sum holds
+    ``threshold`` of the total, int32 ``[...]`` in ``1..most`` (1 where the total is 0)."""
+    cum = mx.cumsum(lam, axis=-1)
+    short = (cum < threshold * cum[..., -1:]).astype(mx.int32).sum(axis=-1)
+    return mx.clip(short + 1, 1, most).astype(mx.int32)
+
+
+def fit(rows: mx.array, t: SvdqTables):
+    """``(basis [..., w, d], mean [..., d], sigma [..., w], bits [..., w], rank [...],
+    eigenvalues [..., d])`` of rows ``[..., n, d]``: the first ``w`` of
+    :func:`principal_axes`, the rank (``t.fixed_rank``, or :func:`energy_rank` at
+    ``energy_threshold``) and its bits."""
+    vec, mean, sigma, lam = principal_axes(rows)
     w = t.width
     if t.fixed_rank:
         rank = mx.full(lam.shape[:-1], w, mx.int32)
     else:
-        cum = mx.cumsum(lam, axis=-1)
-        short = (cum < t.energy_threshold * cum[..., -1:]).astype(mx.int32).sum(axis=-1)
-        rank = mx.clip(short + 1, 1, w).astype(mx.int32)
+        rank = energy_rank(lam, t.energy_threshold, w)
     bits = mx.take(mx.array(bit_table(w, t.bit_schedule, not t.fixed_rank)), rank, axis=0)
-    basis = vec.swapaxes(-1, -2)[..., :w, :]
-    return basis, (mean * c)[..., 0, :], sigma[..., :w], bits, rank, lam
+    return vec[..., :w, :], mean, sigma[..., :w], bits, rank, lam
 
 
 def fitted(t: SvdqTables, rows: mx.array) -> SvdqTables:
