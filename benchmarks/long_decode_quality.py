@@ -191,14 +191,14 @@ def make_caches(model, name: str, params: dict[str, Any]) -> list:
 
 
 def array_bytes(caches: list) -> int:
-    """Bytes of the distinct arrays each cache's ``state`` holds (per cache)."""
+    """Bytes of the distinct arrays the caches' ``state`` hold: an array several layers hold
+    (a cross-layer method's layer holding another layer's, the same ``mx.array``) once."""
     from velox.decode import arrays
 
-    total = 0
+    seen = {}
     for c in caches:
-        seen = {id(a): a for a in arrays(c.state)}
-        total += sum(a.nbytes for a in seen.values())
-    return total
+        seen.update({id(a): a for a in arrays(c.state)})
+    return sum(a.nbytes for a in seen.values())
 
 
 # --- the run -------------------------------------------------------------------------

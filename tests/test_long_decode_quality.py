@@ -88,3 +88,16 @@ def test_figures_on_made_up_logits():
     assert b.table_row(row).startswith("| x | 3.00 |")
     with pytest.raises(ValueError):
         b.figures(nll[:-1], top, kl, ref_nll=ref_nll, ref_argmax=ref_top)
+
+
+def test_array_bytes_counts_an_array_several_layers_hold_once():
+    import mlx.core as mx
+
+    b = _bench()
+
+    class Layer:
+        def __init__(self, *arrays):
+            self.state = list(arrays)
+
+    own, shared = mx.zeros((4, 8)), mx.zeros((16,), mx.uint32)
+    assert b.array_bytes([Layer(own, shared), Layer(shared)]) == own.nbytes + shared.nbytes
