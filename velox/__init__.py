@@ -140,9 +140,11 @@ from .methods import (  # noqa: E402  (each registers its method)
     kvquant,
     kvtc,
     kvzip,
+    minicache,
     morphkv,
     nestedkv,
     nsnquant,
+    palu,
     polar,
     pyramidkv,
     qfilters,
@@ -153,11 +155,14 @@ from .methods import (  # noqa: E402  (each registers its method)
     spectral,
     squeeze,
     streaming_llm,
+    svdq,
     tova,
     turboquant_mse,
     turboquant_prod,
     turboquant_rvq,
     vecinfer,
+    xkv,
+    xquant,
     zipcache,
 )
 A2atsState = a2ats.State
@@ -217,6 +222,9 @@ kvtc_init, kvtc_update, kvtc_get_kv, kvtc_bytes = (
 KVzipState = kvzip.State
 kvzip_init, kvzip_update, kvzip_get_kv, kvzip_bytes = (
     kvzip.init, kvzip.update, kvzip.get_kv, kvzip.nbytes)
+MiniCacheState = minicache.State
+minicache_init, minicache_update, minicache_get_kv, minicache_bytes = (
+    minicache.init, minicache.update, minicache.get_kv, minicache.nbytes)
 MorphKVState = morphkv.State
 morphkv_init, morphkv_update, morphkv_get_kv, morphkv_bytes = (
     morphkv.init, morphkv.update, morphkv.get_kv, morphkv.nbytes)
@@ -226,6 +234,9 @@ nestedkv_init, nestedkv_update, nestedkv_get_kv, nestedkv_bytes = (
 NSNQuantState = nsnquant.State
 nsnquant_init, nsnquant_update, nsnquant_get_kv, nsnquant_bytes = (
     nsnquant.init, nsnquant.update, nsnquant.get_kv, nsnquant.nbytes)
+PaluState = palu.State
+palu_init, palu_update, palu_get_kv, palu_bytes = (
+    palu.init, palu.update, palu.get_kv, palu.nbytes)
 PolarState = polar.State
 polar_init, polar_update, polar_get_kv, polar_bytes = (
     polar.init, polar.update, polar.get_kv, polar.nbytes)
@@ -256,6 +267,9 @@ squeeze_init, squeeze_update, squeeze_get_kv, squeeze_bytes = (
 StreamingLLMState = streaming_llm.State
 streaming_llm_init, streaming_llm_update, streaming_llm_get_kv, streaming_llm_bytes = (
     streaming_llm.init, streaming_llm.update, streaming_llm.get_kv, streaming_llm.nbytes)
+SVDqState = svdq.State
+svdq_init, svdq_update, svdq_get_kv, svdq_bytes = (
+    svdq.init, svdq.update, svdq.get_kv, svdq.nbytes)
 TovaState = tova.State
 tova_init, tova_update, tova_get_kv, tova_bytes = (
     tova.init, tova.update, tova.get_kv, tova.nbytes)
@@ -271,6 +285,12 @@ turboquant_rvq_init, turboquant_rvq_update, turboquant_rvq_get_kv, turboquant_rv
 VecInferState = vecinfer.State
 vecinfer_init, vecinfer_update, vecinfer_get_kv, vecinfer_bytes = (
     vecinfer.init, vecinfer.update, vecinfer.get_kv, vecinfer.nbytes)
+XKVState = xkv.State
+xkv_init, xkv_update, xkv_get_kv, xkv_bytes = (
+    xkv.init, xkv.update, xkv.get_kv, xkv.nbytes)
+XQuantState = xquant.State
+xquant_init, xquant_update, xquant_get_kv, xquant_bytes = (
+    xquant.init, xquant.update, xquant.get_kv, xquant.nbytes)
 ZipCacheState = zipcache.State
 zipcache_init, zipcache_update, zipcache_get_kv, zipcache_bytes = (
     zipcache.init, zipcache.update, zipcache.get_kv, zipcache.nbytes)
@@ -293,29 +313,34 @@ __all__ += [
     "knorm", "KNormState", "knorm_init", "knorm_update", "knorm_get_kv", "knorm_bytes", "kvquant",
     "KVQuantState", "kvquant_init", "kvquant_update", "kvquant_get_kv", "kvquant_bytes", "kvtc",
     "KVTCState", "kvtc_init", "kvtc_update", "kvtc_get_kv", "kvtc_bytes", "kvzip", "KVzipState",
-    "kvzip_init", "kvzip_update", "kvzip_get_kv", "kvzip_bytes", "morphkv", "MorphKVState",
-    "morphkv_init", "morphkv_update", "morphkv_get_kv", "morphkv_bytes", "nestedkv",
-    "NestedKVState", "nestedkv_init", "nestedkv_update", "nestedkv_get_kv", "nestedkv_bytes",
-    "nsnquant", "NSNQuantState", "nsnquant_init", "nsnquant_update", "nsnquant_get_kv",
-    "nsnquant_bytes", "polar", "PolarState", "polar_init", "polar_update", "polar_get_kv",
-    "polar_bytes", "pyramidkv", "PyramidKVState", "pyramidkv_init", "pyramidkv_update",
-    "pyramidkv_get_kv", "pyramidkv_bytes", "qfilters", "QFiltersState", "qfilters_init",
-    "qfilters_update", "qfilters_get_kv", "qfilters_bytes", "qjl", "QJLState", "qjl_init",
-    "qjl_update", "qjl_get_kv", "qjl_bytes", "rocketkv", "RocketKVState", "rocketkv_init",
-    "rocketkv_update", "rocketkv_get_kv", "rocketkv_bytes", "skvq", "SKVQState", "skvq_init",
-    "skvq_update", "skvq_get_kv", "skvq_bytes", "snapkv", "SnapKVState", "snapkv_init",
-    "snapkv_update", "snapkv_get_kv", "snapkv_bytes", "spectral", "SpectralState", "spectral_init",
-    "spectral_update", "spectral_get_kv", "spectral_bytes", "squeeze", "SqueezeState",
-    "squeeze_init", "squeeze_update", "squeeze_get_kv", "squeeze_bytes", "streaming_llm",
-    "StreamingLLMState", "streaming_llm_init", "streaming_llm_update", "streaming_llm_get_kv",
-    "streaming_llm_bytes", "tova", "TovaState", "tova_init", "tova_update", "tova_get_kv",
+    "kvzip_init", "kvzip_update", "kvzip_get_kv", "kvzip_bytes", "minicache", "MiniCacheState",
+    "minicache_init", "minicache_update", "minicache_get_kv", "minicache_bytes", "morphkv",
+    "MorphKVState", "morphkv_init", "morphkv_update", "morphkv_get_kv", "morphkv_bytes",
+    "nestedkv", "NestedKVState", "nestedkv_init", "nestedkv_update", "nestedkv_get_kv",
+    "nestedkv_bytes", "nsnquant", "NSNQuantState", "nsnquant_init", "nsnquant_update",
+    "nsnquant_get_kv", "nsnquant_bytes", "palu", "PaluState", "palu_init", "palu_update",
+    "palu_get_kv", "palu_bytes", "polar", "PolarState", "polar_init", "polar_update",
+    "polar_get_kv", "polar_bytes", "pyramidkv", "PyramidKVState", "pyramidkv_init",
+    "pyramidkv_update", "pyramidkv_get_kv", "pyramidkv_bytes", "qfilters", "QFiltersState",
+    "qfilters_init", "qfilters_update", "qfilters_get_kv", "qfilters_bytes", "qjl", "QJLState",
+    "qjl_init", "qjl_update", "qjl_get_kv", "qjl_bytes", "rocketkv", "RocketKVState",
+    "rocketkv_init", "rocketkv_update", "rocketkv_get_kv", "rocketkv_bytes", "skvq", "SKVQState",
+    "skvq_init", "skvq_update", "skvq_get_kv", "skvq_bytes", "snapkv", "SnapKVState",
+    "snapkv_init", "snapkv_update", "snapkv_get_kv", "snapkv_bytes", "spectral", "SpectralState",
+    "spectral_init", "spectral_update", "spectral_get_kv", "spectral_bytes", "squeeze",
+    "SqueezeState", "squeeze_init", "squeeze_update", "squeeze_get_kv", "squeeze_bytes",
+    "streaming_llm", "StreamingLLMState", "streaming_llm_init", "streaming_llm_update",
+    "streaming_llm_get_kv", "streaming_llm_bytes", "svdq", "SVDqState", "svdq_init", "svdq_update",
+    "svdq_get_kv", "svdq_bytes", "tova", "TovaState", "tova_init", "tova_update", "tova_get_kv",
     "tova_bytes", "turboquant_mse", "TurboQuantMseState", "turboquant_mse_init",
     "turboquant_mse_update", "turboquant_mse_get_kv", "turboquant_mse_bytes", "turboquant_prod",
     "TurboQuantProdState", "turboquant_prod_init", "turboquant_prod_update",
     "turboquant_prod_get_kv", "turboquant_prod_bytes", "turboquant_rvq", "TurboQuantRvqState",
     "turboquant_rvq_init", "turboquant_rvq_update", "turboquant_rvq_get_kv",
     "turboquant_rvq_bytes", "vecinfer", "VecInferState", "vecinfer_init", "vecinfer_update",
-    "vecinfer_get_kv", "vecinfer_bytes", "zipcache", "ZipCacheState", "zipcache_init",
-    "zipcache_update", "zipcache_get_kv", "zipcache_bytes",
+    "vecinfer_get_kv", "vecinfer_bytes", "xkv", "XKVState", "xkv_init", "xkv_update", "xkv_get_kv",
+    "xkv_bytes", "xquant", "XQuantState", "xquant_init", "xquant_update", "xquant_get_kv",
+    "xquant_bytes", "zipcache", "ZipCacheState", "zipcache_init", "zipcache_update",
+    "zipcache_get_kv", "zipcache_bytes",
 ]
 # --- end generated exports ---
