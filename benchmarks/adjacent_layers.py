@@ -1,9 +1,9 @@
 """How alike are the KV caches of adjacent layers? The premise of the cross-layer methods.
 
-The embedded SmolLM2-135M-Instruct (float32, CPU) prefills the opening ``--tokens`` tokens of a
-shipped text (``--text``, default ``holmes``) into mlx-lm's plain caches, in forwards of
-``--chunk`` tokens; then, for every pair of adjacent layers ``(l, l + 1)``, it reads the keys
-and values each layer cached and reports:
+The embedded SmolLM2-135M-Instruct (float32, CPU; ``--model``: another mlx-lm model folder)
+prefills the opening ``--tokens`` tokens of a shipped text (``--text``, default ``holmes``) into
+mlx-lm's plain caches, in forwards of ``--chunk`` tokens; then, for every pair of adjacent
+layers ``(l, l + 1)``, it reads the keys and values each layer cached and reports:
 
 * ``cos``: the mean over tokens and kv heads of the cosine between the two layers' vectors of
   the same token and head (keys after RoPE: both layers rotate a position alike, so the cosine
@@ -181,28 +181,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=512, help="tokens per prefill forward")
     ap.add_argument("--rank", type=int, default=16, help="singular vectors compared per layer")
+    ap.add_argument("--model", help="an mlx-lm model folder (default: the embedded SmolLM2)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--md", type=Path)
     args = ap.parse_args(argv)
 
     from velox.adapters.harness import load_text, text_tokens
-    from velox.adapters.smollm2 import load_default_model
+    from velox.adapters.smollm2 import load_model
 
     t0 = time.perf_counter()
-    model, tokenizer = load_default_model()
+    model, tokenizer = load_model(args.model)
     tokens = text_tokens(tokenizer, load_text(args.text), args.tokens)
     kv = layer_caches(model, tokens, args.chunk)
     rows = [{"layer": i, **pair_figures(*kv[i], *kv[i + 1], args.rank)} for i in range(len(kv) - 1)]
     means = summary(rows, len(kv))
     h, n, d = kv[0][0].shape
-    setup = {"model": "SmolLM2-135M-Instruct (embedded, float32)", "text": args.text,
+    name = args.model or "SmolLM2-135M-Instruct (embedded, float32)"
+    setup = {"model": name, "text": args.text,
              "tokens": n, "chunk": args.chunk, "layers": len(kv), "kv_heads": h, "head_dim": d,
              "rank": args.rank, "random_token_subspace": args.rank / n,
              "random_channel_subspace": args.rank / (h * d), "bits": BITS, "group": GROUP,
              "merge_cos": MERGE_COS, "mlx": mx.__version__, "machine": platform.machine(),
              "seconds": round(time.perf_counter() - t0, 1)}
     lines = [
-        f"# Adjacent layers of SmolLM2-135M-Instruct: {n} tokens of `{args.text}`", "",
+        f"# Adjacent layers of {name}: {n} tokens of `{args.text}`", "",
         f"`python benchmarks/adjacent_layers.py --text {args.text} --tokens {args.tokens} "
         f"--chunk {args.chunk} --rank {args.rank}`", "",
         f"{len(kv)} layers, {h} kv heads of {d}; mlx-lm's plain caches after a prefill in forwards "
