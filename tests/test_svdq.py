@@ -201,3 +201,22 @@ def test_attention_on_codes_equals_dense():
 
 def test_registered_codec():
     assert get_codec("svdq") is svdq.CODEC
+
+
+def test_byte_unpacking_equals_kvtcs_bitwise_unpacking():
+    """unpack_codes (three bytes a code) reads the codes KVTC's bitwise unpacking reads, for
+    allocations a row and head (MLX arrays) and shared ones (NumPy), widths 0 to 16."""
+    from velox.codecs import kvtc
+    rng = np.random.default_rng(0)
+    for _ in range(10):
+        d = int(rng.integers(1, 40))
+        bits = np.sort(rng.choice([0, 1, 2, 3, 4, 5, 8, 16], (2, 3, d)), axis=-1)[..., ::-1].astype(np.uint8)
+        total = int(bits.astype(int).sum(-1).max())
+        stream = rng.integers(0, 256, (2, 3, 5, -(-total // 8))).astype(np.uint8)
+        got = svdq.unpack_codes(mx.array(stream), mx.array(bits), total)
+        assert np.array_equal(np.array(got), kvtc._unpack_np(stream, bits, total, d))
+        one = bits[0, 0]
+        t1 = int(one.astype(int).sum())
+        s1 = rng.integers(0, 256, (4, -(-t1 // 8))).astype(np.uint8)
+        assert np.array_equal(np.array(svdq.unpack_codes(mx.array(s1), one, t1)),
+                              kvtc._unpack_np(s1, one, t1, d))

@@ -43,8 +43,8 @@ from .. import quant
 from .. import reference as ref
 from .._typing import Array, Float, UInt
 from . import shipped_calibration
-from .kvtc import _pack, _pack_np, _unpack, _unpack_np
-from .svdq import energy_rank, principal_axes
+from .kvtc import _pack, _pack_np, _unpack_np
+from .svdq import energy_rank, principal_axes, unpack_codes
 
 __all__ = ["PaluTables", "LatentCodes", "LatentRows", "Layout", "SHIPPED", "head_groups", "layout",
            "to_groups", "from_groups", "to_groups_np", "from_groups_np", "quantize", "dequantize",
@@ -194,7 +194,7 @@ def dequantize(c: LatentCodes, lay: Layout) -> mx.array:
     r = len(lay.bits)
     if not lay.groups:
         return mx.zeros((*c.codes.shape[:-1], r), mx.float32)
-    q = _unpack(c.codes, mx.array(lay.bits), lay.total, r).astype(mx.float32)
+    q = unpack_codes(c.codes, lay.bits, lay.total).astype(mx.float32)
     of = mx.array(_group_of(lay))  # each channel's group
     return q * mx.take(c.scales.astype(mx.float32), of, axis=-1) + mx.take(
         c.zeros.astype(mx.float32), of, axis=-1)

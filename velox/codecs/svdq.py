@@ -42,11 +42,11 @@ import mlx.core as mx
 import numpy as np
 
 from . import Codec, register_codec
-from .kvtc import MAX_BITS, _pack, _pack_np, _tok, _unpack, _unpack_np
+from .kvtc import MAX_BITS, _pack, _pack_np, _tok, _unpack_np
 
 __all__ = ["SvdqTables", "SvdqCodes", "GROUPS", "DEFAULT_SCHEDULE", "SCHEDULES", "parse_schedule",
            "min_safe_rank", "group_sizes", "channel_bits", "bit_table", "total_bits",
-           "bytes_per_row", "tables", "principal_axes", "energy_rank", "fit", "fitted", "encode", "decode", "scores",
+           "bytes_per_row", "unpack_codes", "tables", "principal_axes", "energy_rank", "fit", "fitted", "encode", "decode", "scores",
            "encode_np", "decode_np", "scores_np", "latents_np", "head_tables", "CODEC"]
 
 #: Contiguous groups of latent channels the schedule assigns bits to.
@@ -271,8 +271,43 @@ def _quantize(t: SvdqTables, y: mx.array):
     return mx.where(on, code, zero).astype(mx.uint32), s16
 
 
+def unpack_codes(stream: mx.array, bits, total: int) -> mx.array:
+    """The codes ``uint32 [..., d]`` of bit streams ``uint8 [..., W]`` (KVTC's layout: code
+    ``i`` in the ``bits[i]`` stream bits after those of the codes before it) for ``bits [...,
+    d]`` (an MLX array, one allocation a batch row and kv head, or a NumPy ``[d]`` shared by
+    every row): each code read from the three bytes that hold it (a width up to 16 bits and a
+    shift up to 7 span at most three), shifted and masked; the same codes as KVTC's bitwise
+    unpacking, with three gathers a code instead of sixteen."""
+    static = isinstance(bits, np.ndarray)
+    b = bits.astype(np.int64 if static else mx.int32)
+    d = b.shape[-1]
+    lead = stream.shape[:-1]
+    if total == 0:
+        return mx.zeros((*lead, d), mx.uint32)
+    width = stream.shape[-1]
+    start = (np.cumsum(b, axis=-1) if static else mx.cumsum(b, axis=-1)) - b
+    s32 = stream.astype(mx.uint32)
+    word = None
+    for k in range(3):
+        if static:
+            part = mx.take(s32, mx.array(np.minimum(start // 8 + k, width - 1).astype(np.int32)), axis=-1)
+        else:
+            idx = mx.minimum(start // 8 + k, width - 1)
+            part = mx.take_along_axis(s32, mx.broadcast_to(_tok(idx), (*lead, d)), axis=-1)
+        part = part << (8 * k)
+        word = part if word is None else word | part
+    shift = start % 8
+    if static:
+        shift = mx.array(shift.astype(np.uint32))
+        mask = mx.array(((1 << b) - 1).astype(np.uint32))
+    else:
+        shift = _tok(shift).astype(mx.uint32)
+        mask = (mx.left_shift(mx.array(1, mx.uint32), _tok(b).astype(mx.uint32)) - 1)
+    return (word >> shift) & mask
+
+
 def _latents(t: SvdqTables, codes: SvdqCodes) -> mx.array:
-    q = _unpack(codes.codes, t.bits, t.total, t.width).astype(mx.float32)
+    q = unpack_codes(codes.codes, t.bits, t.total).astype(mx.float32)
     b = _tok(t.bits).astype(mx.float32)
     half = mx.power(mx.array(2.0, mx.float32), b - 1)
     s = _per_channel(codes.scales.astype(mx.float32), t.width, t.group_size)
