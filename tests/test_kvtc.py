@@ -280,3 +280,94 @@ def test_an_evictor_composed_with_kvtc_fits_at_its_first_keys(backend):
     assert np.array_equal(np.array(step.tables.basis), np.array(alone.tables.basis))
     k_hat, _ = velox.get_kv(small)
     assert k_hat.shape[2] == 24
+
+
+# ---- entropy-coded rows (prompt-cache files) ------------------------------------------------
+
+@pytest.mark.parametrize("traditional", [False, True])
+def test_rope_np_is_mlx_rope_and_turns_back(traditional):
+    x = np.random.default_rng(0).normal(size=(2, 50, 16)).astype(np.float32)
+    want = np.array(mx.fast.rope(mx.array(x), 16, traditional=traditional, base=500.0, scale=1.0,
+                                 offset=7))
+    got = kvtc.rope_np(x, np.broadcast_to(np.arange(7, 57), (2, 50)), 500.0, traditional)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    back = kvtc.rope_np(got, np.broadcast_to(np.arange(7, 57), (2, 50)), 500.0, traditional, inverse=True)
+    np.testing.assert_allclose(back, x, atol=2e-5)
+
+
+def test_basis_walk_decodes_the_encoders_orthonormal_basis():
+    rng = np.random.default_rng(1)
+    vec = np.linalg.qr(rng.normal(size=(12, 12)))[0].T                # unit rows
+    widths = np.array([12, 10, 8, 6, 4, 3, 3, 2, 2, 1])
+    basis, coords = kvtc._basis_walk(12, widths, vec[:10])
+    assert [len(c) for c in coords] == list(range(12, 2, -1))        # D (D + 1) / 2 numbers
+    again, _ = kvtc._basis_walk(12, widths, [np.array(c) for c in coords])
+    assert np.array_equal(basis, again)
+    np.testing.assert_allclose(basis @ basis.T, np.eye(12), atol=1e-12)
+    assert abs(basis[0] @ vec[0]) > 1 - 1e-6                         # a fine vector kept
+    assert abs(basis[9] @ vec[9]) > 0.5                              # a coarse one roughly
+
+
+def _rows(rng, b=1, h=2, n=120, d=8):
+    spread = np.exp(-np.arange(h * d) / 4.0)
+    z = rng.normal(size=(b, n, h * d)) * spread @ np.linalg.qr(rng.normal(size=(h * d, h * d)))[0]
+    return np.ascontiguousarray((z + 0.3).reshape(b, n, h, d).transpose(0, 2, 1, 3)).astype(np.float32)
+
+
+@pytest.mark.parametrize("b", [1, 2])
+def test_entropy_coded_rows_bound_and_exact_rows(b):
+    """Half a step a principal coefficient (orthonormal basis): |x - x^| <= step sqrt(D) / 2;
+    quiet rows at a 16th; exact and non-finite rows to the bit; the step over the RMS spread."""
+    rng = np.random.default_rng(2)
+    x = _rows(rng, b=b)
+    x[0, 1, 5, 3] = np.nan
+    exact = np.zeros(x.shape[:3], bool)
+    exact[:, 0, -3:] = True                            # one head marks a token: every head exact
+    quiet = np.zeros((b, x.shape[2]), bool)
+    quiet[:, 10:14] = True
+    a = kvtc.compress_rows_ecsq_np(x, exact, step=0.5, quiet=quiet)
+    y = kvtc.decompress_rows_ecsq_np(a, x.shape)
+    keep = np.unpackbits(a["exact"], count=b * x.shape[2]).astype(bool).reshape(b, -1)
+    assert keep[0, 5] and keep[:, -3:].all() and keep.sum() == 3 * b + 1
+    sw_x, sw_y = np.swapaxes(x, 1, 2), np.swapaxes(y, 1, 2)
+    assert np.array_equal(sw_x[keep], sw_y[keep], equal_nan=True)
+    D = x.shape[1] * x.shape[3]
+    for i in range(b):
+        err = np.sqrt(((sw_x[i] - sw_y[i]) ** 2).sum(axis=(1, 2)))
+        bound = float(a["step"][i]) * np.sqrt(D) / 2 + 1e-5
+        assert (err[~keep[i]] <= bound).all() and (err[quiet[i]] <= bound / 16).all()
+        fit = ~keep[i] & ~quiet[i]
+        z = sw_x[i][fit].reshape(fit.sum(), D)
+        rms = np.sqrt(((z - z.mean(0)) ** 2).mean())
+        assert abs(float(a["step"][i]) / (0.5 * rms) - 1) < 1e-3
+
+
+def test_entropy_coded_rows_degenerate_and_refused():
+    rng = np.random.default_rng(3)
+    x = _rows(rng)
+    const = np.broadcast_to(x[:, :, :1], x.shape).copy()            # no spread but the float16 mean's
+    a = kvtc.compress_rows_ecsq_np(const, np.zeros(x.shape[:3], bool), step=1.0)
+    assert a["words"].nbytes < 1024
+    np.testing.assert_allclose(kvtc.decompress_rows_ecsq_np(a, x.shape), const, atol=1e-3)
+    zero = kvtc.compress_rows_ecsq_np(np.zeros_like(x), np.zeros(x.shape[:3], bool), step=1.0)
+    assert zero["step"][0] == 0 and zero["components"][0] == 0       # no basis at all
+    assert np.array_equal(kvtc.decompress_rows_ecsq_np(zero, x.shape), np.zeros_like(x))
+    every = kvtc.compress_rows_ecsq_np(x, np.ones(x.shape[:3], bool), step=1.0)
+    assert np.array_equal(kvtc.decompress_rows_ecsq_np(every, x.shape), x)
+    f16 = x.astype(np.float16)                                      # exact rows in their dtype
+    ex = np.zeros(x.shape[:3], bool)
+    ex[:, :, :4] = True
+    a = kvtc.compress_rows_ecsq_np(f16, ex, step=1.0)
+    assert a["exact_rows"].dtype == np.float16
+    assert np.array_equal(kvtc.decompress_rows_ecsq_np(a, x.shape)[:, :, :4], f16[:, :, :4].astype(np.float32))
+    with pytest.raises(ValueError, match="fit"):
+        kvtc.decompress_rows_ecsq_np(a, (1, 2, 121, 8))
+    with pytest.raises(ValueError, match="fit"):
+        kvtc.decompress_rows_ecsq_np({**a, "components": a["components"] + 1}, x.shape)
+
+
+def test_entropy_coded_rows_shrink_with_the_step():
+    x = _rows(np.random.default_rng(4), n=400)
+    size = [sum(v.nbytes for v in kvtc.compress_rows_ecsq_np(x, np.zeros(x.shape[:3], bool),
+                                                            step=s).values()) for s in (0.25, 1.0, 4.0)]
+    assert size[0] > size[1] > size[2] and size[1] < x.astype(np.float16).nbytes / 2

@@ -52,7 +52,8 @@ __all__ = ["KvtcTables", "KvtcCodes", "tables", "encode", "decode", "scores", "e
            "decode_np", "scores_np", "allocate", "allocate_np", "total_bits", "parse_choices",
            "distortion_table", "fit", "fit_np", "fitted", "bytes_per_row", "table_arrays",
            "quantize_np", "dequantize_np", "entropy_encode_np", "entropy_decode_np", "compress_rows_np",
-           "decompress_rows_np", "compress_codes_np", "decompress_codes_np", "DEFAULT_CHOICES", "MAX_BITS", "CODEC"]
+           "decompress_rows_np", "compress_codes_np", "decompress_codes_np", "DEFAULT_CHOICES", "MAX_BITS", "CODEC",
+           "rope_np", "quiet_rows_np", "compress_rows_ecsq_np", "decompress_rows_ecsq_np"]
 
 #: The seed's bit choices (``kvtc_bit_choices``), as the method's ``bit_choices`` string.
 DEFAULT_CHOICES = "0,1,2,3,4,6,8"
@@ -647,3 +648,282 @@ def decompress_codes_np(a: dict, shape: tuple, bits: np.ndarray, total: int, hel
     rows[:, :, :held] = True
     q = entropy_decode_np(np.asarray(a["words"]), bits, n, a["model_mean"], a["model_scale"], rows)
     return _pack_np(q, np.asarray(bits), total)
+
+
+# ---- entropy-coded rows (prompt-cache files) ------------------------------------------------
+#
+# Rows [b, h, n, d] coded with one step for every principal component, the codes range-coded
+# (entropy-constrained scalar quantization: under an entropy coder, the allocation that
+# minimises the squared error at a rate gives every component the same step, the reverse
+# water-filling of transform coding, so the dynamic programme above is not needed here).
+# A batch row's rows are coded jointly over its kv heads (one row of h * d entries a token, one
+# basis for the heads together: they are correlated); keys may be coded with their rotary
+# position embedding removed (RoPE turns a key by its position: the content PCA sees is the
+# unturned key). Quiet rows (a token whose value row is far below its head's median norm: the
+# tokens that take the attention a layer does not spend, whose small values an absolute error
+# swamps) are coded at a step ECSQ_FINE times finer. The basis is stored in integers of the
+# precision each component needs, each vector in the coordinates the vectors before it leave
+# (:func:`_basis_walk`); the mean in float16 (float32 where float16 cannot hold it).
+
+#: Quiet rows are coded at the step over this.
+ECSQ_FINE = 16
+#: A token is quiet where, in some kv head, its value row's norm is below this share of that
+#: head's median value-row norm (over the coded rows).
+ECSQ_QUIET = 0.3
+#: Basis vectors of spread below this many steps are not stored: what the stored ones leave is
+#: completed by an orthonormal basis both sides compute. 0 (every vector stored): the small
+#: components' own directions keep a rare large coefficient in one code, where a completed basis
+#: spreads it below half a step over many (dropping them costs SmolLM2 several percent of
+#: perplexity).
+ECSQ_KEEP = 0.0
+#: Basis vector ``i``'s coordinates (``D - i`` of them) are held in multiples of ``2**-e_i``,
+#: ``e_i = ceil(log2(max(sigma_i / step, ECSQ_BASIS_FLOOR) sqrt(D - i))) + ECSQ_BASIS_BITS``:
+#: a vector's error along a later one draws ``sigma_i`` times it into that coefficient, so a
+#: component of larger spread is held finer (1 bit more than that halves SmolLM2's loss at 5%
+#: more bytes; 2 fewer triple it).
+ECSQ_BASIS_BITS = 1
+ECSQ_BASIS_FLOOR = 1.0
+
+
+def rope_np(x: np.ndarray, positions: np.ndarray, theta: float, traditional: bool,
+            inverse: bool = False) -> np.ndarray:
+    """Rows ``x [..., n, d]`` turned by the rotary embedding of integer ``positions [..., n]``
+    (mlx's ``nn.RoPE(d, traditional, base=theta)``: pairs ``(i, i + d/2)``, or ``(2i, 2i + 1)``
+    when ``traditional``, at frequency ``theta ** (-2i / d)``); ``inverse`` turns them back.
+    Float32 (the angles in float64, once a distinct position)."""
+    x = np.asarray(x, np.float32)
+    d = x.shape[-1]
+    half = d // 2
+    freq = float(theta) ** (-np.arange(0, 2 * half, 2, dtype=np.float64) / d)
+    uniq, inv = np.unique(np.asarray(positions, np.int64), return_inverse=True)
+    ang = uniq[:, None].astype(np.float64) * freq
+    c = np.cos(ang).astype(np.float32)[inv.reshape(np.shape(positions))]
+    s = np.sin(ang).astype(np.float32)[inv.reshape(np.shape(positions))]
+    if inverse:
+        s = -s
+    if traditional:
+        a, b = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+    else:
+        a, b = x[..., :half], x[..., half:2 * half]
+    out = x.copy()
+    if traditional:
+        out[..., 0:2 * half:2], out[..., 1:2 * half:2] = a * c - b * s, a * s + b * c
+    else:
+        out[..., :half], out[..., half:2 * half] = a * c - b * s, a * s + b * c
+    return out
+
+
+def quiet_rows_np(values: np.ndarray, coded: np.ndarray) -> np.ndarray:
+    """Quiet tokens ``[b, n]`` of value rows ``[b, h, n, d]``: where some head's row norm is
+    below ``ECSQ_QUIET`` times that head's median over the ``coded [b, h, n]`` rows."""
+    v = np.asarray(values, np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        norm = np.sqrt(np.einsum("bhnd,bhnd->bhn", v, v, dtype=np.float64))
+    coded = np.asarray(coded, bool) & np.isfinite(norm)
+    out = np.zeros((norm.shape[0], norm.shape[2]), bool)
+    for i in range(norm.shape[0]):
+        for j in range(norm.shape[1]):
+            if coded[i, j].any():
+                med = np.median(norm[i, j][coded[i, j]])
+                out[i] |= coded[i, j] & (norm[i, j] < ECSQ_QUIET * med)
+    return out
+
+
+def _join(x: np.ndarray) -> np.ndarray:
+    """``[h, n, d]`` -> ``[n, h * d]``: a token's heads side by side."""
+    h, n, d = x.shape
+    return np.ascontiguousarray(np.swapaxes(x, 0, 1)).reshape(n, h * d)
+
+
+def _split(z: np.ndarray, h: int) -> np.ndarray:
+    n, hd = z.shape
+    return np.ascontiguousarray(np.swapaxes(z.reshape(n, h, hd // h), 0, 1))
+
+
+def _basis_walk(D: int, widths, vectors=None):
+    """The orthonormal basis ``[D, D]`` (rows) built from stored vectors, each given by its
+    integer coordinates in what the vectors before it leave (Gram-Schmidt: vector ``j`` has
+    ``D - j`` coordinates, in multiples of ``2**-widths[j]``): returns ``(basis, coords)``.
+
+    The encoder passes ``vectors [k, D]`` (unit rows, largest spread first) and gets their
+    coordinates rounded; the decoder passes the coordinates (a list of integer arrays) and gets
+    the same basis. The complement is carried as orthonormal rows, narrowed by one Householder
+    reflection a vector; what the ``k`` vectors leave completes the basis. A coarsely stored
+    vector is still exactly orthogonal to the ones before it, so it never draws a larger
+    component's spread into its coefficient, and an orthonormal ``D x D`` matrix is stored in
+    ``D (D + 1) / 2`` numbers, not ``D**2``. Floats only shape the basis: another machine's
+    arithmetic moves the decoded rows by rounding, never the decoded codes."""
+    comp = np.eye(D)
+    rows = np.zeros((len(widths), D))
+    coords = []
+    encode = vectors is not None and not isinstance(vectors, list)
+    for j, w in enumerate(widths):
+        scale = 2.0 ** int(w)
+        c = (np.rint((comp @ vectors[j]) * scale).astype(np.int64) if encode
+             else np.asarray(vectors[j], np.int64))
+        coords.append(c)
+        u = c / scale
+        norm = math.sqrt(float(u @ u))
+        if norm == 0.0:
+            u = np.zeros(D - j)
+            u[0] = 1.0
+        else:
+            u /= norm
+        rows[j] = u @ comp
+        u[0] += 1.0 if u[0] >= 0 else -1.0                    # the reflection taking u to -+e_0
+        u *= math.sqrt(2.0 / float(u @ u))
+        comp = comp[1:] - np.multiply.outer(u[1:], u @ comp)  # its rows 1.. of H comp
+    return np.concatenate([rows, comp]), coords
+
+
+def compress_rows_ecsq_np(rows: np.ndarray, exact: np.ndarray, *, step: float | int,
+                          quiet: np.ndarray | None = None, positions: np.ndarray | None = None,
+                          rope: tuple[float, bool] | None = None) -> dict:
+    """Rows ``[b, h, n, d]`` coded at ``step`` (the quantizer's step over the rows' RMS spread
+    about their mean) and range-coded; returns the arrays :func:`decompress_rows_ecsq_np`
+    reads (every one counted in a file's bytes).
+
+    A token (batch row, storage slot) is held exact where ``exact [b, h, n]`` marks it in any
+    head, a row of it is not finite or a code of it would pass ``velox.entropy.GEO_MAX_BOUND``
+    (``exact_rows``: those rows in ``rows``' dtype); the others are coded together over the
+    heads (``D = h * d`` entries a token): their mean, their principal basis (every component;
+    vector ``j`` stored by its coordinates in what the vectors before it leave, in integers of
+    ``2**-shift_j``, :func:`_basis_walk`) and every coefficient's code ``round(y / step)``.
+    ``quiet [b, n]`` tokens are coded at ``step / ECSQ_FINE`` (left out of the fit). With
+    ``rope = (theta, traditional)`` the rows are coded turned back by ``positions [b, h, n]``
+    (keys under a rotary embedding). Each component's codes (its quiet rows apart) and each
+    basis vector are range-coded with a two-sided geometric model of their own
+    (``velox.entropy.geo_encode``)."""
+    from .. import entropy
+    x = np.asarray(rows)
+    b, h, n, d = x.shape
+    D = h * d
+    with np.errstate(invalid="ignore", over="ignore"):
+        z = x.astype(np.float32)
+        finite = np.isfinite(z).all(axis=-1)
+    keep = (np.asarray(exact, bool) | ~finite).any(axis=1)                     # [b, n]
+    quiet = np.zeros((b, n), bool) if quiet is None else np.asarray(quiet, bool) & ~keep
+    z = np.where(finite[..., None], z, np.float32(0))
+    if rope is not None:
+        z = rope_np(z, positions, rope[0], rope[1], inverse=True)
+    z = [_join(z[i]) for i in range(b)]
+    fits = []
+    for i in range(b):
+        fit = ~keep[i] & ~quiet[i]
+        fits.append(fit if fit.sum() >= 2 else ~keep[i])
+    means = np.stack([z[i][fits[i]].mean(axis=0, dtype=np.float64) if fits[i].any() else np.zeros(D)
+                      for i in range(b)]) if b else np.zeros((0, D))
+    means = means.astype(np.float16 if (np.abs(means) < 32768).all() else np.float32)
+    deltas, ks, shifts, bmodels, models, bounds, blocks = [], [], [], [], [], [], []
+    for i in range(b):
+        fit = fits[i]
+        xc = z[i] - means[i].astype(np.float32)
+        delta = 0.0
+        if fit.any():
+            f = xc[fit]
+            lam, vec = np.linalg.eigh((f.T @ f).astype(np.float64) / fit.sum())
+            lam, vec = np.maximum(lam[::-1], 0.0), vec[:, ::-1]
+            delta = float(np.float32(float(step) * math.sqrt(lam.sum() / D)))
+        if not (delta > 0 and math.isfinite(delta)):
+            deltas.append(0.0)
+            ks.append(0)
+            models.append(np.zeros((D, 2), np.uint8))
+            bounds.append((0, 0))
+            continue
+        k = int((np.sqrt(lam) >= ECSQ_KEEP * delta).sum())
+        left = np.sqrt(D - np.arange(k))
+        e = np.ceil(np.log2(np.maximum(np.sqrt(lam[:k]) / delta, ECSQ_BASIS_FLOOR) * left))
+        e = np.clip(e + ECSQ_BASIS_BITS, 1, 24).astype(np.int64)
+        basis, bq = _basis_walk(D, e, vec[:, :k].T)
+        q = np.rint((xc @ basis.T.astype(np.float32)) / np.where(
+            quiet[i], np.float32(delta / ECSQ_FINE), np.float32(delta))[:, None]).astype(np.int64)
+        far = ~keep[i] & (np.abs(q).max(axis=1) > entropy.GEO_MAX_BOUND)
+        keep[i] |= far
+        quiet[i] &= ~far
+        coded = ~keep[i]
+        qn, qf = q[coded & ~quiet[i]], q[coded & quiet[i]]
+        rn = int(np.abs(qn).max()) if qn.size else 0
+        rf = int(np.abs(qf).max()) if qf.size else 0
+        mb = entropy.geo_fit(D - np.arange(k), np.array([np.abs(c).sum() for c in bq]), 1 << e)
+        mn = entropy.geo_fit(len(qn), np.abs(qn).sum(axis=0), rn)
+        mf = entropy.geo_fit(len(qf), np.abs(qf).sum(axis=0), rf)
+        blocks += [(bq[c], mb[c], 1 << int(e[c])) for c in range(k)]
+        blocks += [(col, mn[c], rn) for c, col in enumerate(qn.T)]
+        blocks += [(col, mf[c], rf) for c, col in enumerate(qf.T)]
+        deltas.append(delta)
+        ks.append(k)
+        shifts.append(e.astype(np.int8))
+        bmodels.append(mb)
+        models.append(np.stack([mn, mf], axis=1))
+        bounds.append((rn, rf))
+    xk = np.swapaxes(x, 1, 2)[keep]                                             # [m, h, d]
+    cat = lambda parts, dt: np.concatenate(parts) if parts else np.zeros(0, dt)  # noqa: E731
+    return {"words": entropy.geo_encode(blocks), "exact": np.packbits(keep.ravel()),
+            "quiet": np.packbits(quiet.ravel()), "mean": means,
+            "step": np.array(deltas, np.float32), "components": np.array(ks, np.int32),
+            "shift": cat(shifts, np.int8), "basis_models": cat(bmodels, np.uint8),
+            "models": np.stack(models).astype(np.uint8) if b else np.zeros((0, D, 2), np.uint8),
+            "bounds": np.array(bounds, np.int32).reshape(b, 2), "exact_rows": xk}
+
+
+def decompress_rows_ecsq_np(a: dict, shape: tuple, *, positions: np.ndarray | None = None,
+                            rope: tuple[float, bool] | None = None) -> np.ndarray:
+    """Inverse of :func:`compress_rows_ecsq_np`: float32 rows ``shape`` (``[b, h, n, d]``),
+    the exact tokens bit for bit, the others the codes' reconstruction. Raises ``ValueError``
+    where the arrays do not fit ``shape`` or each other."""
+    from .. import entropy
+    b, h, n, d = (int(s) for s in shape)
+    D = h * d
+    if np.asarray(a["exact"]).shape != (-(-b * n // 8),) or np.asarray(a["quiet"]).shape != (-(-b * n // 8),):
+        raise ValueError(f"entropy-coded rows whose row flags do not fit the shape {(b, h, n, d)}")
+    keep = np.unpackbits(np.asarray(a["exact"], np.uint8), count=b * n).astype(bool).reshape(b, n)
+    quiet = np.unpackbits(np.asarray(a["quiet"], np.uint8), count=b * n).astype(bool).reshape(b, n)
+    means = np.asarray(a["mean"]).astype(np.float32)
+    deltas = np.asarray(a["step"], np.float32)
+    ks = np.asarray(a["components"], np.int64)
+    shifts = np.asarray(a["shift"], np.int64)
+    bmodels = np.asarray(a["basis_models"], np.int64)
+    models = np.asarray(a["models"], np.int64)
+    bounds = np.asarray(a["bounds"], np.int64)
+    xk = np.asarray(a["exact_rows"])
+    total = int(ks.sum()) if ks.size else 0
+    if (means.shape != (b, D) or deltas.shape != (b,) or ks.shape != (b,) or bounds.shape != (b, 2)
+            or models.shape != (b, D, 2) or (ks < 0).any() or (ks > D).any()
+            or shifts.shape != (total,) or bmodels.shape != (total,) or (shifts < 1).any()
+            or (shifts > 24).any() or (bounds < 0).any() or (quiet & keep).any()
+            or xk.shape != (int(keep.sum()), h, d) or not np.isfinite(deltas).all()
+            or (deltas < 0).any() or ((deltas == 0) & (ks > 0)).any()):
+        raise ValueError("entropy-coded rows whose arrays do not fit each other or the shape "
+                         f"{(b, h, n, d)}")
+    specs, at = [], 0
+    for i in range(b):
+        k, coded = int(ks[i]), ~keep[i]
+        if deltas[i] == 0:
+            continue
+        m, fine = int((coded & ~quiet[i]).sum()), int((coded & quiet[i]).sum())
+        specs += [(D - c, bmodels[at + c], 1 << int(shifts[at + c])) for c in range(k)]
+        specs += [(m, models[i, c, 0], bounds[i, 0]) for c in range(D)]
+        specs += [(fine, models[i, c, 1], bounds[i, 1]) for c in range(D)]
+        at += k
+    got = entropy.geo_decode(np.asarray(a["words"], np.uint32), specs)
+    out = np.zeros((b, n, D), np.float32)
+    at = pos = 0
+    for i in range(b):
+        k, coded = int(ks[i]), ~keep[i]
+        out[i] = means[i]
+        if deltas[i] > 0:
+            basis, _ = _basis_walk(D, shifts[at:at + k], got[pos:pos + k])
+            q = np.zeros((n, D), np.float32)
+            norm, fine = coded & ~quiet[i], coded & quiet[i]
+            if norm.any():
+                q[norm] = np.stack(got[pos + k:pos + k + D], axis=1) * deltas[i]
+            if fine.any():
+                q[fine] = np.stack(got[pos + k + D:pos + k + 2 * D], axis=1) * (deltas[i] / ECSQ_FINE)
+            out[i] += q @ basis.astype(np.float32)
+            pos += k + 2 * D
+            at += k
+    out = np.stack([_split(out[i], h) for i in range(b)]) if b else np.zeros((0, h, n, d), np.float32)
+    if rope is not None:
+        out = rope_np(out, positions, rope[0], rope[1])
+    np.swapaxes(out, 1, 2)[keep] = xk.astype(np.float32)
+    return out
