@@ -35,9 +35,10 @@ from velox.state_dims import method_dims
 
 __all__ = ["save_cache", "load_cache", "CODECS"]
 
-#: What ``save_cache(..., codec=)`` takes: ``None`` (the arrays as they are) or ``"kvtc"``.
-CODECS = ("kvtc",)
-#: KVTC in files: the first positions and the newest ones of every row array stay exact.
+#: What ``save_cache(..., codec=)`` takes: ``None`` (the arrays as they are), ``"kvtc"``
+#: (transform-coded rows, lossy) or ``"lossless"`` (the rows' floats entropy-coded, to the bit).
+CODECS = ("kvtc", "lossless")
+#: Fixed-rate KVTC in files: the first positions and the newest ones of every row array stay exact.
 KVTC_SINKS, KVTC_RECENT = 4, 128
 
 # File formats (``0.format``; ``format`` in version 1). Version 3's ``0.sha256`` covers the
@@ -144,16 +145,28 @@ def save_cache(path: str | Path, caches: list, metadata: dict[str, str] | None =
                codec: str | None = None, codec_params: dict[str, Any] | None = None) -> None:
     """Save velox caches (every array and static field) to one ``.safetensors`` file.
 
-    ``codec="kvtc"`` stores the caches transform-coded (``velox.codecs.kvtc``): every float row
-    array of a state (``[b, h, n, head_dim]``: an evictor's kept keys and values, exact value
-    rows, ...) is held as KVTC codes, range-coded, with its own PCA basis a batch row and kv head
-    fitted on its rows, except the rows of the first ``KVTC_SINKS`` positions, of the newest
-    ``KVTC_RECENT`` and of empty slots (exact); a ``kvtc`` state's packed key codes are
-    range-coded losslessly; every other array is stored as it is. ``codec_params``
-    (``bit_budget``, ``bit_choices``, ``beta``: the kvtc method's defaults) set the code. The
-    round trip is lossy: :func:`load_cache` returns the method's own state with the coded rows
-    replaced by KVTC's reconstruction (coefficient ``i`` within ``sigma_i s / 2^bits_i``); the
-    positions, offsets, codes, exact rows and every other array come back to the bit.
+    ``codec="kvtc"`` stores the caches transform-coded (``velox.codecs.kvtc``, lossy). By
+    default every float row array of a state (``[b, h, n, head_dim]``: an evictor's kept keys
+    and values, exact value rows, ...) is entropy-coded
+    (``velox.codecs.kvtc.compress_rows_ecsq_np``): one PCA basis a batch row over its kv heads,
+    every principal coefficient at one step (``key_step`` for ``keys``, ``value_step`` for the
+    others, over the rows' RMS spread), range-coded a component at a time; the first ``sinks``
+    positions (4) and the quiet tokens (a value row far below its head's median norm: the tokens
+    that take the attention a layer does not spend) at a 16th of the step; the newest ``recent``
+    (0) and empty slots exact; keys coded with their rotary embedding removed when
+    ``rope_theta`` (and ``rope_traditional``) give the model's. With any of ``bit_budget``,
+    ``bit_choices``, ``beta``, the rows are held as the kvtc method's fixed-rate codes instead
+    (range-coded; the first ``KVTC_SINKS`` and newest ``KVTC_RECENT`` positions exact). A
+    ``kvtc`` state's packed key codes are range-coded losslessly either way.
+
+    ``codec="lossless"`` stores every float row array to the bit: each value's sign and
+    exponent range-coded with a model of its channel, its mantissa packed
+    (``velox.entropy.float_encode``; bfloat16 rows of SmolLM2 take about 1.5x fewer bytes).
+
+    With either codec, integer arrays whose deltas code smaller (positions) are range-coded
+    losslessly, and every other array is stored as it is. :func:`load_cache` returns the
+    method's own state: positions, offsets, codes, exact rows and every other array to the
+    bit, the rows coded by KVTC as its reconstruction.
 
     The file carries a SHA-256 of everything :func:`load_cache` reads (the metadata, and the
     array data under their names), checked at load, and is laid out so that mlx-lm's
@@ -277,18 +290,56 @@ def load_cache(path: str | Path, model=None, *,
     return caches, meta["user"]
 
 
-_KVTC_PARAMS = ("bit_budget", "bit_choices", "beta")
+#: Fixed-rate KVTC codes (the kvtc method's: a bit budget a row, allocated by dynamic
+#: programming, one float16 scale a row), range-coded: given any of these, files code rows so.
+_KVTC_FIXED = ("bit_budget", "bit_choices", "beta")
+#: Entropy-coded KVTC (``velox.codecs.kvtc.compress_rows_ecsq_np``), the default: the steps of
+#: keys and of every other row array (over their RMS spread), the first positions coded at the
+#: fine step (attention sinks), the newest held exact, keys coded without their rotary
+#: embedding when its base is given.
+_KVTC_EC = {"key_step": 2.0, "value_step": 3.5, "sinks": 4, "recent": 0, "rope_theta": None,
+            "rope_traditional": False}
+#: Version of the codec description a file holds (``0.codec``'s ``version``; 1 when absent).
+_CODEC_VERSION = 2
 
 
-def _kvtc_params(params: dict[str, Any]) -> dict[str, Any]:
+def _codec_params(codec: str, params: dict[str, Any]) -> dict[str, Any]:
+    """``codec_params`` checked and completed: fixed-rate KVTC's, entropy-coded KVTC's, or
+    none for ``"lossless"``."""
     from velox.codecs import kvtc
-    extra = sorted(set(params) - set(_KVTC_PARAMS))
+    if codec == "lossless":
+        if params:
+            raise ValueError(f"codec_params {sorted(params)}: the lossless codec takes none")
+        return {}
+    if set(params) & set(_KVTC_FIXED):
+        extra = sorted(set(params) - set(_KVTC_FIXED))
+        if extra:
+            raise ValueError(f"codec_params {extra} are not fixed-rate KVTC's ({', '.join(_KVTC_FIXED)}); "
+                             f"entropy-coded KVTC takes {', '.join(_KVTC_EC)}")
+        out = {"bit_budget": int(params.get("bit_budget", 512)),
+               "bit_choices": str(params.get("bit_choices", kvtc.DEFAULT_CHOICES)),
+               "beta": float(params.get("beta", 3.5))}
+        kvtc.tables(1, out)  # checks them
+        return out
+    extra = sorted(set(params) - set(_KVTC_EC))
     if extra:
-        raise ValueError(f"codec_params {extra} are not KVTC's ({', '.join(_KVTC_PARAMS)})")
-    out = {"bit_budget": int(params.get("bit_budget", 512)),
-           "bit_choices": str(params.get("bit_choices", kvtc.DEFAULT_CHOICES)),
-           "beta": float(params.get("beta", 3.5))}
-    kvtc.tables(1, out)  # checks them
+        raise ValueError(f"codec_params {extra} are not KVTC's ({', '.join(_KVTC_EC)}, or the "
+                         f"fixed-rate {', '.join(_KVTC_FIXED)})")
+    out = {**_KVTC_EC, **params}
+    for k in ("key_step", "value_step"):
+        if isinstance(out[k], bool) or not isinstance(out[k], (int, float)) or not 0 < out[k] < 1e6:
+            raise ValueError(f"codec_params {k}={out[k]!r} must be a number in (0, 1e6)")
+        out[k] = float(out[k])
+    for k in ("sinks", "recent"):
+        if isinstance(out[k], bool) or not isinstance(out[k], int) or out[k] < 0:
+            raise ValueError(f"codec_params {k}={out[k]!r} must be an integer >= 0")
+    theta = out["rope_theta"]
+    if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float))
+                              or not 1.0 < theta < 1e12):
+        raise ValueError(f"codec_params rope_theta={theta!r} must be None or a base in (1, 1e12)")
+    out["rope_theta"] = None if theta is None else float(theta)
+    if not isinstance(out["rope_traditional"], bool):
+        raise ValueError(f"codec_params rope_traditional={out['rope_traditional']!r} must be a bool")
     return out
 
 
@@ -306,32 +357,57 @@ def _row_arrays(i: int, m: Method, st: tuple, arrays: dict[str, mx.array]) -> li
     return out
 
 
-def _exact_rows(st: tuple, name: str, x: mx.array, offset: int) -> np.ndarray:
-    """Rows of ``x`` (layer state ``st``'s array ``name``) kept exact: positions below the
-    sinks, the newest, empty slots. Positions from the record's ``positions`` where it has
-    one of the array's ``[b, h, n]``, else the storage order (less its trailing ``empty`` rows)."""
-    b, h, n, _ = x.shape
+def _row_positions(st: tuple, x: mx.array) -> np.ndarray | None:
+    """The positions of ``x``'s rows (the record's ``positions`` where it has one of the
+    array's ``[b, h, n]``), else ``None``."""
     pos = getattr(st, "positions", None)
+    b, h, n, _ = x.shape
     if isinstance(pos, mx.array) and tuple(pos.shape) == (b, h, n):
-        p = np.array(pos)
-        return (p < KVTC_SINKS) | (p >= offset - KVTC_RECENT)
+        return np.array(pos)
+    return None
+
+
+def _exact_rows(st: tuple, name: str, x: mx.array, offset: int, sinks: int = KVTC_SINKS,
+                recent: int = KVTC_RECENT) -> np.ndarray:
+    """Rows of ``x`` (layer state ``st``'s array ``name``) below position ``sinks``, among
+    the newest ``recent`` or in empty slots. Positions from the record's ``positions`` where
+    it has one of the array's ``[b, h, n]``, else the storage order (less its trailing
+    ``empty`` rows)."""
+    b, h, n, _ = x.shape
+    p = _row_positions(st, x)
+    if p is not None:
+        return (p < sinks) | (p >= offset - recent)
     empty = getattr(st, "empty", 0)
     held = n - empty if isinstance(empty, int) and 0 <= empty <= n else n
     i = np.broadcast_to(np.arange(n), (b, h, n))
-    return (i < KVTC_SINKS) | (i >= held - KVTC_RECENT)
+    return (i < sinks) | (i >= held - recent)
+
+
+def _host(x: mx.array) -> np.ndarray:
+    """A float array on the host as float32 (NumPy has no bfloat16; every value is exact)."""
+    return np.array(x.astype(mx.float32))
 
 
 def _encode_rows(caches: list, arrays: dict[str, mx.array], codec: Any,
                  params: dict[str, Any]) -> dict[str, Any]:
-    """Replace the caches' row arrays in ``arrays`` by their KVTC codes (``save_cache``'s
-    ``codec``); the description :func:`_decode_rows` reads."""
+    """Replace the caches' arrays in ``arrays`` by their codes (``save_cache``'s ``codec``);
+    the description :func:`_decode_rows` reads."""
+    from velox import entropy
     from velox.codecs import kvtc
     from velox.codec_cache import stored_tokens
     if codec not in CODECS:
         raise ValueError(f"codec={codec!r} is not one of {', '.join(map(repr, CODECS))} (or "
                          "None: the arrays as they are)")
-    params = _kvtc_params(params)
+    params = _codec_params(codec, params)
+    fixed = "bit_budget" in params
+    sep = f"@{codec}."
     info: dict[str, Any] = {}
+
+    def put(name: str, got: dict[str, Any], d: dict[str, Any]) -> None:
+        info[name] = d
+        arrays.update({f"{name}{sep}{k}": v if isinstance(v, mx.array) else mx.array(v)
+                       for k, v in got.items()})
+
     for i, c in enumerate(caches):
         st = c.velox_state
         if st is None:
@@ -340,45 +416,118 @@ def _encode_rows(caches: list, arrays: dict[str, mx.array], codec: Any,
             name, t = f"{i}.key_codes.codes", st.tables
             held = stored_tokens(st)
             got = kvtc.compress_codes_np(np.array(arrays.pop(name)), np.array(t.bits), t.total, held)
-            info[name] = {"kind": "codes", "shape": list(st.key_codes.codes.shape), "held": held,
-                          "total": t.total, "bits": f"{i}.tables.bits"}
-            arrays.update({f"{name}@kvtc.{k}": mx.array(v) for k, v in got.items()})
+            put(name, got, {"kind": "codes", "shape": list(st.key_codes.codes.shape), "held": held,
+                            "total": t.total, "bits": f"{i}.tables.bits"})
         offset = c.offset - (0 if c.tail is None else c.tail[0].shape[2])
-        for name in _row_arrays(i, c.method, st, arrays):
+        names = _row_arrays(i, c.method, st, arrays)
+        if codec == "lossless":
+            for name in names:
+                x = arrays.pop(name)
+                dt = _dtype_name(x.dtype)
+                bits = x.view(mx.uint32 if x.dtype == mx.float32 else mx.uint16)
+                b, h, n, d = x.shape
+                got = entropy.float_encode(np.array(bits).reshape(b * h, n, d), dt)
+                put(name, got, {"kind": "float", "shape": list(x.shape), "dtype": dt})
+            continue
+        if fixed:
+            for name in names:
+                x = arrays.pop(name)
+                exact = _exact_rows(st, name, x, offset)
+                got = kvtc.compress_rows_np(_host(x), exact, **params)
+                put(name, got, {"kind": "rows", "shape": list(x.shape), "dtype": _dtype_name(x.dtype)})
+            continue
+        values = f"{i}.values" if f"{i}.values" in names else None
+        quiet = None
+        for name in sorted(names, key=lambda k: k != values):  # the values first: their quiet rows
             x = arrays.pop(name)
-            exact = _exact_rows(st, name, x, offset)
-            got = kvtc.compress_rows_np(np.array(x.astype(mx.float32)), exact, **params)
-            info[name] = {"kind": "rows", "shape": list(x.shape), "dtype": _dtype_name(x.dtype)}
-            arrays.update({f"{name}@kvtc.{k}": mx.array(v) for k, v in got.items()})
-    return {"name": "kvtc", "params": params, "arrays": info}
+            rows = _host(x)
+            exact = _exact_rows(st, name, x, offset, sinks=0, recent=params["recent"])
+            pos = _row_positions(st, x)
+            sink = (pos if pos is not None else np.broadcast_to(np.arange(x.shape[2]), exact.shape)) < params["sinks"]
+            if name == values:
+                quiet = kvtc.quiet_rows_np(rows, ~exact)
+            q = sink.any(axis=1)
+            if quiet is not None and quiet.shape == q.shape:
+                q = q | quiet
+            key = name.rsplit(".", 1)[-1] == "keys"
+            rope = (params["rope_theta"], params["rope_traditional"]) if (
+                key and params["rope_theta"] is not None and pos is not None) else None
+            got = kvtc.compress_rows_ecsq_np(rows, exact, step=params["key_step" if key else "value_step"],
+                                             quiet=q, positions=pos, rope=rope)
+            got["exact_rows"] = mx.array(got["exact_rows"]).astype(x.dtype)
+            put(name, got, {"kind": "ecsq", "shape": list(x.shape), "dtype": _dtype_name(x.dtype),
+                            "rope": None if rope is None else list(rope),
+                            "positions": f"{i}.positions" if rope is not None else None})
+    for name in list(arrays):  # integer arrays (positions), where coding them saves bytes
+        x = arrays[name]
+        if "@" not in name and x.dtype in (mx.int16, mx.int32, mx.int64) and x.size >= 64:
+            got = entropy.int_encode(np.array(x))
+            if got is not None:
+                del arrays[name]
+                put(name, got, {"kind": "ints", "shape": list(x.shape), "dtype": _dtype_name(x.dtype)})
+    return {"name": codec, "version": _CODEC_VERSION, "params": params, "arrays": info}
+
+
+_KINDS = ("ints", "codes", "rows", "ecsq", "float")  # decoded in this order (positions first)
 
 
 def _decode_rows(where: str, text: str, arrays: dict[str, mx.array]) -> None:
     """Undo :func:`_encode_rows` in ``arrays`` (a file's, its checksum checked)."""
+    from velox import entropy
     from velox.codecs import kvtc
     try:
         desc = json.loads(text)
         name, params, info = desc["name"], desc["params"], desc["arrays"]
-    except (ValueError, KeyError, TypeError):
+        version = desc.get("version", 1)
+    except (ValueError, KeyError, TypeError, AttributeError):
         raise ValueError(f"{where}: the metadata 'codec' is not a codec description") from None
     if name not in CODECS:
         raise ValueError(f"{where}: coded with {name!r}; this velox reads {', '.join(CODECS)}")
-    params = _kvtc_params(params)
-    for key, d in info.items():
-        parts = {k.split("@kvtc.", 1)[1]: k for k in arrays if k.startswith(f"{key}@kvtc.")}
-        try:
-            got = {k: np.array(arrays[v]) for k, v in parts.items()}
-            if d["kind"] == "codes":
-                out = mx.array(kvtc.decompress_codes_np(got, tuple(d["shape"]), np.array(arrays[d["bits"]]),
-                                                        d["total"], d["held"]))
-            else:
-                rows = kvtc.decompress_rows_np(got, tuple(d["shape"]), **params)
-                out = mx.array(rows).astype(getattr(mx, d["dtype"]))
-        except (KeyError, ValueError, TypeError, IndexError) as e:
-            raise ValueError(f"{where}: KVTC codes of {key} do not decode ({type(e).__name__}: {e})") from None
-        for v in parts.values():
-            del arrays[v]
-        arrays[key] = out
+    if not isinstance(version, int) or version > _CODEC_VERSION:
+        raise ValueError(f"{where}: coded by a newer velox (codec description {version!r}; this "
+                         f"velox reads up to {_CODEC_VERSION}): load it with a newer velox")
+    if not isinstance(params, dict) or not isinstance(info, dict):
+        raise ValueError(f"{where}: the metadata 'codec' is not a codec description")
+    params = _codec_params(name, params)
+    sep = f"@{name}."
+    bad = [k for k, d in info.items() if not isinstance(d, dict) or d.get("kind") not in _KINDS]
+    if bad:
+        raise ValueError(f"{where}: arrays {', '.join(map(str, bad))} are coded in a way this "
+                         "velox does not know")
+    for kind in _KINDS:
+        for key, d in info.items():
+            if d["kind"] != kind:
+                continue
+            parts = {k.split(sep, 1)[1]: k for k in arrays if k.startswith(f"{key}{sep}")}
+            try:
+                got = {k: (_host(arrays[v]) if arrays[v].dtype == mx.bfloat16 else np.array(arrays[v]))
+                       for k, v in parts.items()}
+                shape = tuple(int(s) for s in d["shape"])
+                if kind == "ints":
+                    out = mx.array(entropy.int_decode(got, shape, np.dtype(d["dtype"])))
+                elif kind == "codes":
+                    out = mx.array(kvtc.decompress_codes_np(got, shape, np.array(arrays[d["bits"]]),
+                                                            d["total"], d["held"]))
+                elif kind == "rows":
+                    rows = kvtc.decompress_rows_np(got, shape, **params)
+                    out = mx.array(rows).astype(getattr(mx, d["dtype"]))
+                elif kind == "ecsq":
+                    rope, pos = d["rope"], None
+                    if rope is not None:
+                        rope = (float(rope[0]), bool(rope[1]))
+                        pos = np.array(arrays[d["positions"]])
+                    rows = kvtc.decompress_rows_ecsq_np(got, shape, positions=pos, rope=rope)
+                    out = mx.array(rows).astype(getattr(mx, d["dtype"]))
+                else:
+                    b, h, n, dd = shape
+                    bits = entropy.float_decode(got, (b * h, n, dd), d["dtype"]).reshape(shape)
+                    out = mx.array(bits).view(getattr(mx, d["dtype"]))
+            except (KeyError, ValueError, TypeError, IndexError, AttributeError, RuntimeError) as e:
+                raise ValueError(f"{where}: the codes of {key} do not decode "
+                                 f"({type(e).__name__}: {e})") from None
+            for v in parts.values():
+                del arrays[v]
+            arrays[key] = out
 
 
 def _format_version(name: Any) -> int | None:
