@@ -364,7 +364,9 @@ class VeloxCache(SteppedCache):
         if h.state is None or h.pending is not None or not _capture_installed() or self.observe:
             return None
         if self.record_step() is not None:  # a cross-layer method: its full state, no row
-            form = record_form(self._m, self._state) if self.compile else None
+            alone = (self.compile and not self.rollback and self._m is self.method
+                     and not self._route_unknown)  # no journal, tail or unknown route
+            form = record_form(self._m, self._state) if alone else None
             return None if form is None else (self._m, form, None, h.offset)
         form = compiled_form(self._m, h.state, h.offset, steady=h.fast,
                              plain=self.compile and self._plain(), row=h.row)

@@ -179,7 +179,7 @@ def test_lossless_files_round_trip_to_the_bit(dtype, tmp_path):
 
 
 def _rewrite_codec(src, dst, edit):
-    from adapters import cache_files
+    from velox.adapters import cache_files
     arrays, raw = mx.load(str(src), return_metadata=True)
     desc = json.loads(raw["0.codec"])
     edit(desc)

@@ -272,8 +272,8 @@ def _generate(model, caches, n, prompt=PROMPT):
 def test_the_compiled_step_runs_codec_caches(tiny_llama, key):
     """Through mlx-lm's ``generate_step``: a 199-token prefill (one chunk of rows), then 102
     decode steps across the end of the chunk. Every step but the one that grows the arrays
-    runs in the whole model's compiled step, traced once per size of the arrays (and once more
-    for the prompt's last token, whose dtype is the prompt's), not per token; tokens, offsets,
+    runs in the whole model's compiled step, traced once per size of the arrays (the prompt's
+    last token and the sampled ones cast to one dtype), not per token; tokens, offsets,
     positions, ``get_kv`` and bytes are those of the layer-by-layer path."""
     plain = make_cache(tiny_llama, key, compile=False)
     want, plain_steps = _generate(tiny_llama, plain, 100)
@@ -286,7 +286,7 @@ def test_the_compiled_step_runs_codec_caches(tiny_llama, key):
     # 57 is the cache's 257th: its step grows the arrays, layer by layer
     assert steps[56] == "fill" and steps[:56] + steps[57:] == ["compiled"] * 99
     traces = model_step.compiled_steps(tiny_llama)
-    assert list(traces.values()) == [3]  # 256 rows (prompt token, sampled tokens), 512 rows
+    assert list(traces.values()) == [2]  # 256 rows, 512 rows
     assert [c.offset for c in caches] == [c.offset for c in plain] == [301] * 3
     for a, b in zip(caches, plain):
         assert a.nbytes == b.nbytes and codec_cache.capacity(a.velox_state) == 2 * CHUNK

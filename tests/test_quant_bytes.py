@@ -18,7 +18,7 @@ from velox.testing import test_params
 
 QUANTIZERS = ["adakv", "age_tiered", "amc", "cachegen", "gear", "kitty", "kivi", "kivi_sink",
               "kvquant", "skvq", "zipcache", "polar", "qjl", "spectral", "turboquant_mse",
-              "turboquant_prod", "turboquant_rvq", "nsnquant", "vecinfer", "kvtc"]
+              "turboquant_prod", "turboquant_rvq", "nsnquant", "vecinfer", "kvtc", "xquant"]
 # Quantizers that hold more than an fp16 cache by design, and why.
 ABOVE_FP16 = {"a2ats": "it keeps every token's exact rows beside their codes (its retrieval "
                        "reads the top fraction exactly)"}
