@@ -1,4 +1,6 @@
-"""The ``cuda`` backend's kernels (``mx.fast.cuda_kernel`` sources) and what builds them."""
+"""The GPU kernels of the ``cuda`` and ``metal`` backends (one source each, rendered for
+``mx.fast.cuda_kernel`` or ``mx.fast.metal_kernel`` by ``velox.kernels.dialect``) and what
+builds them."""
 
 from __future__ import annotations
 
@@ -29,9 +31,10 @@ def compact(source: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def build(spec: dict):
-    """``mx.fast.cuda_kernel`` of ``spec`` (its keyword arguments), source and header
-    compacted (:func:`compact`)."""
+def build(spec: dict, dialect: str = "cuda"):
+    """``mx.fast.cuda_kernel`` (``dialect="metal"``: ``mx.fast.metal_kernel``) of ``spec``
+    (its keyword arguments, rendered in that dialect), source and header compacted
+    (:func:`compact`)."""
     import mlx.core as mx
-    return mx.fast.cuda_kernel(**{**spec, "source": compact(spec["source"]),
-                                  "header": compact(spec.get("header", ""))})
+    make = {"cuda": lambda: mx.fast.cuda_kernel, "metal": lambda: mx.fast.metal_kernel}[dialect]()
+    return make(**{**spec, "source": compact(spec["source"]), "header": compact(spec.get("header", ""))})

@@ -46,6 +46,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from . import build
+from .dialect import CUDA, active, make_spec
 
 __all__ = ["supports", "decode_attend", "TOLERANCE", "CODECS", "HEAD_DIMS", "MAX_GROUPS"]
 
@@ -65,31 +66,31 @@ TOLERANCE = {mx.float32: (3e-5, 3e-5), mx.float16: (3e-5, 2.0 ** -10 + 3e-5),
              mx.bfloat16: (3e-5, 2.0 ** -7 + 3e-5)}
 
 _HEADER = """
-template <typename T> __device__ void velox_put(T* p, float x) { *p = static_cast<T>(x); }
+template <typename T> VX_FN void velox_put(VX_DEVICE T* p, float x) { *p = static_cast<T>(x); }
 """
 
 # One block per (batch row, kv head, split) of NT threads; see the module docstring. The
 # placeholders are filled per codec (SHARED, LOAD, LOGITS) and per value layout (SIDE, VALUE).
 _SPLIT_BODY = """
-    const unsigned int tid = threadIdx.x;
+    const unsigned int tid = VX_TID;
     const int nb = knorm_shape[0], nh = knorm_shape[1], cap = knorm_shape[2];
-    const int nsplit = (int)(gridDim.x / (unsigned int)(nb * nh));
-    const size_t bh = blockIdx.x / nsplit;
-    const int split = blockIdx.x % nsplit;
+    const int nsplit = (int)(VX_NBLOCKS / (unsigned int)(nb * nh));
+    const size_t bh = VX_BID / nsplit;
+    const int split = VX_BID % nsplit;
     const int n = held[bh];  // the stored tokens: the first n of the row's cap rows
     const int span = (n + nsplit - 1) / nsplit;
     const int start = split * span;
     const int len = n - start >= span ? span : (n - start > 0 ? n - start : 0);
-    const float inf = __int_as_float(0x7f800000);
-    __shared__ float lg[G * SPLIT];
-    __shared__ float red[G * NT];
+    const float inf = VX_INT_AS_FLOAT(0x7f800000);
+    VX_SHARED float lg[G * SPLIT];
+    VX_SHARED float red[G * NT];
     SHARED
     // the G queries times the scale (float32, rounded as MLX rounds queries * scale), in red
     for (int i = (int)tid; i < G * HEAD_DIM; i += NT)
-        red[i] = __fmul_rn(static_cast<float>(qry[bh * (G * HEAD_DIM) + i]), params[2]);
-    __syncthreads();
+        red[i] = VX_FMUL_RN(static_cast<float>(qry[bh * (G * HEAD_DIM) + i]), params[2]);
+    VX_BARRIER;
     LOAD
-    __syncthreads();
+    VX_BARRIER;
     // phase 1: a thread per stored token, the G logits from its codes
     for (int t = (int)tid; t < len; t += NT) {
         const size_t row = bh * cap + start + t;
@@ -101,7 +102,7 @@ _SPLIT_BODY = """
         for (int j = 0; j < G; ++j) lg[j * SPLIT + t] = lgt[j];
         SIDE
     }
-    __syncthreads();
+    VX_BARRIER;
     // phase 2: each head's maximum, then exponentials and their sum, over the split
     float mh[G], lh[G];
     #pragma unroll
@@ -110,15 +111,15 @@ _SPLIT_BODY = """
         for (int t = (int)tid; t < len; t += NT) m = fmaxf(m, lg[j * SPLIT + t]);
         red[j * NT + tid] = m;
     }
-    __syncthreads();
+    VX_BARRIER;
     for (int w = NT / 2; w > 0; w >>= 1) {
         if ((int)tid < w)
             for (int j = 0; j < G; ++j) red[j * NT + tid] = fmaxf(red[j * NT + tid], red[j * NT + tid + w]);
-        __syncthreads();
+        VX_BARRIER;
     }
     #pragma unroll
     for (int j = 0; j < G; ++j) mh[j] = red[j * NT];
-    __syncthreads();
+    VX_BARRIER;
     #pragma unroll
     for (int j = 0; j < G; ++j) {
         float s = 0.0f;
@@ -129,15 +130,15 @@ _SPLIT_BODY = """
         }
         red[j * NT + tid] = s;
     }
-    __syncthreads();
+    VX_BARRIER;
     for (int w = NT / 2; w > 0; w >>= 1) {
         if ((int)tid < w)
             for (int j = 0; j < G; ++j) red[j * NT + tid] += red[j * NT + tid + w];
-        __syncthreads();
+        VX_BARRIER;
     }
     #pragma unroll
     for (int j = 0; j < G; ++j) lh[j] = red[j * NT];
-    __syncthreads();
+    VX_BARRIER;
     // phase 3: a thread per value coordinate (PARTS per coordinate), weights times values
     constexpr int PARTS = NT / HEAD_DIM;
     const int c = (int)tid % HEAD_DIM, part = (int)tid / HEAD_DIM;
@@ -154,7 +155,7 @@ _SPLIT_BODY = """
     if (PARTS > 1) {
         #pragma unroll
         for (int j = 0; j < G; ++j) red[j * NT + tid] = acc[j];
-        __syncthreads();
+        VX_BARRIER;
         if (part == 0)
             for (int j = 0; j < G; ++j)
                 for (int p = 1; p < PARTS; ++p) acc[j] += red[j * NT + p * HEAD_DIM + c];
@@ -170,15 +171,15 @@ _SPLIT_BODY = """
 """
 
 # TurboQuant's MSE stage: the rotated query, the centroids (and RVQ's second codebook).
-_MSE_SHARED = """__shared__ __align__(16) float q_s[G * HEAD_DIM];
-    __shared__ float c_s[1 << BITS];"""
-_RVQ_SHARED = "__shared__ float r_s[1 << BITS];"
-_QJL_SHARED = "__shared__ __align__(16) float s_s[G * SIGN_WORDS * 32];"
+_MSE_SHARED = """VX_SHARED VX_ALIGN16 float q_s[G * HEAD_DIM];
+    VX_SHARED float c_s[1 << BITS];"""
+_RVQ_SHARED = "VX_SHARED float r_s[1 << BITS];"
+_QJL_SHARED = "VX_SHARED VX_ALIGN16 float s_s[G * SIGN_WORDS * 32];"
 # The queries rotated (q R^T: coordinate c is row c of R dotted with q) and projected (S q,
 # the sketch's zero padding rows giving zeros), once per block, from the scaled queries in red:
 # a thread per row of R (of S), which it reads once for the G queries.
 _MSE_LOAD = """for (int c = (int)tid; c < HEAD_DIM; c += NT) {
-        const float* rr = rot + (size_t)c * HEAD_DIM;
+        VX_PTR(const float*) rr = rot + (size_t)c * HEAD_DIM;
         float a[G];
         #pragma unroll
         for (int j = 0; j < G; ++j) a[j] = 0.0f;
@@ -194,7 +195,7 @@ _MSE_LOAD = """for (int c = (int)tid; c < HEAD_DIM; c += NT) {
     for (int i = (int)tid; i < (1 << BITS); i += NT) c_s[i] = cent[i];"""
 _RVQ_LOAD = "for (int i = (int)tid; i < (1 << BITS); i += NT) r_s[i] = rcent[i];"
 _QJL_LOAD = """for (int p = (int)tid; p < SIGN_WORDS * 32; p += NT) {
-        const float* sr = sk + (size_t)p * HEAD_DIM;
+        VX_PTR(const float*) sr = sk + (size_t)p * HEAD_DIM;
         float a[G];
         #pragma unroll
         for (int j = 0; j < G; ++j) a[j] = 0.0f;
@@ -230,19 +231,19 @@ _MSE_LOGITS = """float a[G];
         #pragma unroll
         for (int j = 0; j < G; ++j) a[j] = 0.0f;
         """ + _UNPACK.replace("SRC", "idx").replace("TABLE", "c_s").replace("ACC", "a") + """
-        const float ks = __fmul_rn(static_cast<float>(knorm[row]), params[0]);
+        const float ks = VX_FMUL_RN(static_cast<float>(knorm[row]), params[0]);
         #pragma unroll
-        for (int j = 0; j < G; ++j) lgt[j] = __fmul_rn(a[j], ks);"""
+        for (int j = 0; j < G; ++j) lgt[j] = VX_FMUL_RN(a[j], ks);"""
 
 _RVQ_LOGITS = """float a[G], a2[G];
         #pragma unroll
         for (int j = 0; j < G; ++j) { a[j] = 0.0f; a2[j] = 0.0f; }
         """ + _UNPACK.replace("SRC", "idx").replace("TABLE", "c_s").replace("ACC", "a") + """
         """ + _UNPACK.replace("SRC", "ridx").replace("TABLE", "r_s").replace("ACC", "a2") + """
-        const float ks = __fmul_rn(static_cast<float>(knorm[row]), params[0]);
+        const float ks = VX_FMUL_RN(static_cast<float>(knorm[row]), params[0]);
         const float gn = static_cast<float>(gain[row]);
         #pragma unroll
-        for (int j = 0; j < G; ++j) lgt[j] = __fmul_rn(a[j] + gn * a2[j], ks);"""
+        for (int j = 0; j < G; ++j) lgt[j] = VX_FMUL_RN(a[j] + gn * a2[j], ks);"""
 
 # QJL's estimate: sum over the sketch rows of +-(S q)_i by sign bit i, times sqrt(pi/2) / m
 # (params[1]) and the norm NORM (the key's for qjl, the residual's for prod).
@@ -263,17 +264,17 @@ _QJL_LOGITS = """{
                     }
                 }
             }
-            const float qf = __fmul_rn(params[1], static_cast<float>(NORM[row]));
+            const float qf = VX_FMUL_RN(params[1], static_cast<float>(NORM[row]));
             #pragma unroll
-            for (int j = 0; j < G; ++j) lgt[j] = lgt[j] + __fmul_rn(sg[j], qf);
+            for (int j = 0; j < G; ++j) lgt[j] = lgt[j] + VX_FMUL_RN(sg[j], qf);
         }"""
 
 # Values: 8-bit codes (4 to a uint32 word, code c in bits 8 (c % 4)), q * scale + zero with
 # each operation rounded as MLX's dequantize rounds it; or the exact rows.
-_INT8_SHARED = "__shared__ float vsc[SPLIT], vze[SPLIT];"
+_INT8_SHARED = "VX_SHARED float vsc[SPLIT], vze[SPLIT];"
 _INT8_SIDE = """vsc[t] = static_cast<float>(vs[row]);
         vze[t] = static_cast<float>(vz[row]);"""
-_INT8_VALUE = """const float v = __fadd_rn(__fmul_rn((float)((vq[row * (HEAD_DIM / 4) + (c >> 2)] >> ((c & 3) * 8)) & 255u), vsc[t]), vze[t]);"""
+_INT8_VALUE = """const float v = VX_FADD_RN(VX_FMUL_RN((float)((vq[row * (HEAD_DIM / 4) + (c >> 2)] >> ((c & 3) * 8)) & 255u), vsc[t]), vze[t]);"""
 _EXACT_VALUE = "const float v = static_cast<float>(vr[row * HEAD_DIM + c]);"
 
 # One block per (batch row, kv head, query head) of MT threads, MT / HEAD_DIM parts of HEAD_DIM
@@ -281,34 +282,34 @@ _EXACT_VALUE = "const float v = static_cast<float>(vr[row * HEAD_DIM + c]);"
 # logit over it and the splits, then each part merging every (MT / HEAD_DIM)-th split (loads of
 # several splits in flight), the parts' sums added in order, and the new token.
 _MERGE_BODY = """
-    const unsigned int tid = threadIdx.x;
+    const unsigned int tid = VX_TID;
     constexpr int PARTS = MT / HEAD_DIM;
     const int c = (int)tid % HEAD_DIM, part = (int)tid / HEAD_DIM;
-    const size_t bh = blockIdx.x / G;
-    const int j = blockIdx.x % G;
+    const size_t bh = VX_BID / G;
+    const int j = VX_BID % G;
     const int ns = pm_shape[2];
-    const float inf = __int_as_float(0x7f800000);
-    __shared__ float red[MT];
-    __shared__ float tots[PARTS];
-    red[tid] = part == 0 ? __fmul_rn(static_cast<float>(qry[(bh * G + j) * HEAD_DIM + c]), params[2])
+    const float inf = VX_INT_AS_FLOAT(0x7f800000);
+    VX_SHARED float red[MT];
+    VX_SHARED float tots[PARTS];
+    red[tid] = part == 0 ? VX_FMUL_RN(static_cast<float>(qry[(bh * G + j) * HEAD_DIM + c]), params[2])
                            * static_cast<float>(kn[bh * HEAD_DIM + c]) : 0.0f;
-    __syncthreads();
+    VX_BARRIER;
     for (int w = HEAD_DIM / 2; w > 0; w >>= 1) {
         if ((int)tid < w) red[tid] += red[tid + w];
-        __syncthreads();
+        VX_BARRIER;
     }
     const float ln = red[0];
-    __syncthreads();
+    VX_BARRIER;
     float m = tid == 0 ? ln : -inf;
     for (int s = (int)tid; s < ns; s += MT) m = fmaxf(m, pm[(bh * ns + s) * G + j]);
     red[tid] = m;
-    __syncthreads();
+    VX_BARRIER;
     for (int w = MT / 2; w > 0; w >>= 1) {
         if ((int)tid < w) red[tid] = fmaxf(red[tid], red[tid + w]);
-        __syncthreads();
+        VX_BARRIER;
     }
     m = red[0];
-    __syncthreads();
+    VX_BARRIER;
     float tot = 0.0f, acc = 0.0f;
     #pragma unroll 4
     for (int s = part; s < ns; s += PARTS) {
@@ -319,7 +320,7 @@ _MERGE_BODY = """
     }
     red[tid] = acc;
     if (c == 0) tots[part] = tot;
-    __syncthreads();
+    VX_BARRIER;
     if (part == 0) {
         const float e = expf(ln - m);
         float t = e, a = e * static_cast<float>(vn[bh * HEAD_DIM + c]);
@@ -341,8 +342,8 @@ _VALUE_INPUTS = {"int8": ["vq", "vs", "vz"], "exact": ["vr"]}
 
 
 @lru_cache(maxsize=None)
-def split_spec(codec: str, values: str) -> dict:
-    """The ``mx.fast.cuda_kernel`` arguments of the split kernel for ``codec`` (``mse``,
+def split_spec(codec: str, values: str, *, dialect: str = CUDA) -> dict:
+    """The ``mx.fast.cuda_kernel`` (or ``metal_kernel``: ``dialect``) arguments of the split kernel for ``codec`` (``mse``,
     ``rvq``, ``prod``, ``qjl``) and ``values`` (``int8``, ``exact``). Template values:
     ``HEAD_DIM``, ``G``, ``SPLIT``, and ``BITS`` (the MSE stage's) and / or ``SIGN_WORDS``."""
     if codec not in _CODEC_INPUTS or values not in _VALUE_INPUTS:
@@ -355,35 +356,37 @@ def split_spec(codec: str, values: str) -> dict:
     logits = {"mse": _MSE_LOGITS, "rvq": _RVQ_LOGITS, "prod": _MSE_LOGITS, "qjl": ""}[codec]
     if qjl:
         logits += "\n        " + _QJL_LOGITS.replace("NORM", "rnorm" if codec == "prod" else "knorm")
-    src = (_SPLIT_BODY.replace("SHARED", "\n    ".join(shared)).replace("LOAD", "\n    ".join(load))
+    src = (re.sub(r"\bSHARED\b", "\n    ".join(shared), _SPLIT_BODY).replace("LOAD", "\n    ".join(load))
            .replace("LOGITS", logits)
            .replace("SIDE", _INT8_SIDE if values == "int8" else "")
-           .replace("VALUE", _INT8_VALUE if values == "int8" else _EXACT_VALUE)
-           .replace("NT", str(THREADS)))
-    return dict(name=f"velox_codec_split_{codec}_{values}",
-                input_names=_CODEC_INPUTS[codec] + _VALUE_INPUTS[values] + ["params", "held"],
-                output_names=["pm", "pl", "pa"], source=src, header=_HEADER)
+           .replace("VALUE", _INT8_VALUE if values == "int8" else _EXACT_VALUE))
+    src = re.sub(r"\bNT\b", str(THREADS), src)
+    return make_spec(name=f"velox_codec_split_{codec}_{values}",
+                     input_names=_CODEC_INPUTS[codec] + _VALUE_INPUTS[values] + ["params", "held"],
+                     output_names=["pm", "pl", "pa"], source=src, header=_HEADER, dialect=dialect)
 
 
 @lru_cache(maxsize=None)
-def merge_spec() -> dict:
-    """The ``mx.fast.cuda_kernel`` arguments of the merge kernel (template ``HEAD_DIM``, ``G``)."""
-    return dict(name="velox_codec_merge", input_names=["qry", "kn", "vn", "pm", "pl", "pa", "params"],
-                output_names=["out"], source=re.sub(r"\bMT\b", str(MERGE_THREADS), _MERGE_BODY),
-                header=_HEADER)
+def merge_spec(*, dialect: str = CUDA) -> dict:
+    """The ``mx.fast.cuda_kernel`` (or ``metal_kernel``: ``dialect``) arguments of the merge
+    kernel (template ``HEAD_DIM``, ``G``)."""
+    return make_spec(name="velox_codec_merge", input_names=["qry", "kn", "vn", "pm", "pl", "pa", "params"],
+                     output_names=["out"], source=re.sub(r"\bMT\b", str(MERGE_THREADS), _MERGE_BODY),
+                     header=_HEADER, dialect=dialect)
 
 
 @lru_cache(maxsize=None)
-def _kernel(codec: str | None, values: str | None):
-    spec = merge_spec() if codec is None else split_spec(codec, values)
-    return build(spec)
+def _kernel(codec: str | None, values: str | None, dialect: str = CUDA):
+    spec = merge_spec(dialect=dialect) if codec is None else split_spec(codec, values, dialect=dialect)
+    return build(spec, dialect)
 
 
 def _run_kernel(codec, values, inputs, grid, threadgroup, output_shapes, output_dtypes, template):
-    """One launch (``codec`` None: the merge kernel). The tests replace it by an emulation."""
-    return _kernel(codec, values)(inputs=inputs, grid=grid, threadgroup=threadgroup,
-                                  output_shapes=output_shapes, output_dtypes=output_dtypes,
-                                  template=template)
+    """One launch (``codec`` None: the merge kernel), in the dialect of this process's GPU.
+    The tests replace it by an emulation."""
+    return _kernel(codec, values, active())(inputs=inputs, grid=grid, threadgroup=threadgroup,
+                                            output_shapes=output_shapes, output_dtypes=output_dtypes,
+                                            template=template)
 
 
 class _Layout(NamedTuple):

@@ -49,6 +49,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from . import build
+from .dialect import CUDA, active, make_spec
 
 __all__ = ["weights", "attend", "attend_weights", "attend_supports", "attend_select",
            "attend_select_supports", "select", "compact"]
@@ -85,60 +86,60 @@ FLASH_UNROLL = 1
 
 # Block-wide reductions (max, sum, argmin) through shared memory; every lane gets the result.
 _HEADER = """
-struct VeloxMax { __device__ float operator()(float a, float b) const { return a > b ? a : b; } };
-struct VeloxSum { __device__ float operator()(float a, float b) const { return a + b; } };
+struct VeloxMax { VX_FN float operator()(float a, float b) const { return a > b ? a : b; } };
+struct VeloxSum { VX_FN float operator()(float a, float b) const { return a + b; } };
 template <int NT, typename Op>
-__device__ float velox_block_reduce(float v, float* red, Op op) {
-    const unsigned int tid = threadIdx.x;
+VX_FN float velox_block_reduce(float v, VX_GROUP float* red, Op op VX_TID_PARAM) {
+    const unsigned int tid = VX_TID;
     red[tid] = v;
-    __syncthreads();
+    VX_BARRIER;
     for (int w = NT / 2; w > 0; w >>= 1) {
         if ((int)tid < w) red[tid] = op(red[tid], red[tid + w]);
-        __syncthreads();
+        VX_BARRIER;
     }
     const float r = red[0];
-    __syncthreads();
+    VX_BARRIER;
     return r;
 }
 // lowbias32, the integer mixer of Keyformer's and CaM's counter-based draws (as in MLX and NumPy)
-__device__ unsigned int velox_mix(unsigned int x) {
+VX_FN unsigned int velox_mix(unsigned int x) {
     x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; x ^= x >> 16;
     return x;
 }
 // a uniform float in (0, 1) from a mixed hash
-__device__ float velox_unit(unsigned int h) { return ((float)(h >> 9) + 0.5f) * 1.1920928955078125e-07f; }
+VX_FN float velox_unit(unsigned int h) { return ((float)(h >> 9) + 0.5f) * 1.1920928955078125e-07f; }
 // a score as selections rank it: non-finite (NaN, +-inf) -> -inf, the lowest rank
-__device__ float velox_ranked(float s) { return isfinite(s) ? s : __int_as_float(0xff800000); }
+VX_FN float velox_ranked(float s) { return isfinite(s) ? s : VX_INT_AS_FLOAT(0xff800000); }
 // max propagating NaN, as MLX's maximum does (fmaxf drops a NaN)
-__device__ float velox_max_nan(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
-template <typename T> __device__ void velox_put(T* p, float x) { *p = static_cast<T>(x); }
+VX_FN float velox_max_nan(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
+template <typename T> VX_FN void velox_put(VX_DEVICE T* p, float x) { *p = static_cast<T>(x); }
 // warp-wide max (dropping NaN, as the block reductions do) and sum; every lane gets the result
-__device__ float velox_warp_max(float m) {
+VX_FN float velox_warp_max(float m) {
     for (int off = 16; off > 0; off >>= 1) {
-        const float o = __shfl_xor_sync(0xffffffffu, m, off);
+        const float o = VX_SHFL_XOR(m, off);
         m = o > m ? o : m;
     }
     return m;
 }
-__device__ float velox_warp_sum(float v) {
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+VX_FN float velox_warp_sum(float v) {
+    for (int off = 16; off > 0; off >>= 1) v += VX_SHFL_XOR(v, off);
     return v;
 }
 // elements [c, c + 8) of a D-long row as float32 (zeros past its end): 16-byte loads when the
 // row's length is a multiple of 8 (the row then starts 16-byte aligned), else one at a time
 struct alignas(16) velox_v16 { unsigned int x[4]; };
 template <int D, typename T>
-__device__ inline void velox_row8(const T* row, int c, float* out) {
+VX_FN inline void velox_row8(const VX_IN T* row, int c, VX_THREAD float* out) {
     if (D % 8 == 0 && c + 8 <= D) {
         constexpr int per = 16 / (int)sizeof(T);
         for (int u = 0; u < 8; u += per) {
             velox_v16 raw;
-#ifdef __CUDACC__
-            raw = *reinterpret_cast<const velox_v16*>(row + c + u);
+#ifdef VX_GPU_CODE
+            raw = *reinterpret_cast<const VX_IN velox_v16*>(row + c + u);
 #else
             std::memcpy(&raw, row + c + u, 16);
 #endif
-            const T* e = reinterpret_cast<const T*>(&raw);
+            const VX_THREAD T* e = reinterpret_cast<const VX_THREAD T*>(&raw);
             for (int i = 0; i < per; ++i) out[u + i] = static_cast<float>(e[i]);
         }
         return;
@@ -147,9 +148,9 @@ __device__ inline void velox_row8(const T* row, int c, float* out) {
 }
 // a query head's softmax over a unit's S chunks (one warp): the largest chunk maximum m of pm
 // and 1 / the sum of the chunks' exponential sums ps rescaled to it; every lane gets both
-__device__ void velox_chunk_softmax(const float* pm, const float* ps, size_t bh, int S, int G, int j,
-                                    unsigned int lane, float& m, float& inv) {
-    m = -__int_as_float(0x7f800000);
+VX_FN void velox_chunk_softmax(const VX_IN float* pm, const VX_IN float* ps, size_t bh, int S, int G, int j,
+                                    unsigned int lane, VX_THREAD float& m, VX_THREAD float& inv) {
+    m = -VX_INT_AS_FLOAT(0x7f800000);
     for (int u = lane; u < S; u += 32) {
         const float x = pm[(bh * S + u) * G + j];
         m = x > m ? x : m;
@@ -161,11 +162,11 @@ __device__ void velox_chunk_softmax(const float* pm, const float* ps, size_t bh,
 }
 // (value, index) minimum; an index of `none` is empty; ties go to the lower index
 template <int NT>
-__device__ int velox_block_argmin(float v, int i, int none, float* red, int* red_i) {
-    const unsigned int tid = threadIdx.x;
+VX_FN int velox_block_argmin(float v, int i, int none, VX_GROUP float* red, VX_GROUP int* red_i VX_TID_PARAM) {
+    const unsigned int tid = VX_TID;
     red[tid] = v;
     red_i[tid] = i;
-    __syncthreads();
+    VX_BARRIER;
     for (int w = NT / 2; w > 0; w >>= 1) {
         if ((int)tid < w) {
             const float ov = red[tid + w];
@@ -175,10 +176,10 @@ __device__ int velox_block_argmin(float v, int i, int none, float* red, int* red
                 red_i[tid] = oi;
             }
         }
-        __syncthreads();
+        VX_BARRIER;
     }
     const int r = red_i[0];
-    __syncthreads();
+    VX_BARRIER;
     return r;
 }
 // The per-token rule's loser among a unit's n stored slots (positions P, any order) and the
@@ -186,10 +187,10 @@ __device__ int velox_block_argmin(float v, int i, int none, float* red, int* red
 // ranked (non-finite lowest), the first n_sink positions and the `recent` newest protected,
 // the older position among equal scores. Its slot, or n when the new token lost (every thread).
 template <int NT, typename Score>
-__device__ int velox_slot_loser(const int* P, int n, int np, int n_sink, int recent, Score score,
-                                float* red, int* red_i, int* loser_t) {
-    const unsigned int tid = threadIdx.x;
-    const float inf = __int_as_float(0x7f800000);
+VX_FN int velox_slot_loser(const VX_IN int* P, int n, int np, int n_sink, int recent, Score score,
+                                VX_GROUP float* red, VX_GROUP int* red_i, VX_GROUP int* loser_t VX_TID_PARAM) {
+    const unsigned int tid = VX_TID;
+    const float inf = VX_INT_AS_FLOAT(0x7f800000);
     float best = inf;
     int best_p = -1;
     for (int t = tid; t <= n; t += NT) {
@@ -198,11 +199,11 @@ __device__ int velox_slot_loser(const int* P, int n, int np, int n_sink, int rec
         const float r = prot ? inf : velox_ranked(score(t));
         if (best_p < 0 || r < best || (r == best && p < best_p)) { best = r; best_p = p; }
     }
-    const int lp = velox_block_argmin<NT>(best, best_p, -1, red, red_i);
+    const int lp = velox_block_argmin<NT>(best, best_p, -1, red, red_i VX_TID_ARG);
     if (tid == 0) *loser_t = n;
-    __syncthreads();
+    VX_BARRIER;
     for (int t = tid; t < n; t += NT) if (P[t] == lp) *loser_t = t;
-    __syncthreads();
+    VX_BARRIER;
     return *loser_t;
 }
 """
@@ -213,8 +214,8 @@ __device__ int velox_slot_loser(const int* P, int n, int np, int n_sink, int rec
 # each candidate's carried score from w (ACCUMULATE): H2O's old * decay + w, KVzip's running
 # max(old, w), MorphKV's votes (the sum or max of the stored profiles' columns and w).
 _WEIGHTS_BODY = """
-    const unsigned int tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
-    const size_t bh = blockIdx.x;
+    const unsigned int tid = VX_TID, lane = tid & 31u, warp = tid >> 5;
+    const size_t bh = VX_BID;
     const int H = K_shape[1];
     const int n = K_shape[2];
     const int d = K_shape[3];
@@ -223,9 +224,9 @@ _WEIGHTS_BODY = """
     const int G = QH / H;
     const size_t bi = bh / H, hk = bh % H;
     const float scale = params[0];
-    const float inf = __int_as_float(0x7f800000);
-    __shared__ float red[THREADS];
-    float* l = lg + bh * G * N;
+    const float inf = VX_INT_AS_FLOAT(0x7f800000);
+    VX_SHARED float red[THREADS];
+    VX_DEVICE float* l = lg + bh * G * N;
     for (int t = warp; t < N; t += THREADS / 32) {
         const size_t ko = t < n ? (bh * n + t) * d : bh * d;
         NOISE
@@ -237,20 +238,20 @@ _WEIGHTS_BODY = """
                 const float kc = t < n ? static_cast<float>(K[ko + c]) : static_cast<float>(knew[ko + c]);
                 acc += (static_cast<float>(q[qo + c]) * scale) * kc;
             }
-            for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+            for (int off = 16; off > 0; off >>= 1) acc += VX_SHFL_XOR(acc, off);
             if (lane == 0) l[(size_t)j * N + t] = acc BIAS;
         }
     }
-    __syncthreads();
-    float* ws = w + bh * N;
+    VX_BARRIER;
+    VX_DEVICE float* ws = w + bh * N;
     for (int j = 0; j < G; ++j) {
-        const float* lj = l + (size_t)j * N;
+        const VX_DEVICE float* lj = l + (size_t)j * N;
         float m = -inf;
         for (int t = tid; t < N; t += THREADS) m = lj[t] > m ? lj[t] : m;
-        m = velox_block_reduce<THREADS>(m, red, VeloxMax());
+        m = velox_block_reduce<THREADS>(m, red, VeloxMax() VX_TID_ARG);
         float se = 0.0f;
         for (int t = tid; t < N; t += THREADS) se += expf(lj[t] - m);
-        const float inv = 1.0f / velox_block_reduce<THREADS>(se, red, VeloxSum());
+        const float inv = 1.0f / velox_block_reduce<THREADS>(se, red, VeloxSum() VX_TID_ARG);
         for (int t = tid; t < N; t += THREADS) {
             const float p = expf(lj[t] - m) * inv;
             ws[t] = j == 0 ? p : GROUP_COMBINE;
@@ -273,8 +274,8 @@ _NOISE = """const unsigned int qp = (unsigned int)next_pos[bh];
         const float g = -logf(-logf(u));
         float tau = params[2];
         if (params[4] > 0.0f)
-            tau = __fadd_rn(params[2], __fmul_rn(params[3], __fdiv_rn(fminf((float)qp, params[4]), params[4])));
-        const float nz = __fmul_rn(tau, g);"""
+            tau = VX_FADD_RN(params[2], VX_FMUL_RN(params[3], VX_FDIV_RN(fminf((float)qp, params[4]), params[4])));
+        const float nz = VX_FMUL_RN(tau, g);"""
 
 _GROUP = {"mean": ("ws[t] + p", "ws[t] / (float)G"), "max": ("velox_max_nan(ws[t], p)", "ws[t]")}
 
@@ -295,7 +296,7 @@ _ACCUMULATE = {
 # N = n + 1 candidates (STORED: the n stored rows, of buffers of R rows), and the shared array
 # of the query heads a pass takes.
 _ATTEND_UNIT = """
-    const unsigned int tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    const unsigned int tid = VX_TID, lane = tid & 31u, warp = tid >> 5;
     constexpr int nw = THREADS / 32;
     static_assert(HEAD_DIM <= 256, "head_dim up to 256");
     constexpr int lpr = HEAD_DIM <= 8 ? 1 : HEAD_DIM <= 16 ? 2 : HEAD_DIM <= 32 ? 4 : HEAD_DIM <= 64 ? 8
@@ -310,13 +311,13 @@ _ATTEND_UNIT = """
     const int G = QH / H;
     const int CH = cfg[0];
     const int S = (N + CH - 1) / CH;
-    const size_t bh = blockIdx.x / S;
-    const int s = blockIdx.x % S;
+    const size_t bh = VX_BID / S;
+    const int s = VX_BID % S;
     const size_t bi = bh / H, hk = bh % H;
     const int c0 = s * CH, c1 = c0 + CH < N ? c0 + CH : N;
     const float scale = params[0];
-    const float inf = __int_as_float(0x7f800000);
-    __shared__ float qs[GROUPS * HEAD_DIM];
+    const float inf = VX_INT_AS_FLOAT(0x7f800000);
+    VX_SHARED float qs[GROUPS * HEAD_DIM];
 """
 
 # The two attend kernels' logits of a key row: this lane's 8 elements kr (at li * 8) against
@@ -324,7 +325,7 @@ _ATTEND_UNIT = """
 # lanes (every lane of the row's group gets them).
 _ATTEND_HEADER = """
 template <int D, int G, int L>
-__device__ inline void velox_row_logits(const float* qs, const float* kr, int li, int gp, float* acc) {
+VX_FN inline void velox_row_logits(const VX_GROUP float* qs, const VX_THREAD float* kr, int li, int gp, VX_THREAD float* acc) {
     #pragma unroll
     for (int j = 0; j < G; ++j) {
         float a = 0.0f;
@@ -335,7 +336,7 @@ __device__ inline void velox_row_logits(const float* qs, const float* kr, int li
     }
     for (int off = L / 2; off > 0; off >>= 1) {
         #pragma unroll
-        for (int j = 0; j < G; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], off);
+        for (int j = 0; j < G; ++j) acc[j] += VX_SHFL_XOR(acc[j], off);
     }
 }
 """
@@ -349,14 +350,14 @@ __device__ inline void velox_row_logits(const float* qs, const float* kr, int li
 # value rows loaded as the keys, each lane summing its 8 elements over its rows, the lane
 # groups of a warp added by shuffles, the warps through shared memory).
 _ATTEND_PART = _ATTEND_UNIT.replace("STORED", "R") + """
-    __shared__ float pc[GROUPS * CHUNK_MAX];
-    __shared__ float red[nw * HEAD_DIM];
-    float* l = lg + bh * G * N;
+    VX_SHARED float pc[GROUPS * CHUNK_MAX];
+    VX_SHARED float red[nw * HEAD_DIM];
+    VX_DEVICE float* l = lg + bh * G * N;
     for (int j0 = 0; j0 < G; j0 += GROUPS) {
         const int gp = G - j0 < GROUPS ? G - j0 : GROUPS;
         for (int i = tid; i < gp * HEAD_DIM; i += THREADS)
             qs[i] = static_cast<float>(q[(bi * QH + hk * G + j0) * HEAD_DIM + i]) * scale;
-        __syncthreads();
+        VX_BARRIER;
         // UNROLL rows per lane group at a time, all loaded before any is used (loads in flight)
         for (int t0 = c0 + warp * rpw; t0 < c1; t0 += UNROLL * nw * rpw) {
             float kr[UNROLL][8];
@@ -379,9 +380,9 @@ _ATTEND_PART = _ATTEND_UNIT.replace("STORED", "R") + """
                 }
             }
         }
-        __syncthreads();
+        VX_BARRIER;
         for (int j = warp; j < gp; j += nw) {
-            float* pj = pc + j * CHUNK_MAX;
+            VX_GROUP float* pj = pc + j * CHUNK_MAX;
             float m = -inf;
             for (int t = lane; t < c1 - c0; t += 32) m = pj[t] > m ? pj[t] : m;
             m = velox_warp_max(m);
@@ -397,7 +398,7 @@ _ATTEND_PART = _ATTEND_UNIT.replace("STORED", "R") + """
                 ps[(bh * S + s) * G + j0 + j] = se;
             }
         }
-        __syncthreads();
+        VX_BARRIER;
         {
             float acc[GROUPS][8];
             #pragma unroll
@@ -429,7 +430,7 @@ _ATTEND_PART = _ATTEND_UNIT.replace("STORED", "R") + """
                 #pragma unroll
                 for (int j = 0; j < GROUPS; ++j)
                     #pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[j][i] += __shfl_xor_sync(0xffffffffu, acc[j][i], off);
+                    for (int i = 0; i < 8; ++i) acc[j][i] += VX_SHFL_XOR(acc[j][i], off);
             }
             #pragma unroll
             for (int j = 0; j < GROUPS; ++j) {
@@ -437,17 +438,17 @@ _ATTEND_PART = _ATTEND_UNIT.replace("STORED", "R") + """
                     if (ri == 0)
                         for (int i = 0; i < 8; ++i)
                             if (li * 8 + i < HEAD_DIM) red[warp * HEAD_DIM + li * 8 + i] = acc[j][i];
-                    __syncthreads();
+                    VX_BARRIER;
                     for (int c = tid; c < HEAD_DIM; c += THREADS) {
                         float sum = 0.0f;
                         for (int u = 0; u < nw; ++u) sum += red[u * HEAD_DIM + c];
                         po[((bh * S + s) * G + j0 + j) * HEAD_DIM + c] = sum;
                     }
-                    __syncthreads();
+                    VX_BARRIER;
                 }
             }
         }
-        __syncthreads();
+        VX_BARRIER;
     }
 """
 
@@ -456,7 +457,7 @@ _ATTEND_PART = _ATTEND_UNIT.replace("STORED", "R") + """
 # w (and the carried scores, ACCUMULATE) of its chunk's candidates from lg, and its share of
 # the output's G * HEAD_DIM elements, sum over chunks of po * exp(pm - M) / sum.
 _ATTEND_COMBINE = """
-    const unsigned int tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    const unsigned int tid = VX_TID, lane = tid & 31u, warp = tid >> 5;
     constexpr int nw = THREADS / 32;
     const int H = lg_shape[1];
     const int G = lg_shape[2];
@@ -464,12 +465,12 @@ _ATTEND_COMBINE = """
     const int n = N - 1;
     const int S = pm_shape[2];
     const int CH = cfg[0];
-    const size_t bh = blockIdx.x / S;
-    const int s = blockIdx.x % S;
+    const size_t bh = VX_BID / S;
+    const int s = VX_BID % S;
     const size_t bi = bh / H, hk = bh % H;
     const int QH = H * G;
-    __shared__ float mj[MAX_GROUPS];
-    __shared__ float ij[MAX_GROUPS];
+    VX_SHARED float mj[MAX_GROUPS];
+    VX_SHARED float ij[MAX_GROUPS];
     for (int j = warp; j < G; j += nw) {
         float m, inv;
         velox_chunk_softmax(pm, ps, bh, S, G, j, lane, m, inv);
@@ -478,9 +479,9 @@ _ATTEND_COMBINE = """
             ij[j] = inv;
         }
     }
-    __syncthreads();
+    VX_BARRIER;
     const int c0 = s * CH, c1 = c0 + CH < N ? c0 + CH : N;
-    float* ws = w + bh * N;
+    VX_DEVICE float* ws = w + bh * N;
     for (int t = c0 + tid; t < c1; t += THREADS) {
         float wa = 0.0f;
         for (int j = 0; j < G; ++j) {
@@ -512,7 +513,7 @@ _ATTEND_COMBINE = """
 # loser as select decides it (by BY: the weights, the carried scores, a given score or none),
 # the slot's row, the positions, next_pos + 1 and the carried scores with the slot taken.
 _ATTEND_SELECT = """
-    const unsigned int tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    const unsigned int tid = VX_TID, lane = tid & 31u, warp = tid >> 5;
     constexpr int nw = THREADS / 32;
     const int H = lg_shape[1];
     const int G = lg_shape[2];
@@ -521,14 +522,14 @@ _ATTEND_SELECT = """
     const int S = pm_shape[2];
     const int QH = H * G;
     const int UH = SHARED ? H : 1;
-    const size_t bi = blockIdx.x / (H / UH);
-    const int h0 = SHARED ? 0 : (int)(blockIdx.x % H);
+    const size_t bi = VX_BID / (H / UH);
+    const int h0 = SHARED ? 0 : (int)(VX_BID % H);
     const size_t u0 = bi * H + h0;
-    __shared__ float mj[THREADS];
-    __shared__ float ij[THREADS];
-    __shared__ float red[THREADS];
-    __shared__ int red_i[THREADS];
-    __shared__ int loser_t;
+    VX_SHARED float mj[THREADS];
+    VX_SHARED float ij[THREADS];
+    VX_SHARED float red[THREADS];
+    VX_SHARED int red_i[THREADS];
+    VX_SHARED int loser_t;
     for (int e = warp; e < UH * G; e += nw) {
         float m, inv;
         velox_chunk_softmax(pm, ps, u0 + e / G, S, G, e % G, lane, m, inv);
@@ -537,7 +538,7 @@ _ATTEND_SELECT = """
             ij[e] = inv;
         }
     }
-    __syncthreads();
+    VX_BARRIER;
     for (int e = tid; e < UH * N; e += THREADS) {
         const int hl = e / N, t = e % N;
         const size_t bh = u0 + hl;
@@ -559,7 +560,7 @@ _ATTEND_SELECT = """
             acc += po[((bh * S + v) * G + j) * HEAD_DIM + c] * expf(pm[(bh * S + v) * G + j] - mj[hj]);
         velox_put(&o[(bi * QH + (h0 + hl) * G + j) * HEAD_DIM + c], acc * ij[hj]);
     }
-    __syncthreads();
+    VX_BARRIER;
     const int lt = velox_slot_loser<THREADS>(P + u0 * n, n, next_pos[u0], N_SINK, RECENT, [&](int t) {
         float sc = 0.0f;
         for (int hl = 0; hl < UH; ++hl) {
@@ -567,7 +568,7 @@ _ATTEND_SELECT = """
             sc += BY;
         }
         return SHARED ? sc / (float)H : sc;
-    }, red, red_i, &loser_t);
+    }, red, red_i, &loser_t VX_TID_ARG);
     const bool wr = lt < n;
     const int slot = wr ? lt : 0;
     for (int hl = 0; hl < UH; ++hl) {
@@ -597,14 +598,14 @@ _ATTEND_SELECT = """
 # the lane groups of a warp then merge by shuffles, the warps through shared memory. OUTPUT: the
 # normalised output (one chunk) or the chunk's maximum, sum and unnormalised output (pm, ps, po).
 _ATTEND_FLASH = _ATTEND_UNIT.replace("STORED", "cfg[1]") + """
-    __shared__ float wm[nw * GROUPS];
-    __shared__ float wl[nw * GROUPS];
-    __shared__ float red[nw * HEAD_DIM];
+    VX_SHARED float wm[nw * GROUPS];
+    VX_SHARED float wl[nw * GROUPS];
+    VX_SHARED float red[nw * HEAD_DIM];
     for (int j0 = 0; j0 < G; j0 += GROUPS) {
         const int gp = G - j0 < GROUPS ? G - j0 : GROUPS;
         for (int i = tid; i < gp * HEAD_DIM; i += THREADS)
             qs[i] = static_cast<float>(q[(bi * QH + hk * G + j0) * HEAD_DIM + i]) * scale;
-        __syncthreads();
+        VX_BARRIER;
         float m[GROUPS], l[GROUPS], acc[GROUPS][8];
         #pragma unroll
         for (int j = 0; j < GROUPS; ++j) {
@@ -648,15 +649,15 @@ _ATTEND_FLASH = _ATTEND_UNIT.replace("STORED", "cfg[1]") + """
         for (int off = lpr; off < 32; off <<= 1) {
             #pragma unroll
             for (int j = 0; j < GROUPS; ++j) {
-                const float mo = __shfl_xor_sync(0xffffffffu, m[j], off);
-                const float lo = __shfl_xor_sync(0xffffffffu, l[j], off);
+                const float mo = VX_SHFL_XOR(m[j], off);
+                const float lo = VX_SHFL_XOR(l[j], off);
                 const float mn = mo > m[j] ? mo : m[j];
                 const float ca = m[j] == mn ? 1.0f : expf(m[j] - mn);
                 const float cb = mo == mn ? 1.0f : expf(mo - mn);
                 l[j] = l[j] * ca + lo * cb;
                 #pragma unroll
                 for (int i = 0; i < 8; ++i)
-                    acc[j][i] = acc[j][i] * ca + __shfl_xor_sync(0xffffffffu, acc[j][i], off) * cb;
+                    acc[j][i] = acc[j][i] * ca + VX_SHFL_XOR(acc[j][i], off) * cb;
                 m[j] = mn;
             }
         }
@@ -667,7 +668,7 @@ _ATTEND_FLASH = _ATTEND_UNIT.replace("STORED", "cfg[1]") + """
                 wl[warp * GROUPS + j] = l[j];
             }
         }
-        __syncthreads();
+        VX_BARRIER;
         #pragma unroll
         for (int j = 0; j < GROUPS; ++j) {
             if (j < gp) {
@@ -677,7 +678,7 @@ _ATTEND_FLASH = _ATTEND_UNIT.replace("STORED", "cfg[1]") + """
                 if (ri == 0)
                     for (int i = 0; i < 8; ++i)
                         if (li * 8 + i < HEAD_DIM) red[warp * HEAD_DIM + li * 8 + i] = acc[j][i] * cw;
-                __syncthreads();
+                VX_BARRIER;
                 float L = 0.0f;
                 for (int u = 0; u < nw; ++u) {
                     const float mu = wm[u * GROUPS + j];
@@ -688,10 +689,10 @@ _ATTEND_FLASH = _ATTEND_UNIT.replace("STORED", "cfg[1]") + """
                     for (int u = 0; u < nw; ++u) sum += red[u * HEAD_DIM + c];
                     OUTPUT
                 }
-                __syncthreads();
+                VX_BARRIER;
             }
         }
-        __syncthreads();
+        VX_BARRIER;
     }
 """
 _FLASH_OUTPUT = {
@@ -707,16 +708,16 @@ _FLASH_OUTPUT = {
 # softmax over the chunks' maxima and sums, then the output, as attend_weights' combine
 # computes its output.
 _ATTEND_OUT = """
-    const unsigned int tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    const unsigned int tid = VX_TID, lane = tid & 31u, warp = tid >> 5;
     constexpr int nw = THREADS / 32;
     const int H = pm_shape[1];
     const int S = pm_shape[2];
     const int G = pm_shape[3];
-    const size_t bh = blockIdx.x;
+    const size_t bh = VX_BID;
     const size_t bi = bh / H, hk = bh % H;
     const int QH = H * G;
-    __shared__ float mj[MAX_GROUPS];
-    __shared__ float ij[MAX_GROUPS];
+    VX_SHARED float mj[MAX_GROUPS];
+    VX_SHARED float ij[MAX_GROUPS];
     for (int j = warp; j < G; j += nw) {
         float m, inv;
         velox_chunk_softmax(pm, ps, bh, S, G, j, lane, m, inv);
@@ -725,7 +726,7 @@ _ATTEND_OUT = """
             ij[j] = inv;
         }
     }
-    __syncthreads();
+    VX_BARRIER;
     for (int i = tid; i < G * HEAD_DIM; i += THREADS) {
         const int j = i / HEAD_DIM, c = i % HEAD_DIM;
         float acc = 0.0f;
@@ -746,16 +747,16 @@ _BY = {"weights": "w[bh * N + t]", "carried": "scores[bh * N + t]", "given": "gi
 # the same one) and moving its share of the kept rows of keys, values, positions and the
 # carried per-token data into place, the new row last; next_pos advanced.
 _COMPACT_BODY = """
-    const unsigned int tid = threadIdx.x;
-    const size_t bh = blockIdx.x / CHUNKS;
-    const int chunk = blockIdx.x % CHUNKS;
+    const unsigned int tid = VX_TID;
+    const size_t bh = VX_BID / CHUNKS;
+    const int chunk = VX_BID % CHUNKS;
     const int H = K_shape[1];
     const int n = K_shape[2];
     const int d = K_shape[3];
     const int N = n + 1;
     const size_t bi = bh / H;
-    __shared__ float red[THREADS];
-    __shared__ int red_i[THREADS];
+    VX_SHARED float red[THREADS];
+    VX_SHARED int red_i[THREADS];
     auto raw = [&](size_t X, int t) -> float { return RAW_SCORE; };
     auto pos = [&](size_t X, int t) -> int { return t < n ? P[X * n + t] : next_pos[X]; };
     auto score = [&](size_t X, int t) -> float {
@@ -785,7 +786,7 @@ _COMPACT_BODY = """
             s = velox_ranked(s);
             if (best_i == N || s < best) { best = s; best_i = t; }
         }
-        drop = velox_block_argmin<THREADS>(best, best_i, N, red, red_i);
+        drop = velox_block_argmin<THREADS>(best, best_i, N, red, red_i VX_TID_ARG);
     } else {
         drop = FIXED_DROP;
     }
@@ -841,23 +842,23 @@ _PROFILE_ROWS = """
 # head the slot's row to write (the new token's when it won a slot, else the slot's own row:
 # the write changes nothing), the positions and the carried scores with the slot taken.
 _SELECT_BODY = """
-    const unsigned int tid = threadIdx.x;
+    const unsigned int tid = VX_TID;
     const int H = P_shape[1];
     const int n = P_shape[2];
     const int N = n + 1;
     const int units = SHARED ? 1 : H;
-    const size_t bi = blockIdx.x / units;
-    const int h0 = SHARED ? 0 : (int)(blockIdx.x % units);
-    __shared__ float red[THREADS];
-    __shared__ int red_i[THREADS];
-    __shared__ int loser_t;
+    const size_t bi = VX_BID / units;
+    const int h0 = SHARED ? 0 : (int)(VX_BID % units);
+    VX_SHARED float red[THREADS];
+    VX_SHARED int red_i[THREADS];
+    VX_SHARED int loser_t;
     const size_t u0 = bi * H + h0;
     const int lt = velox_slot_loser<THREADS>(P + u0 * n, n, next_pos[u0], N_SINK, RECENT, [&](int t) {
         if (!SHARED) return S[u0 * N + t];
         float sc = 0.0f;
         for (int hh = 0; hh < H; ++hh) sc += S[(bi * H + hh) * N + t];
         return sc / (float)H;
-    }, red, red_i, &loser_t);
+    }, red, red_i, &loser_t VX_TID_ARG);
     const bool wr = lt < n;
     const int slot = wr ? lt : 0;
     const int d = K_shape[3];
@@ -878,21 +879,21 @@ _SELECT_BODY = """
 """
 
 
-def _select_spec(carry: bool = False) -> dict:
+def _select_spec(carry: bool = False, *, dialect: str = CUDA) -> dict:
     """The ``mx.fast.cuda_kernel`` arguments of ``select`` (``carry``: the carried scores
     ``C [b, h, n + 1]`` over the candidates, written with the slot taken)."""
-    return dict(
+    return make_spec(
         name="velox_select" + ("_carry" if carry else ""),
         input_names=["S", "P", "next_pos", "K", "V", "knew", "vnew"] + (["C"] if carry else []),
         output_names=["oslot", "rowk", "rowv", "opos"] + (["oc"] if carry else []),
         source=_SELECT_BODY.replace("CARRY_SLOT", "oc[u * n + i] = taken ? C[u * N + n] : C[u * N + i];"
                                     if carry else "").replace("THREADS", str(COMPACT_THREADS)),
-        header=_HEADER)
+        header=_HEADER, dialect=dialect)
 
 
 @lru_cache(maxsize=None)
-def _select_kernel(carry: bool):
-    return build(_select_spec(carry))
+def _select_kernel(carry: bool, dialect: str = CUDA):
+    return build(_select_spec(carry, dialect=dialect), dialect)
 
 
 def select(scores, positions, next_pos, keys, values, new_keys, new_values, *, n_sink: int,
@@ -919,14 +920,15 @@ def select(scores, positions, next_pos, keys, values, new_keys, new_values, *, n
     return outs[0], outs[1], outs[2], outs[3], (outs[4] if carried is not None else None)
 
 
-def _weights_spec(group: str = "mean", accumulate: str | None = None, noise: bool = False) -> dict:
+def _weights_spec(group: str = "mean", accumulate: str | None = None, noise: bool = False, *,
+                  dialect: str = CUDA) -> dict:
     """The ``mx.fast.cuda_kernel`` arguments of a ``weights`` variant: ``group`` (``mean`` or
     ``max`` over a kv head's query heads), ``accumulate`` (None, ``decay``, ``max``,
     ``vote_sum``, ``vote_max``) and whether Keyformer's Gumbel ``noise`` is added to the
     logits."""
     combine, final = _GROUP[group]
     name = "velox_weights_" + group + (f"_{accumulate}" if accumulate else "") + ("_noise" if noise else "")
-    return dict(
+    return make_spec(
         name=name,
         input_names=["q", "K", "knew", "params"] + (["old"] if accumulate else [])
         + (["P", "next_pos", "seedmix"] if noise else []),
@@ -936,25 +938,25 @@ def _weights_spec(group: str = "mean", accumulate: str | None = None, noise: boo
                             .replace("NOISE", _NOISE if noise else "")
                             .replace("BIAS", "+ nz" if noise else "")
                             .replace("THREADS", str(THREADS)),
-        header=_HEADER)
+        header=_HEADER, dialect=dialect)
 
 
-def _attend_part_spec() -> dict:
+def _attend_part_spec(*, dialect: str = CUDA) -> dict:
     """The ``mx.fast.cuda_kernel`` arguments of ``attend_weights``' first launch (one block
     per chunk of a (batch row, kv head)'s candidates; template ``HEAD_DIM`` and ``GROUPS``,
     the query heads a pass takes)."""
-    return dict(name="velox_attend_part", input_names=["q", "K", "knew", "V", "vnew", "params", "cfg"],
+    return make_spec(name="velox_attend_part", input_names=["q", "K", "knew", "V", "vnew", "params", "cfg"],
                 output_names=["lg", "pm", "ps", "po"],
                 source=_ATTEND_PART.replace("THREADS", str(ATTEND_THREADS))
                                    .replace("CHUNK_MAX", str(CHUNK_MAX)),
-                header=_HEADER + _ATTEND_HEADER)
+                header=_HEADER + _ATTEND_HEADER, dialect=dialect)
 
 
-def _attend_combine_spec(group: str = "mean", accumulate: str | None = None) -> dict:
+def _attend_combine_spec(group: str = "mean", accumulate: str | None = None, *, dialect: str = CUDA) -> dict:
     """The ``mx.fast.cuda_kernel`` arguments of ``attend_weights``' second launch, for
     ``group`` and ``accumulate`` as :func:`_weights_spec` takes them."""
     combine, final = (x.replace("ws[t]", "wa") for x in _GROUP[group])
-    return dict(name="velox_attend_combine_" + group + (f"_{accumulate}" if accumulate else ""),
+    return make_spec(name="velox_attend_combine_" + group + (f"_{accumulate}" if accumulate else ""),
                 input_names=["lg", "pm", "ps", "po", "cfg"] + (["old"] if accumulate else [])
                 + (["params"] if accumulate == "decay" else []),
                 output_names=["w"] + (["scores"] if accumulate else []) + ["o"],
@@ -962,33 +964,33 @@ def _attend_combine_spec(group: str = "mean", accumulate: str | None = None) -> 
                                       .replace("GROUP_COMBINE", combine).replace("GROUP_FINAL", final)
                                       .replace("THREADS", str(ATTEND_THREADS))
                                       .replace("MAX_GROUPS", str(ATTEND_MAX_GROUPS)),
-                header=_HEADER)
+                header=_HEADER, dialect=dialect)
 
 
-def _attend_flash_spec(direct: bool = False) -> dict:
+def _attend_flash_spec(direct: bool = False, *, dialect: str = CUDA) -> dict:
     """The ``mx.fast.cuda_kernel`` arguments of :func:`attend`'s first launch (a block per chunk
     of a unit's candidates; template ``HEAD_DIM``, ``GROUPS`` and ``UNROLL``): ``direct``
     writes the normalised output (one chunk per unit), else each chunk's maximum, sum and
     unnormalised output for :func:`_attend_out_spec`'s launch."""
-    return dict(name="velox_attend_flash" + ("_direct" if direct else ""),
+    return make_spec(name="velox_attend_flash" + ("_direct" if direct else ""),
                 input_names=["q", "K", "knew", "V", "vnew", "params", "cfg"],
                 output_names=["o"] if direct else ["pm", "ps", "po"],
                 source=_ATTEND_FLASH.replace("OUTPUT", _FLASH_OUTPUT[bool(direct)])
                                     .replace("THREADS", str(ATTEND_THREADS)),
-                header=_HEADER + _ATTEND_HEADER)
+                header=_HEADER + _ATTEND_HEADER, dialect=dialect)
 
 
-def _attend_out_spec() -> dict:
+def _attend_out_spec(*, dialect: str = CUDA) -> dict:
     """The ``mx.fast.cuda_kernel`` arguments of :func:`attend`'s second launch (a block per
     unit; template ``HEAD_DIM``)."""
-    return dict(name="velox_attend_out", input_names=["pm", "ps", "po"], output_names=["o"],
+    return make_spec(name="velox_attend_out", input_names=["pm", "ps", "po"], output_names=["o"],
                 source=_ATTEND_OUT.replace("THREADS", str(ATTEND_THREADS))
                                   .replace("MAX_GROUPS", str(ATTEND_MAX_GROUPS)),
-                header=_HEADER)
+                header=_HEADER, dialect=dialect)
 
 
 def _attend_select_spec(group: str = "mean", accumulate: str | None = None, by: str = "weights",
-                        carry: bool = False) -> dict:
+                        carry: bool = False, *, dialect: str = CUDA) -> dict:
     """The ``mx.fast.cuda_kernel`` arguments of ``attend_select``'s second launch: ``group``
     and ``accumulate`` as :func:`_weights_spec` takes them (``decay`` or ``max``), ``by``
     (``weights``, ``carried``: the accumulated scores, ``given``: an input ``[b, h, n + 1]``,
@@ -1000,7 +1002,7 @@ def _attend_select_spec(group: str = "mean", accumulate: str | None = None, by: 
         raise ValueError("attend_select: carried scores need `accumulate`")
     combine, final = (x.replace("ws[t]", "wa") for x in _GROUP[group])
     name = "velox_attend_select_" + group + (f"_{accumulate}" if accumulate else "") + f"_{by}" + ("_carry" if carry else "")
-    return dict(
+    return make_spec(
         name=name,
         input_names=["lg", "pm", "ps", "po", "P", "next_pos", "K", "V", "knew", "vnew"]
         + (["old"] if accumulate else []) + (["params"] if accumulate == "decay" else [])
@@ -1013,10 +1015,10 @@ def _attend_select_spec(group: str = "mean", accumulate: str | None = None, by: 
                              .replace("CARRY_SLOT", "oc[u * n + i] = taken ? scores[u * N + n] : scores[u * N + i];"
                                       if carry else "")
                              .replace("THREADS", str(SELECT_THREADS)),
-        header=_HEADER)
+        header=_HEADER, dialect=dialect)
 
 
-def _compact_spec(select: str, carry: str = "none") -> dict:
+def _compact_spec(select: str, carry: str = "none", *, dialect: str = CUDA) -> dict:
     """The ``mx.fast.cuda_kernel`` arguments of a ``compact`` variant. ``select``: ``fixed``
     (the loser is a template value), ``full`` (argmin of ``S [b, h, n + 1]``) or ``split``
     (``S [b, h, n]`` of the stored rows and ``Snew [b, h, 1]``); ``carry``: the per-token data
@@ -1029,46 +1031,46 @@ def _compact_spec(select: str, carry: str = "none") -> dict:
            .replace("CARRY", _CARRY[carry])
            .replace("THREADS", str(COMPACT_THREADS)))
     out = {"none": [], "full": ["oc"], "split": ["oc"], "profiles": ["opr"]}[carry]
-    return dict(
+    return make_spec(
         name=f"velox_compact_{select}_{carry}",
         input_names=["K", "V", "P", "knew", "vnew", "next_pos"] + select_inputs + carry_inputs,
         output_names=["ok", "ov", "op", "onext"] + out,
-        source=src, header=_HEADER)
+        source=src, header=_HEADER, dialect=dialect)
 
 
 @lru_cache(maxsize=None)
-def _weights_kernel(group: str, accumulate: str | None, noise: bool):
-    return build(_weights_spec(group, accumulate, noise))
+def _weights_kernel(group: str, accumulate: str | None, noise: bool, dialect: str = CUDA):
+    return build(_weights_spec(group, accumulate, noise, dialect=dialect), dialect)
 
 
 @lru_cache(maxsize=None)
-def _attend_part_kernel():
-    return build(_attend_part_spec())
+def _attend_part_kernel(dialect: str = CUDA):
+    return build(_attend_part_spec(dialect=dialect), dialect)
 
 
 @lru_cache(maxsize=None)
-def _attend_combine_kernel(group: str, accumulate: str | None):
-    return build(_attend_combine_spec(group, accumulate))
+def _attend_combine_kernel(group: str, accumulate: str | None, dialect: str = CUDA):
+    return build(_attend_combine_spec(group, accumulate, dialect=dialect), dialect)
 
 
 @lru_cache(maxsize=None)
-def _attend_flash_kernel(direct: bool):
-    return build(_attend_flash_spec(direct))
+def _attend_flash_kernel(direct: bool, dialect: str = CUDA):
+    return build(_attend_flash_spec(direct, dialect=dialect), dialect)
 
 
 @lru_cache(maxsize=None)
-def _attend_out_kernel():
-    return build(_attend_out_spec())
+def _attend_out_kernel(dialect: str = CUDA):
+    return build(_attend_out_spec(dialect=dialect), dialect)
 
 
 @lru_cache(maxsize=None)
-def _compact_kernel(select: str, carry: str):
-    return build(_compact_spec(select, carry))
+def _compact_kernel(select: str, carry: str, dialect: str = CUDA):
+    return build(_compact_spec(select, carry, dialect=dialect), dialect)
 
 
 @lru_cache(maxsize=None)
-def _attend_select_kernel(group: str, accumulate: str | None, by: str, carry: bool):
-    return build(_attend_select_spec(group, accumulate, by, carry))
+def _attend_select_kernel(group: str, accumulate: str | None, by: str, carry: bool, dialect: str = CUDA):
+    return build(_attend_select_spec(group, accumulate, by, carry, dialect=dialect), dialect)
 
 
 _SPECS = {"weights": _weights_spec, "select": _select_spec, "compact": _compact_spec,
@@ -1081,20 +1083,22 @@ _KERNELS = {"weights": _weights_kernel, "select": _select_kernel, "compact": _co
             "attend_out": _attend_out_kernel}
 
 
-def _spec(variant: tuple) -> dict:
-    """The ``mx.fast.cuda_kernel`` arguments of ``variant``: the kernel's name (``weights``,
-    ``select``, ``compact``) then its spec function's arguments, as :func:`_run_kernel` takes it."""
+def _spec(variant: tuple, dialect: str = CUDA) -> dict:
+    """The ``mx.fast.cuda_kernel`` (``dialect="metal"``: ``mx.fast.metal_kernel``) arguments of
+    ``variant``: the kernel's name (``weights``, ``select``, ``compact``) then its spec
+    function's arguments, as :func:`_run_kernel` takes it."""
     kind, *args = variant
-    return _SPECS[kind](*args)
+    return _SPECS[kind](*args, dialect=dialect)
 
 
 def _run_kernel(variant, inputs, grid, threadgroup, output_shapes, output_dtypes, template):
     """One launch of ``variant`` (as :func:`_spec` names it); every launch of this module
-    goes through here. The tests replace it by an emulation."""
+    goes through here, in the dialect of this process's GPU. The tests replace it by an
+    emulation."""
     kind, *args = variant
-    return _KERNELS[kind](*args)(inputs=inputs, grid=grid, threadgroup=threadgroup,
-                                 output_shapes=output_shapes, output_dtypes=output_dtypes,
-                                 template=template)
+    return _KERNELS[kind](*args, dialect=active())(
+        inputs=inputs, grid=grid, threadgroup=threadgroup, output_shapes=output_shapes,
+        output_dtypes=output_dtypes, template=template)
 
 
 @lru_cache(maxsize=None)

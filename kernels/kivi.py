@@ -60,6 +60,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from . import build
+from .dialect import CUDA, active, make_spec
 from . import codec as ck
 from . import evict as ev
 
@@ -90,7 +91,7 @@ _SIDE_DTYPES = (mx.float16, mx.bfloat16)
 # (cfg[1]). The G queries times the scale go to q_s; lg holds the split's G logits (then their
 # exponentials); part the warps' partial logits or partial outputs, summed in warp order.
 _STEP = """
-    const unsigned int tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    const unsigned int tid = VX_TID, lane = tid & 31u, warp = tid >> 5;
     constexpr int NW = NT / 32;
     constexpr int TPW = 32 / BITS;                       // codes per 32-bit word
     constexpr int TILE = 32 * TPW;                       // tokens in 32 words of a key channel
@@ -107,22 +108,22 @@ _STEP = """
     const int nq = QUANT ? vc_shape[2] : 0, nr = RESID ? rk_shape[2] : 0;
     const int qspan = cfg[0], rspan = cfg[1];
     const int nqs = QUANT ? (nq + qspan - 1) / qspan : 0;
-    const int nsplit = (int)(gridDim.x / (unsigned int)(nb * nh));
-    const size_t bh = blockIdx.x / nsplit;
-    const int split = blockIdx.x % nsplit;
+    const int nsplit = (int)(VX_NBLOCKS / (unsigned int)(nb * nh));
+    const size_t bh = VX_BID / nsplit;
+    const int split = VX_BID % nsplit;
     const bool quant = split < nqs;
     const int span = quant ? qspan : rspan;
     const int start = (quant ? split : split - nqs) * span;
     const int n = quant ? nq : nr;
     const int len = n - start >= span ? span : (n - start > 0 ? n - start : 0);
     const size_t o = bh * nsplit + split;
-    const float inf = __int_as_float(0x7f800000);
-    __shared__ float q_s[G * HEAD_DIM];
-    __shared__ float lg[G * SPLIT];
-    __shared__ float part[NW * 1024];
+    const float inf = VX_INT_AS_FLOAT(0x7f800000);
+    VX_SHARED float q_s[G * HEAD_DIM];
+    VX_SHARED float lg[G * SPLIT];
+    VX_SHARED float part[NW * 1024];
     for (int i = (int)tid; i < G * HEAD_DIM; i += NT)
-        q_s[i] = __fmul_rn(static_cast<float>(qry[bh * (G * HEAD_DIM) + i]), params[2]);
-    __syncthreads();
+        q_s[i] = VX_FMUL_RN(static_cast<float>(qry[bh * (G * HEAD_DIM) + i]), params[2]);
+    VX_BARRIER;
     // phase 1, the logits. Quantized keys (channel-major words): a tile of TILE tokens at a
     // time, lane l decoding word l of each channel (TPW tokens), the warps taking every NW-th
     // channel; their partial logits summed in warp order.
@@ -138,7 +139,7 @@ _STEP = """
                     for (int u = 0; u < TPW; ++u) acc[j][u] = 0.0f;
                 if (tl < len) {
                     const int tok = start + tl;
-                    const unsigned int* kr = kc + bh * HEAD_DIM * (size_t)kw + tok / TPW;
+                    VX_PTR(const unsigned int*) kr = kc + bh * HEAD_DIM * (size_t)kw + tok / TPW;
                     const size_t side = bh * HEAD_DIM * (size_t)ng + tok / GS;
                     // CU channels' words, scales and zeros loaded before any is used
                     for (int c0 = (int)warp; c0 < HEAD_DIM; c0 += NW * CU) {
@@ -157,7 +158,7 @@ _STEP = """
                             if (ch < HEAD_DIM) {
                                 #pragma unroll
                                 for (int u = 0; u < TPW; ++u) {
-                                    const float k = __fadd_rn(__fmul_rn((float)((wk[i] >> (u * BITS)) & CODE), sk[i]), zk[i]);
+                                    const float k = VX_FADD_RN(VX_FMUL_RN((float)((wk[i] >> (u * BITS)) & CODE), sk[i]), zk[i]);
                                     #pragma unroll
                                     for (int j = 0; j < GP; ++j)
                                         if (j0 + j < G) acc[j][u] += q_s[(j0 + j) * HEAD_DIM + ch] * k;
@@ -170,7 +171,7 @@ _STEP = """
                 for (int j = 0; j < GP; ++j)
                     #pragma unroll
                     for (int u = 0; u < TPW; ++u) part[(warp * GP + j) * TILE + lane * TPW + u] = acc[j][u];
-                __syncthreads();
+                VX_BARRIER;
                 for (int i = (int)tid; i < GP * TILE; i += NT) {
                     const int j = i / TILE, t = t0 + i % TILE;
                     if (j0 + j < G && t < len) {
@@ -179,7 +180,7 @@ _STEP = """
                         lg[(j0 + j) * SPLIT + t] = s;
                     }
                 }
-                __syncthreads();
+                VX_BARRIER;
             }
         }
     } else {
@@ -198,12 +199,12 @@ _STEP = """
                 float a = 0.0f;
                 #pragma unroll
                 for (int i = 0; i < 8; ++i) a += q_s[j * HEAD_DIM + li * 8 + i] * kr[i];
-                for (int off = LR / 2; off > 0; off >>= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
+                for (int off = LR / 2; off > 0; off >>= 1) a += VX_SHFL_XOR(a, off);
                 if (t < len && li == 0) lg[j * SPLIT + t] = a;
             }
         }
     }
-    __syncthreads();
+    VX_BARRIER;
     // phase 2: per head (a warp each), the split's maximum, exponentials and their sum
     for (int j = (int)warp; j < G; j += NW) {
         float m = -inf;
@@ -221,7 +222,7 @@ _STEP = """
             pl[o * G + j] = s;
         }
     }
-    __syncthreads();
+    VX_BARRIER;
     // phase 3, the exponentials times the values. Quantized values (token-major words): VW
     // lanes a row, lane l decoding word l (TPW coordinates).
     if (quant) {
@@ -250,7 +251,7 @@ _STEP = """
                     if (t < len) {
                         #pragma unroll
                         for (int u = 0; u < TPW; ++u) {
-                            const float v = __fadd_rn(__fmul_rn((float)((wv[r] >> (u * BITS)) & CODE), sv[r]), zv[r]);
+                            const float v = VX_FADD_RN(VX_FMUL_RN((float)((wv[r] >> (u * BITS)) & CODE), sv[r]), zv[r]);
                             #pragma unroll
                             for (int j = 0; j < GP; ++j)
                                 if (j0 + j < G) acc[j][u] += lg[(j0 + j) * SPLIT + t] * v;
@@ -258,7 +259,7 @@ _STEP = """
                     }
                 }
             }
-            velox_kivi_out<GP, TPW, VW, NT, HEAD_DIM>(acc, part, pa + (o * G + j0) * HEAD_DIM, G - j0, li, ri);
+            velox_kivi_out<GP, TPW, VW, NT, HEAD_DIM>(acc, part, pa + (o * G + j0) * HEAD_DIM, G - j0, li, ri VX_TID_ARG);
         }
     } else {
         const int li = (int)lane % LR, ri = (int)lane / LR;
@@ -281,7 +282,7 @@ _STEP = """
                     }
                 }
             }
-            velox_kivi_out<GR, 8, LR, NT, HEAD_DIM>(acc, part, pa + (o * G + j0) * HEAD_DIM, G - j0, li, ri);
+            velox_kivi_out<GR, 8, LR, NT, HEAD_DIM>(acc, part, pa + (o * G + j0) * HEAD_DIM, G - j0, li, ri VX_TID_ARG);
         }
     }
     /*NEW_ROW*/
@@ -307,19 +308,19 @@ _NEW_ROW = """if (split == 0 && tid == 0) npo[bh] = next_pos[bh] + 1;
 # row of HEAD_DIM floats a head).
 _OUT_HEADER = """
 template <int P, int E, int W, int NT_, int HD>
-__device__ void velox_kivi_out(float (&acc)[P][E], float* part, float* out, int heads, int li, int ri) {
+VX_FN void velox_kivi_out(VX_THREAD float (&acc)[P][E], VX_GROUP float* part, VX_DEVICE float* out, int heads, int li, int ri VX_TID_PARAM) {
     constexpr int NW_ = NT_ / 32;
-    const int tid = (int)threadIdx.x, warp = tid >> 5;
+    const int tid = (int)VX_TID, warp = tid >> 5;
     for (int off = W; off < 32; off <<= 1) {
         #pragma unroll
         for (int j = 0; j < P; ++j)
             #pragma unroll
-            for (int e = 0; e < E; ++e) acc[j][e] += __shfl_xor_sync(0xffffffffu, acc[j][e], off);
+            for (int e = 0; e < E; ++e) acc[j][e] += VX_SHFL_XOR(acc[j][e], off);
     }
     if (ri == 0)
         for (int j = 0; j < P; ++j)
             for (int e = 0; e < E; ++e) part[(warp * P + j) * HD + li * E + e] = acc[j][e];
-    __syncthreads();
+    VX_BARRIER;
     for (int i = tid; i < P * HD; i += NT_) {
         const int j = i / HD;
         if (j < heads) {
@@ -328,7 +329,7 @@ __device__ void velox_kivi_out(float (&acc)[P][E], float* part, float* out, int 
             out[j * HD + i % HD] = s;
         }
     }
-    __syncthreads();
+    VX_BARRIER;
 }
 """
 
@@ -336,8 +337,8 @@ _INPUTS = ["qry", "kc", "ks", "kz", "vc", "vs", "vz", "rk", "rv", "params", "cfg
 
 
 @lru_cache(maxsize=None)
-def split_spec(append: bool = False) -> dict:
-    """The ``mx.fast.cuda_kernel`` arguments of the split kernel. Template values: ``HEAD_DIM``,
+def split_spec(append: bool = False, *, dialect: str = CUDA) -> dict:
+    """The ``mx.fast.cuda_kernel`` (or ``metal_kernel``: ``dialect``) arguments of the split kernel. Template values: ``HEAD_DIM``,
     ``G``, ``BITS``, ``GS`` (group_size), ``SPLIT`` (most tokens or rows a block holds, a
     multiple of 32), ``QUANT`` and ``RESID`` (1 where the step has quantized tokens, residual
     rows). ``append``: the variant that also writes the residual window with the step's token
@@ -354,20 +355,22 @@ def split_spec(append: bool = False) -> dict:
         for marker in ("/*COPY_K*/", "/*COPY_V*/", "/*NEW_ROW*/"):
             src = src.replace(marker, "")
     name = "velox_kivi_step" if append else "velox_kivi_split"
-    return dict(name=name, input_names=inputs, output_names=outputs,
-                source=re.sub(r"\bNT\b", str(THREADS), src), header=ev._HEADER + _OUT_HEADER)
+    return make_spec(name=name, input_names=inputs, output_names=outputs,
+                     source=re.sub(r"\bNT\b", str(THREADS), src), header=ev._HEADER + _OUT_HEADER,
+                     dialect=dialect)
 
 
 @lru_cache(maxsize=None)
-def _kernel(append: bool):
-    return build(split_spec(append))
+def _kernel(append: bool, dialect: str = CUDA):
+    return build(split_spec(append, dialect=dialect), dialect)
 
 
 def _run_kernel(codec, values, inputs, grid, threadgroup, output_shapes, output_dtypes, template):
     """One launch (``codec`` ``"kivi"``: the split kernel, ``"kivi+append"`` its appending
-    variant; None: the codec merge kernel); the signature of ``velox.kernels.codec._run_kernel``.
-    The tests replace it by an emulation."""
-    kernel = ck._kernel(None, None) if codec is None else _kernel(codec == "kivi+append")
+    variant; None: the codec merge kernel), in the dialect of this process's GPU; the signature
+    of ``velox.kernels.codec._run_kernel``. The tests replace it by an emulation."""
+    dialect = active()
+    kernel = ck._kernel(None, None, dialect) if codec is None else _kernel(codec == "kivi+append", dialect)
     return kernel(inputs=inputs, grid=grid, threadgroup=threadgroup, output_shapes=output_shapes,
                   output_dtypes=output_dtypes, template=template)
 

@@ -33,6 +33,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from . import build
+from .dialect import CUDA, active, make_spec
 
 from .evict import _HEADER, COMPACT_SPAN, COMPACT_THREADS, THREADS, _seed_mix
 
@@ -41,26 +42,26 @@ __all__ = ["merge_step", "MODES"]
 MODES = {"sim_weighted": 0, "mean": 1, "window": 2, "drop": 3}
 
 _MERGE_HEADER = _HEADER + """
-template <typename T> __device__ float velox_round_as(const T*, float x) { return static_cast<float>(static_cast<T>(x)); }
-template <typename T> __device__ void velox_store(T* p, float x) { *p = static_cast<T>(x); }
+template <typename T> VX_FN float velox_round_as(const VX_IN T*, float x) { return static_cast<float>(static_cast<T>(x)); }
+template <typename T> VX_FN void velox_store(VX_DEVICE T* p, float x) { *p = static_cast<T>(x); }
 // a target row's element merged with the loser's: x + w x_e (window), else (x + w x_e) / (1 + w)
-template <int MODE> __device__ float velox_merged(float x, float xe, float w) {
-    const float s = __fadd_rn(x, __fmul_rn(w, xe));
-    return MODE == 2 ? s : __fdiv_rn(s, __fadd_rn(1.0f, w));
+template <int MODE> VX_FN float velox_merged(float x, float xe, float w) {
+    const float s = VX_FADD_RN(x, VX_FMUL_RN(w, xe));
+    return MODE == 2 ? s : VX_FDIV_RN(s, VX_FADD_RN(1.0f, w));
 }
 """
 
 _PLAN_BODY = """
-    const unsigned int tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
-    const size_t bh = blockIdx.x;
+    const unsigned int tid = VX_TID, lane = tid & 31u, warp = tid >> 5;
+    const size_t bh = VX_BID;
     const int n = K_shape[2];
     const int d = K_shape[3];
     const int N = n + 1;
     const size_t rows = bh * n;
-    __shared__ float red[NT];
-    __shared__ int red_i[NT];
-    __shared__ float lk[HEAD_DIM];
-    __shared__ float sim_s;
+    VX_SHARED float red[NT];
+    VX_SHARED int red_i[NT];
+    VX_SHARED float lk[HEAD_DIM];
+    VX_SHARED float sim_s;
     // the loser: the lightest unprotected candidate, the older of equal scores
     float best = 0.0f;
     int best_i = N;
@@ -69,13 +70,13 @@ _PLAN_BODY = """
         const float s = velox_ranked(S[bh * N + t]);
         if (best_i == N || s < best) { best = s; best_i = t; }
     }
-    const int e = velox_block_argmin<NT>(best, best_i, N, red, red_i);
+    const int e = velox_block_argmin<NT>(best, best_i, N, red, red_i VX_TID_ARG);
     float sq = 0.0f;
     for (int c = tid; c < d; c += NT) {
         const float x = static_cast<float>(knew[bh * d + c]);
         sq += x * x;
     }
-    const float nnorm = sqrtf(velox_block_reduce<NT>(sq, red, VeloxSum()));
+    const float nnorm = sqrtf(velox_block_reduce<NT>(sq, red, VeloxSum() VX_TID_ARG));
     const float l_norm = e < n ? NORM[rows + e] : nnorm;
     const float l_acc = S[bh * N + e];
     const int lpos = e < n ? P[rows + e] : next_pos[bh];
@@ -87,7 +88,7 @@ _PLAN_BODY = """
         const float lv = e < n ? static_cast<float>(V[(rows + e) * d + c]) : static_cast<float>(vnew[bh * d + c]);
         if (!isfinite(lk[c]) || !isfinite(lv)) bad = 1.0f;
     }
-    const bool fine = velox_block_reduce<NT>(bad, red, VeloxMax()) == 0.0f;
+    const bool fine = velox_block_reduce<NT>(bad, red, VeloxMax() VX_TID_ARG) == 0.0f;
     int tfirst = 0, m = 0;
     float den = 0.0f, wgt = 0.0f;
     if (MODE == 2) {  // the survivors after the loser (slot j >= e is candidate j + 1)
@@ -108,14 +109,14 @@ _PLAN_BODY = """
                 const float kx = c < n ? static_cast<float>(K[(rows + c) * d + x]) : static_cast<float>(knew[bh * d + x]);
                 acc += (lk[x] / lscale) * kx;
             }
-            for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+            for (int off = 16; off > 0; off >>= 1) acc += VX_SHFL_XOR(acc, off);
             const float cs = velox_ranked(acc / fmaxf(c < n ? NORM[rows + c] : nnorm, 1e-30f));
             if (bj == n || cs > bc) { bc = cs; bj = j; }
         }
-        const int jt = velox_block_argmin<NT>(-bc, bj, n, red, red_i);
+        const int jt = velox_block_argmin<NT>(-bc, bj, n, red, red_i VX_TID_ARG);
         if (lane == 0 && bj == jt && jt < n) sim_s = bc;
-        __syncthreads();
-        if (jt < n && sim_s > -__int_as_float(0x7f800000)) {  // a target of finite cosine
+        VX_BARRIER;
+        if (jt < n && sim_s > -VX_INT_AS_FLOAT(0x7f800000)) {  // a target of finite cosine
             tfirst = jt;
             m = 1;
             den = S[bh * N + (jt < e ? jt : jt + 1)];
@@ -148,16 +149,16 @@ _PLAN_BODY = """
                 const float mk = velox_round_as(K, velox_merged<MODE>(kx, lk[x], w));
                 acc += mk * mk;
             }
-            for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+            for (int off = 16; off > 0; off >>= 1) acc += VX_SHFL_XOR(acc, off);
             if (lane == 0) fplan[bh * FW + 3 + r] = sqrtf(acc);
         }
     }
 """
 
 _COMPACT_BODY = """
-    const unsigned int tid = threadIdx.x;
-    const size_t bh = blockIdx.x / CHUNKS;
-    const int chunk = blockIdx.x % CHUNKS;
+    const unsigned int tid = VX_TID;
+    const size_t bh = VX_BID / CHUNKS;
+    const int chunk = VX_BID % CHUNKS;
     const int n = K_shape[2];
     const int d = K_shape[3];
     const int N = n + 1;
@@ -200,26 +201,42 @@ _COMPACT_BODY = """
 """
 
 
-def _plan_spec() -> dict:
-    """The ``mx.fast.cuda_kernel`` arguments of the ``plan`` kernel."""
-    return dict(name="velox_merge_plan",
-                input_names=["S", "K", "knew", "V", "vnew", "NORM", "P", "next_pos", "seedmix"],
-                output_names=["iplan", "fplan"],
-                source=re.sub(r"\bNT\b", str(THREADS), _PLAN_BODY), header=_MERGE_HEADER)
+def _plan_spec(*, dialect: str = CUDA) -> dict:
+    """The ``mx.fast.cuda_kernel`` (or ``metal_kernel``, :mod:`velox.kernels.dialect`)
+    arguments of the ``plan`` kernel."""
+    return make_spec(name="velox_merge_plan",
+                     input_names=["S", "K", "knew", "V", "vnew", "NORM", "P", "next_pos", "seedmix"],
+                     output_names=["iplan", "fplan"],
+                     source=re.sub(r"\bNT\b", str(THREADS), _PLAN_BODY), header=_MERGE_HEADER,
+                     dialect=dialect)
 
 
-def _compact_spec() -> dict:
-    """The ``mx.fast.cuda_kernel`` arguments of the merging ``compact`` kernel."""
-    return dict(name="velox_merge_compact",
-                input_names=["K", "V", "P", "knew", "vnew", "next_pos", "S", "NORM", "iplan", "fplan"],
-                output_names=["ok", "ov", "op", "onext", "oc", "onorm"],
-                source=re.sub(r"\bNT\b", str(COMPACT_THREADS), _COMPACT_BODY),
-                header=_MERGE_HEADER)
+def _compact_spec(*, dialect: str = CUDA) -> dict:
+    """The ``mx.fast.cuda_kernel`` (or ``metal_kernel``) arguments of the merging ``compact``
+    kernel."""
+    return make_spec(name="velox_merge_compact",
+                     input_names=["K", "V", "P", "knew", "vnew", "next_pos", "S", "NORM", "iplan", "fplan"],
+                     output_names=["ok", "ov", "op", "onext", "oc", "onorm"],
+                     source=re.sub(r"\bNT\b", str(COMPACT_THREADS), _COMPACT_BODY),
+                     header=_MERGE_HEADER, dialect=dialect)
+
+
+def _spec(which: str, dialect: str = CUDA) -> dict:
+    """The arguments of the ``plan`` or ``compact`` kernel in ``dialect``."""
+    return _plan_spec(dialect=dialect) if which == "plan" else _compact_spec(dialect=dialect)
 
 
 @lru_cache(maxsize=None)
-def _kernel(which: str):
-    return build(_plan_spec() if which == "plan" else _compact_spec())
+def _kernel(which: str, dialect: str = CUDA):
+    return build(_spec(which, dialect), dialect)
+
+
+def _run_kernel(which, inputs, grid, threadgroup, output_shapes, output_dtypes, template):
+    """One launch of the ``plan`` or ``compact`` kernel (``which``), in the dialect of this
+    process's GPU; every launch of this module goes through here."""
+    return _kernel(which, active())(inputs=inputs, grid=grid, threadgroup=threadgroup,
+                                    output_shapes=output_shapes, output_dtypes=output_dtypes,
+                                    template=template)
 
 
 def merge_step(keys, values, positions, new_keys, new_values, next_pos, scores, key_norms, *,
@@ -235,20 +252,17 @@ def merge_step(keys, values, positions, new_keys, new_values, next_pos, scores, 
     mode = MODES[merge]
     width = 3 + ((merge_window if mode == 2 else 1) if merge_keys and mode != 3 else 0)
     common = [("MODE", mode), ("MERGE_KEYS", int(bool(merge_keys) and mode != 3)), ("FW", width)]
-    iplan, fplan = _kernel("plan")(
-        inputs=[scores, keys, new_keys, values, new_values, key_norms, positions, next_pos,
-                _seed_mix(seed)],
-        grid=(b * h * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-        output_shapes=[(b, h, 3), (b, h, width)], output_dtypes=[mx.int32, mx.float32],
-        template=[("HEAD_DIM", d), ("N_SINK", n_sink), ("RECENT", recent),
-                  ("WINDOW", merge_window), ("MERGE_GATE", int(bool(merge_gate)))] + common)
+    iplan, fplan = _run_kernel(
+        "plan", [scores, keys, new_keys, values, new_values, key_norms, positions, next_pos,
+                 _seed_mix(seed)],
+        (b * h * THREADS, 1, 1), (THREADS, 1, 1), [(b, h, 3), (b, h, width)], [mx.int32, mx.float32],
+        [("HEAD_DIM", d), ("N_SINK", n_sink), ("RECENT", recent), ("WINDOW", merge_window),
+         ("MERGE_GATE", int(bool(merge_gate)))] + common)
     chunks = max(1, -(-n * d // COMPACT_SPAN))
-    return _kernel("compact")(
-        inputs=[keys, values, positions, new_keys, new_values, next_pos, scores, key_norms,
-                iplan, fplan],
-        grid=(b * h * chunks * COMPACT_THREADS, 1, 1), threadgroup=(COMPACT_THREADS, 1, 1),
-        output_shapes=[keys.shape, values.shape, positions.shape, next_pos.shape,
-                       positions.shape, positions.shape],
-        output_dtypes=[keys.dtype, values.dtype, positions.dtype, next_pos.dtype, mx.float32,
-                       mx.float32],
-        template=[("CHUNKS", chunks)] + common)
+    return _run_kernel(
+        "compact", [keys, values, positions, new_keys, new_values, next_pos, scores, key_norms,
+                    iplan, fplan],
+        (b * h * chunks * COMPACT_THREADS, 1, 1), (COMPACT_THREADS, 1, 1),
+        [keys.shape, values.shape, positions.shape, next_pos.shape, positions.shape, positions.shape],
+        [keys.dtype, values.dtype, positions.dtype, next_pos.dtype, mx.float32, mx.float32],
+        [("CHUNKS", chunks)] + common)
