@@ -46,7 +46,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from . import build
-from .dialect import CUDA, active, make_spec
+from .dialect import CUDA, SHARED_LIMITS, active, make_spec
 
 __all__ = ["supports", "decode_attend", "TOLERANCE", "CODECS", "HEAD_DIMS", "MAX_GROUPS"]
 
@@ -54,7 +54,7 @@ THREADS = 128            # threads per block of the split kernel (a power of two
 MERGE_THREADS = 512      # threads per block of the merge kernel (a power of two, a multiple of head_dim)
 TARGET_BLOCKS = 528      # split blocks aimed at per step: 4 per SM of an H100 / H200 (132 SMs)
 MIN_SPAN = 64            # fewest stored tokens a split block takes (unless fewer are stored)
-SHARED_LIMIT = 48 * 1024  # static shared memory of one block
+SHARED_LIMIT = 48 * 1024  # static shared memory of one block on CUDA (dialect.SHARED_LIMITS: Metal's)
 HEAD_DIMS = (64, 128)
 MAX_GROUPS = 32
 #: The codecs the kernels read, and the kernel variant of each.
@@ -483,7 +483,7 @@ def _layout(state, queries) -> _Layout | None:
     else:
         return None  # values of another codec or width (mse codes, affine below 8 bits): MLX
     lay = _Layout(codec, values, bits, sign_words, g, d, split_size(g))
-    return lay if shared_bytes(lay) <= SHARED_LIMIT else None
+    return lay if shared_bytes(lay) <= SHARED_LIMITS[active()] else None
 
 
 def supports(state, queries) -> bool:

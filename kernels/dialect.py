@@ -63,11 +63,15 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-__all__ = ["CUDA", "METAL", "DIALECTS", "METAL_PRELUDE", "METAL_ATTRIBUTES", "active", "render",
-           "make_spec"]
+__all__ = ["CUDA", "METAL", "DIALECTS", "SHARED_LIMITS", "METAL_PRELUDE", "METAL_ATTRIBUTES", "active",
+           "render", "make_spec"]
 
 CUDA, METAL = "cuda", "metal"
 DIALECTS = (CUDA, METAL)
+
+#: The static shared (CUDA) or threadgroup (Metal) memory one block may declare: the hosts
+#: choose their kernels' layouts within it (Apple GPUs allow 32 KiB a threadgroup).
+SHARED_LIMITS = {CUDA: 48 * 1024, METAL: 32 * 1024}
 
 #: The Metal attributes ``mx.fast.metal_kernel`` adds to a kernel's signature when its body
 #: names them (MLX's list, ``mlx/backend/common/metal_kernel.cpp``), with their types.
@@ -237,6 +241,7 @@ def _both_input_spaces(header: str) -> str:
 
 _IDENT = re.compile(r"(?<![\w.])(?<!->)(?<!::)([A-Za-z_]\w*)\b(?!\s*::)")
 _ASSIGNED = re.compile(r"\b([A-Za-z_]\w*)\s*=(?!=)")
+_ARRAY = re.compile(r"\b(?:float|int|unsigned int|uint|bool|size_t)\s+([A-Za-z_]\w*)\s*\[")
 _KEYWORDS = frozenset("""auto bool break case char const constexpr continue default do double else
     float for if int long return short signed size_t sizeof static static_cast struct switch
     template typename unsigned void while true false uint ushort""".split())
@@ -289,15 +294,17 @@ def _structs_for_lambdas(source: str, params: list[str]) -> str:
         b_close = _matching(source, b_open, "{", "}")
         body = source[b_open:b_close + 1]
         before = source[:at]
-        own = set(_IDENT.findall(args)) | set(_ASSIGNED.findall(body))
-        known = set(params) | set(_ASSIGNED.findall(before))
+        own = set(_IDENT.findall(args)) | set(_ASSIGNED.findall(body)) | set(_ARRAY.findall(body))
+        arrays = set(_ARRAY.findall(before))
+        known = set(params) | set(_ASSIGNED.findall(before)) | arrays
         captured = []
         for name in _IDENT.findall(body):
             if name in own or name in _KEYWORDS or name not in known or name in captured:
                 continue
             if name not in params:
-                if re.search(rf"\bthreadgroup\b[^;]*\b{re.escape(name)}\b\s*[\[;]", before):
-                    raise ValueError(f"a lambda reads threadgroup memory {name!r}: pass it")
+                if name in arrays:
+                    raise ValueError(f"a lambda reads the array {name!r} (threadgroup memory or "
+                                     f"a thread's): pass it")
                 if not _declared_const(before, name):
                     raise ValueError(f"a lambda reads {name!r}, which is not const: the Metal "
                                      f"struct would copy what CUDA reads by reference")

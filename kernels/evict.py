@@ -49,7 +49,7 @@ from functools import lru_cache
 import mlx.core as mx
 
 from . import build
-from .dialect import CUDA, active, make_spec
+from .dialect import CUDA, SHARED_LIMITS, active, make_spec
 
 __all__ = ["weights", "attend", "attend_weights", "attend_supports", "attend_select",
            "attend_select_supports", "select", "compact"]
@@ -1231,8 +1231,27 @@ def _attend_part(queries, keys, values, new_keys, new_values, decay: float):
         ("attend_part",), [newest, keys, new_keys, values, new_values, params, cfg],
         (b * h * s * ATTEND_THREADS, 1, 1), (ATTEND_THREADS, 1, 1),
         [(b, h, g, N), (b, h, s, g), (b, h, s, g), (b, h, s, g, d)], [mx.float32] * 4,
-        [("HEAD_DIM", d), ("GROUPS", min(g, ATTEND_GROUPS)), ("UNROLL", ATTEND_UNROLL)])
+        [("HEAD_DIM", d), ("GROUPS", attend_groups(d, g)), ("UNROLL", ATTEND_UNROLL)])
     return lg, pm, ps, po, cfg, params
+
+
+def attend_part_bytes(head_dim: int, groups: int) -> int:
+    """The shared memory a block of attend_weights' first kernel declares at ``head_dim``,
+    taking ``groups`` query heads a pass (its template ``GROUPS``): the scaled queries, a
+    pass's logits of ``CHUNK_MAX`` candidates, the warps' partial outputs."""
+    return 4 * (groups * head_dim + groups * CHUNK_MAX + ATTEND_THREADS // 32 * head_dim)
+
+
+def attend_groups(head_dim: int, groups: int, dialect: str | None = None) -> int:
+    """The query heads one pass of attend_weights' first kernel takes (its template ``GROUPS``)
+    for ``groups`` query heads per kv head: up to ``ATTEND_GROUPS``, fewer where the block's
+    shared memory would pass the ``dialect``'s limit (Metal's 32 KiB; default: this process's
+    GPU's). On CUDA every head_dim the kernel takes fits ``min(groups, ATTEND_GROUPS)``."""
+    limit = SHARED_LIMITS[dialect or active()]
+    p = min(groups, ATTEND_GROUPS)
+    while p > 1 and attend_part_bytes(head_dim, p) > limit:
+        p -= 1
+    return p
 
 
 def attend_select(queries, keys, values, new_keys, new_values, positions, next_pos, *,

@@ -60,7 +60,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from . import build
-from .dialect import CUDA, active, make_spec
+from .dialect import CUDA, METAL, SHARED_LIMITS, active, make_spec
 from . import codec as ck
 from . import evict as ev
 
@@ -389,11 +389,16 @@ def tile(bits: int) -> int:
     return 32 * (32 // bits)
 
 
-def split_size(groups: int) -> int:
+def split_size(groups: int, head_dim: int = 128, dialect: str = CUDA) -> int:
     """Most tokens (or residual rows) one split block holds: a multiple of 32 whose
     ``groups * split`` logits fit 16 KiB of shared memory (128 at 32 query heads per kv head,
-    4096 at one)."""
-    return max(32, 4096 // groups // 32 * 32)
+    4096 at one); on Metal (``dialect``) also within what the block's 32 KiB of threadgroup
+    memory leaves beside its queries and partials (``head_dim``)."""
+    size = max(32, 4096 // groups // 32 * 32)
+    if dialect == METAL:
+        room = SHARED_LIMITS[METAL] // 4 - THREADS // 32 * 1024 - groups * head_dim
+        size = min(size, max(32, room // groups // 32 * 32))
+    return size
 
 
 def shared_bytes(lay: _Layout) -> int:
@@ -434,8 +439,9 @@ def _layout(state, queries) -> _Layout | None:
             or any(x.dtype != ks.dtype for x in (kz, vs, vz)) or rk.dtype not in _ROW_DTYPES \
             or rv.dtype != rk.dtype:
         return None
-    lay = _Layout(bits, gs, hq // h, d, split_size(hq // h))
-    return lay if shared_bytes(lay) <= ck.SHARED_LIMIT else None
+    dialect = active()
+    lay = _Layout(bits, gs, hq // h, d, split_size(hq // h, d, dialect))
+    return lay if shared_bytes(lay) <= SHARED_LIMITS[dialect] else None
 
 
 def plan_splits(batch: int, kv_heads: int, nq: int, nr: int, split: int, bits: int) -> tuple[int, int, int, int]:
