@@ -9,12 +9,14 @@ from typing import Any, Iterable
 
 import mlx.core as mx
 
-__all__ = ["BACKENDS", "Backend", "BackendUnavailable", "device_supports", "resolve_backend"]
+__all__ = ["BACKENDS", "Backend", "BackendUnavailable", "device_supports", "resolve_backend",
+           "gpu_kernels"]
 
 #: Every backend name; ``auto`` picks the fastest available one at init.
 BACKENDS = ("reference", "mlx", "metal", "cuda")
 
 # Preference of ``auto``: a hand-written kernel where the device has one, else vectorised MLX.
+# ``metal`` only where its kernels passed the parity self-check (velox.selfcheck).
 _AUTO_ORDER = ("cuda", "metal", "mlx")
 
 
@@ -39,12 +41,39 @@ def _why_not(backend: str) -> str:
     return "it needs an NVIDIA GPU and MLX reports no CUDA device here"
 
 
+def gpu_kernels() -> bool:
+    """Whether the decode kernels the ``mlx`` backends take where they can (codec and KIVI
+    attention, the fill step's attention) run here: MLX computes on an NVIDIA GPU, or on an
+    Apple GPU whose Metal kernels passed the parity self-check (``velox.selfcheck``); never
+    while a self-check computes its references (``velox.selfcheck.mlx_only``)."""
+    if mx.default_device() != mx.gpu:
+        return False
+    from .selfcheck import metal_verified, reference_only
+    if reference_only():
+        return False
+    if device_supports("cuda"):
+        return True
+    return device_supports("metal") and metal_verified()
+
+
+def _proven(name: str) -> bool:
+    """Whether ``auto`` may pick ``name``: ``metal`` once its kernels passed the self-check
+    for this MLX, device and velox (in this process or recorded), every other one as it is."""
+    if name != "metal":
+        return True
+    from .selfcheck import metal_verified
+    return metal_verified()
+
+
 def resolve_backend(requested: str, key: str, implemented: Iterable[str]) -> str:
-    """Return the concrete backend for ``requested`` or raise; never falls back silently."""
+    """Return the concrete backend for ``requested`` or raise; never falls back silently.
+    ``metal`` runs its parity self-check at its first use in a process (``velox.selfcheck``:
+    ``BackendUnavailable`` where its kernels disagree with the ``mlx`` ops); ``auto`` takes
+    it only where that check has passed."""
     implemented = tuple(implemented)
     if requested == "auto":
         for name in _AUTO_ORDER:
-            if name in implemented and device_supports(name):
+            if name in implemented and device_supports(name) and _proven(name):
                 return name
         raise BackendUnavailable(f"{key}: no backend runs here (implemented: {', '.join(implemented)})")
     if requested not in BACKENDS:
@@ -54,6 +83,9 @@ def resolve_backend(requested: str, key: str, implemented: Iterable[str]) -> str
             f"{key} has no {requested!r} backend (it has: {', '.join(implemented)})")
     if not device_supports(requested):
         raise BackendUnavailable(f"backend {requested!r} is not available: {_why_not(requested)}")
+    if requested == "metal":
+        from .selfcheck import ensure_metal
+        ensure_metal()
     return requested
 
 
