@@ -112,3 +112,9 @@ def pytest_collection_modifyitems(config, items):
     if len(keep) != len(items):
         config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("slow")])
         items[:] = keep
+
+
+def pytest_report_header(config):
+    """The BLAS MLX's CPU matmuls run on (OpenBLAS halves the suite's time)."""
+    from velox import _blas
+    return [f"velox: OpenBLAS {_blas.loaded or 'not loaded'} ({_blas.reason})"]
