@@ -4,6 +4,7 @@
     velox compare                       # the core five at two budgets plus the full cache
     velox methods
     velox serve --method tova --budget 2048 --port 8080   # mlx-lm's server, velox caches
+    velox selftest --backend metal      # the Metal kernels against the mlx ops, on this Mac
 
 Bad arguments print one line on stderr and exit with status 2, before any model is loaded.
 OpenBLAS, when installed, is loaded in-process by ``import velox`` (``velox._blas``).
@@ -152,6 +153,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="mlx-lm's OpenAI-compatible server with velox caches "
                         "(velox serve --help: velox's options, then mlx_lm.server's)"
                    ).add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+    st = sub.add_parser("selftest", help="check a GPU backend's kernels against the mlx ops on "
+                                         "this machine, and print a report to send back")
+    st.add_argument("--backend", required=True, choices=["metal"],
+                    help="the backend whose kernels to check (metal: an Apple GPU)")
+    st.add_argument("--json", action="store_true", help="print the report as JSON")
 
     from velox.adapters import suite
     suite.add_parser(sub)
@@ -454,6 +461,21 @@ def cmd_methods(args) -> int:
     else:
         sys.stdout.write(methods_text(shutil.get_terminal_size((100, 24)).columns))
     return 0
+
+
+def cmd_selftest(args) -> int:
+    """``velox selftest --backend metal``: the backend's parity self-check (every kernel on a
+    few decode steps against the ``mlx`` ops on this device, ``velox.selfcheck``), its report
+    printed (MLX version, device, each check and kernel with its max error) and its verdict
+    recorded for ``backend="auto"``. Exit 0 when every check passed, 1 otherwise (a check
+    failed, or no Metal device)."""
+    from velox import selfcheck
+
+    report = selfcheck.run_checks()
+    if report.available:
+        selfcheck.record(report)
+    sys.stdout.write(json.dumps(report.to_json(), indent=1) + "\n" if args.json else report.text())
+    return 0 if report.passed else 1
 
 
 def cmd_generate(args) -> int:
@@ -970,7 +992,7 @@ def main(argv: list[str] | None = None) -> int:
     from velox.adapters import suite
 
     handler = {"generate": cmd_generate, "compare": cmd_compare, "methods": cmd_methods,
-               "calibrate": cmd_calibrate, "eval": suite.run}
+               "calibrate": cmd_calibrate, "eval": suite.run, "selftest": cmd_selftest}
     try:
         return handler[args.command](args)
     except (ValueError, FileNotFoundError) as exc:

@@ -491,9 +491,10 @@ def supports(state, queries) -> bool:
     a TurboQuant (mse, rvq, prod) or QJL state with its own codes record and 8-bit affine or
     exact values (``value_codec`` ``"affine"`` at ``value_bits = 8``, or ``"exact"``: not the
     mse value codes, nor affine codes of another width), one query token, head_dim 64 or 128, at most 32 query heads per kv head, float16,
-    bfloat16 or float32 queries, on a CUDA device."""
-    from velox.backend import device_supports
-    return device_supports("cuda") and mx.default_device() == mx.gpu and _layout(state, queries) is not None
+    bfloat16 or float32 queries, on a CUDA device or an Apple GPU whose Metal kernels passed the
+    self-check (``velox.backend.gpu_kernels``)."""
+    from velox.backend import gpu_kernels
+    return gpu_kernels() and _layout(state, queries) is not None
 
 
 @lru_cache(maxsize=None)

@@ -522,8 +522,8 @@ def _plan(state, queries) -> _Plan | None:
 
 
 def _on_device() -> bool:
-    from velox.backend import device_supports
-    return device_supports("cuda") and mx.default_device() == mx.gpu
+    from velox.backend import gpu_kernels
+    return gpu_kernels()
 
 
 def step_plan(state, queries) -> _Plan | None:
@@ -537,7 +537,8 @@ def supports(state, queries) -> bool:
     (else the MLX path): a KIVI state at bits 2, 4 or 8 and group_size 32, 64 or 128, one query
     token, head_dim 64 or 128, at most 32 query heads per kv head, float16, bfloat16 or
     float32 queries, float16 / bfloat16 scales and zeros, float16 / bfloat16 / float32
-    residual rows, on a CUDA device."""
+    residual rows, on a CUDA device or an Apple GPU whose Metal kernels passed the self-check
+    (``velox.backend.gpu_kernels``)."""
     return step_plan(state, queries) is not None
 
 

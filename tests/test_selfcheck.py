@@ -201,3 +201,29 @@ class _nothing:
 
     def __exit__(self, *a):
         return False
+
+
+def test_velox_selftest_prints_the_report_and_records_the_verdict(monkeypatch, capsys):
+    """``velox selftest --backend metal``: the report on stdout (exit 0 when every check passed,
+    1 otherwise), the verdict recorded for ``auto``; on a machine without Metal, exit 1 and
+    the reason."""
+    from velox.adapters import cli
+    code = cli.main(["selftest", "--backend", "metal"])
+    out = capsys.readouterr().out
+    if not mx.metal.is_available():
+        assert code == 1 and "NOT AVAILABLE" in out and f"MLX {mx.__version__}" in out
+        assert not selfcheck.cache_path().exists()
+    monkeypatch.setattr(selfcheck, "metal_device", lambda: DEVICE)
+    monkeypatch.setattr(selfcheck, "metal_checks", lambda: [_doubling_check()])
+    for mode, want in (("disagree", 1), ("agree", 0)):
+        monkeypatch.setattr(selfcheck, "metal_build", StandIn(mode))
+        assert cli.main(["selftest", "--backend", "metal"]) == want
+        out = capsys.readouterr().out
+        assert "Stand-in GPU" in out and ("PASSED" if want == 0 else "FAILED") in out
+        assert selfcheck.cached_verdict(DEVICE) is (want == 0)
+    assert selfcheck.metal_verified()
+    assert cli.main(["selftest", "--backend", "metal", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["passed"] and data["device"] == "Stand-in GPU" and data["results"][0]["kernels"] == [SPEC_NAME]
+    with pytest.raises(SystemExit):
+        cli.main(["selftest", "--backend", "cuda"])

@@ -58,7 +58,7 @@ import numpy as np
 
 from . import reference as ref
 from ._typing import Array, Bool, Float, Int, Shaped
-from .backend import Backend, device_supports
+from .backend import Backend, gpu_kernels
 from .coded import CodedKeys
 from .consts import CONST_BYTES, cached_const
 from .ordering import order_key
@@ -813,8 +813,9 @@ def fill_attention(state, filled, queries, keys, values, scale):
 
 
 def _on_cuda() -> bool:
-    """Whether MLX computes on an NVIDIA GPU now."""
-    return mx.default_device() == mx.gpu and device_supports("cuda")
+    """Whether MLX computes on a GPU whose kernels run now: an NVIDIA GPU, or an Apple GPU
+    whose Metal kernels passed the self-check (``velox.backend.gpu_kernels``)."""
+    return gpu_kernels()
 
 
 def _fillable(plan: _Plan, state, keys) -> bool:

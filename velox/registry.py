@@ -228,13 +228,16 @@ def register(key: str, state_type: type, init: Callable, backends: Any = None, *
     try:
         given = backends(m.spec) if callable(backends) else dict(backends or {})
         m.backends.update({name: Backend.of(b) for name, b in given.items()})
+        if "cuda" in m.backends and "metal" in m.spec.backends and "metal" not in m.backends:
+            # the same kernel path; the kernels are built in the dialect of the process's GPU
+            m.backends["metal"] = m.backends["cuda"]
         if "mlx" in m.backends and m.backends["mlx"].slots:  # rows in slots (velox.evict)
             m.get_kv = get_kv or _slot_kv
             m.positions = positions or _slot_positions
             m.kv_slots = kv_slots or _slot_kv_slots
             m.nbytes = nbytes or _slot_nbytes
         if m.spec.contract.get("ragged", False) and (update is not None or not all(
-                b.ragged is not None for name, b in m.backends.items() if name != "cuda")):
+                b.ragged is not None for name, b in m.backends.items() if name not in ("cuda", "metal"))):
             if spec is None:
                 raise ValueError(f"{key}: contract.ragged needs every backend to take valid counts "
                                  f"(its Backend record's ``ragged``: velox.evict.score_and_keep builds them)")
@@ -424,7 +427,7 @@ def _dispatching_update(m: Method, module: str) -> Callable:
         s = keys.shape[2]
         if ragged and (valid is not None or is_ragged(state)):
             v = _full(b, s) if valid is None else check_valid(valid, b, s, m.key)
-            step = backends[state.backend].ragged or backends["mlx"].ragged  # cuda: mlx ops
+            step = backends[state.backend].ragged or backends["mlx"].ragged  # cuda, metal: mlx ops
             return step(state, keys, values, queries, v)
         v = None if valid is None else check_valid(valid, b, s, m.key)
         if isinstance(state, RowStates) or (v is not None and (v != s).any()):

@@ -37,8 +37,8 @@ import mlx.core as mx
 import numpy as np
 
 __all__ = ["Check", "Result", "Report", "Device", "metal_device", "metal_build", "run_checks",
-           "metal_checks", "ensure_metal", "metal_verified", "cache_path", "mlx_only",
-           "KernelBuildError"]
+           "metal_checks", "ensure_metal", "record", "metal_verified", "cached_verdict", "cache_path",
+           "mlx_only", "KernelBuildError"]
 
 CACHE_FILE = "metal-selfcheck.json"
 
@@ -248,19 +248,24 @@ def ensure_metal(*, checks: Iterable[Check] | None = None, build: Callable | Non
     dev = (device or metal_device)()
     if not dev.available:
         raise BackendUnavailable(f"backend 'metal' is not available: {dev.why}")
-    key = _key(dev.name)
-    report = _VERDICTS.get(key)
+    report = _VERDICTS.get(_key(dev.name))
     if report is None:
         report = run_checks(checks, build=build, device=lambda: dev)
-        _VERDICTS[key] = report
-        _write_cache(path or cache_path(), report)
-        _verified_here.cache_clear()
+        record(report, path)
     if not report.passed:
         raise BackendUnavailable(
             f"backend 'metal' failed its parity self-check on {dev.name} (MLX {mx.__version__}), "
             f"so it stays off here: " + "; ".join(f"{r.name}: {r.detail}" for r in report.failures())
             + ". `velox selftest --backend metal` prints the full report; backend='mlx' runs everywhere.")
     return report
+
+
+def record(report: Report, path: Path | None = None) -> None:
+    """Keep ``report``'s verdict for this process and in the cache (``velox selftest``'s
+    runs count as a first use's)."""
+    _VERDICTS[_key(report.device)] = report
+    _write_cache(path or cache_path(), report)
+    _verified_here.cache_clear()
 
 
 # --- running checks --------------------------------------------------------------------------
@@ -595,8 +600,9 @@ def _kivi_check():
                 want = kivi.attend(st, q, k, v, scale=d ** -0.5)
             atol, rtol = kk.TOLERANCE[mx.float32]
             c.close(f"step {step} output", out, want, rtol, atol)
-            c.exact(f"step {step} residual keys", rk, mx.concatenate([st.residual_keys, k], axis=2))
-            c.exact(f"step {step} residual values", rv, mx.concatenate([st.residual_values, v], axis=2))
+            rd = st.residual_keys.dtype
+            c.exact(f"step {step} residual keys", rk, mx.concatenate([st.residual_keys, k.astype(rd)], axis=2))
+            c.exact(f"step {step} residual values", rv, mx.concatenate([st.residual_values, v.astype(rd)], axis=2))
             c.exact(f"step {step} next_pos", nxt, st.next_pos + 1)
             if c.problem:
                 break

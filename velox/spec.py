@@ -347,11 +347,21 @@ def parse_spec(data: Mapping[str, Any], init: Callable | None = None) -> Spec:
         params=params,
         constraints=tuple(data.get("constraints", ())), contract=dict(data.get("contract", {})),
         tolerance=dict(data.get("tolerance", {})), deviations=tuple(data.get("deviations", ())),
-        backends=tuple(data.get("backends", ("reference", "mlx"))),
+        backends=with_metal(tuple(data.get("backends", ("reference", "mlx")))),
         presets={k: dict(v) for k, v in data.get("presets", {}).items()},
         authors=paper.get("authors", ""),
         compose=tuple(data.get("compose", ())),
     )
+
+
+def with_metal(backends: tuple[str, ...]) -> tuple[str, ...]:
+    """``backends`` with ``metal`` after ``cuda``: every method with CUDA kernels has the
+    ``metal`` backend built from the same kernel sources (``velox.kernels.dialect``), opt-in
+    until its parity self-check passes on the machine (``velox.selfcheck``)."""
+    if "cuda" in backends and "metal" not in backends:
+        i = backends.index("cuda")
+        return backends[:i + 1] + ("metal",) + backends[i + 1:]
+    return backends
 
 
 def spec_keys() -> tuple[str, ...]:
@@ -424,7 +434,8 @@ def method_table(keys: tuple[str, ...] | None = None) -> str:
         s = load_spec(key)
         params = ", ".join(f"`{p.name}={p.default!r}`" for p in s.params.values())
         paper = f"[{s.arxiv}](https://arxiv.org/abs/{s.arxiv})" if s.arxiv else s.venue
-        kernels = ", ".join(b for b in s.backends if b not in ("reference", "mlx")) or "-"
+        # (metal: every cuda method's twin, opt-in and self-checked: the README's backends section)
+        kernels = ", ".join(b for b in s.backends if b not in ("reference", "mlx", "metal")) or "-"
         batching = s.contract.get("batching", "joined" if s.contract.get("ragged", False) else "per row")
         lines.append(f"| `{s.key}` | {s.name} | {s.family} | {s.phases} | {s.queries} | {kernels} "
                      f"| {batching} | {paper} | {params} |")
