@@ -87,7 +87,7 @@ struct bfloat {
 };
 typedef bfloat bfloat16_t;
 namespace metal {
-enum class mem_flags : uint { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
+enum class mem_flags : uint { mem_none = 0, mem_device = 1, mem_threadgroup = 2 };
 constexpr mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(uint(a) | uint(b)); }
 void threadgroup_barrier(mem_flags flags);
 void simdgroup_barrier(mem_flags flags);

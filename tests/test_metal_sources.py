@@ -297,3 +297,25 @@ def test_threadgroup_memory_fits_metal_at_the_launches_made_there(monkeypatch):
                     assert lay.split == kk.split_size(g)
                 if kk.shared_bytes(lay) > dialect.SHARED_LIMITS[name]:
                     assert (name, d, g) in {("metal", 128, 32)}, (name, d, g)  # refused: the MLX path
+
+
+def test_the_metal_names_the_kernels_use_are_ones_mlx_s_metal_kernels_use():
+    """Every ``metal::`` name, ``as_type`` and Metal type the generated sources use appears in
+    MLX's own Metal kernel headers (compiled by Apple's compiler wherever MLX is built): the
+    shim declares nothing the kernels need that Metal lacks."""
+    import importlib.util
+    from pathlib import Path
+    root = importlib.util.find_spec("mlx")
+    headers = Path(list(root.submodule_search_locations)[0]) / "include/mlx/backend/metal/kernels"
+    if not headers.is_dir():
+        pytest.skip("this MLX wheel ships no Metal kernel headers")
+    mlx_text = "\n".join(p.read_text(errors="replace") for p in headers.rglob("*.h"))
+    used = set()
+    for spec, _, _ in CASES.values():
+        text = metal._code(spec["header"] + spec["source"])
+        used |= {m.split("::")[-1] for m in re.findall(r"\bmetal::(?:\w+::)*\w+", text)}
+        used |= set(re.findall(r"\b(as_type|ushort|uint3|uint|float16_t|bfloat16_t)\b", text))
+    assert {"threadgroup_barrier", "mem_device", "mem_threadgroup", "simd_shuffle_xor", "exp", "fmax",
+            "isfinite", "as_type"} <= used, used
+    missing = sorted(n for n in used if not re.search(rf"\b{n}\b", mlx_text))
+    assert missing == [], missing
