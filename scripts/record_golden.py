@@ -94,7 +94,11 @@ VARIANTS: dict[str, dict[str, str | None]] = {
     "haswell": {"OPENBLAS_CORETYPE": "Haswell", "NPY_DISABLE_CPU_FEATURES": _AVX512},
     "skylakex": {"OPENBLAS_CORETYPE": "SkylakeX"},
     "zen": {"OPENBLAS_CORETYPE": "Zen", "NPY_DISABLE_CPU_FEATURES": _AVX512},
+    # the scipy-openblas32 wheel's OpenBLAS (another release) through scripts/openblas_shim.py,
+    # what CI loads where the system package cannot be installed
+    "wheel_openblas": {"VELOX_OPENBLAS": "<shim>", "LD_PRELOAD": None},
 }
+_SHIM = "<shim>"  # built by scripts/openblas_shim.py when a variant asks for it
 # A field that depends on BLAS rounding is compared within ``rel * scale + rel * |expected|``,
 # scale its largest magnitude in the trajectory, rel ten times the largest difference the
 # variants showed relative to scale, and at least this floor (a few units in the last place).
@@ -322,7 +326,11 @@ def _variant(name: str, env_changes: dict[str, str | None], keys: tuple[str, ...
     """Hashes and floating arrays of a run in a subprocess with ``env_changes``."""
     env = dict(os.environ)
     for k, v in env_changes.items():
-        if v is None:
+        if v == _SHIM:
+            sys.path.insert(0, str(ROOT / "scripts"))
+            import openblas_shim
+            env[k] = str(openblas_shim.build(tmp / "openblas-shim"))
+        elif v is None:
             env.pop(k, None)
         else:
             env[k] = v

@@ -6,7 +6,10 @@ functions replace the bundled ones (results differ in rounding only). Loaded aft
 ``mlx.core``, it has no effect; ``velox/__init__.py`` imports this module first.
 
 Opt out with ``VELOX_NO_OPENBLAS=1``. Install the library with
-``apt-get install libopenblas0-pthread`` (Debian, Ubuntu).
+``apt-get install libopenblas0-pthread`` (Debian, Ubuntu). ``VELOX_OPENBLAS=PATH`` names
+another library exporting the unprefixed CBLAS and LAPACK symbols, loaded instead: where no
+system package can be installed, ``python scripts/openblas_shim.py`` builds one from the
+``scipy-openblas32`` wheel (whose symbols carry a ``scipy_`` prefix) and prints its path.
 """
 
 from __future__ import annotations
@@ -31,17 +34,20 @@ def _load() -> tuple[str | None, str]:
         return None, "not Linux"
     if os.environ.get("VELOX_NO_OPENBLAS", "0") not in ("", "0"):
         return None, "VELOX_NO_OPENBLAS is set"
-    if not os.path.exists(OPENBLAS):
+    path = os.environ.get("VELOX_OPENBLAS") or OPENBLAS
+    if not os.path.exists(path):
+        if path != OPENBLAS:
+            return None, f"VELOX_OPENBLAS={path} does not exist"
         return None, f"{OPENBLAS} is not installed (apt-get install libopenblas0-pthread)"
-    if OPENBLAS in os.environ.get("LD_PRELOAD", "").replace(":", " ").split():
-        return OPENBLAS, "preloaded (LD_PRELOAD)"
+    if path in os.environ.get("LD_PRELOAD", "").replace(":", " ").split():
+        return path, "preloaded (LD_PRELOAD)"
     if "mlx.core" in sys.modules:
         return None, "mlx.core was imported before velox (import velox first, or set LD_PRELOAD)"
     try:
-        ctypes.CDLL(OPENBLAS, mode=ctypes.RTLD_GLOBAL)
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     except OSError as exc:
-        return None, f"{OPENBLAS} failed to load: {exc}"
-    return OPENBLAS, "loaded before mlx.core"
+        return None, f"{path} failed to load: {exc}"
+    return path, "loaded before mlx.core" + (" (VELOX_OPENBLAS)" if path != OPENBLAS else "")
 
 
 loaded, reason = _load()
