@@ -21,10 +21,11 @@ reproduces what MLX builds for a launch and checks it three ways:
   ``-fsyntax-only``) against :data:`SHIM`, a stand-in for what the kernels use of Metal: the
   address-space qualifiers as empty macros (the compiler cannot check them: :func:`lint`
   checks that each pointer names one; a helper written for device and for constant inputs
-  is then one function twice, and its second copy is left out), the ``[[...]]`` attributes left to the compiler to ignore, ``uint``, ``ushort``,
-  ``uint3``, ``half`` / ``float16_t``, ``bfloat`` / ``bfloat16_t``, ``metal::mem_flags``,
-  ``threadgroup_barrier``, the SIMD-group shuffles and reductions, ``as_type``, the float
-  math of ``metal::`` and ``metal::precise::``, and atomics. Template values and dtypes are
+  is then one function twice, and its second copy is left out), the ``[[...]]`` attributes
+  left to the compiler to ignore, ``uint``, ``ushort``, ``uint3``, ``half`` / ``float16_t``,
+  ``bfloat`` / ``bfloat16_t``, ``metal::mem_flags``, ``threadgroup_barrier``, the SIMD-group
+  shuffles and reductions, ``as_type``, the float math of ``metal::`` and
+  ``metal::precise::``, and atomics. Template values and dtypes are
   instantiated, so the body is type-checked as MLX's build would instantiate it: undeclared
   names, misspelt helpers, wrong argument counts or types, an ``as_type`` between types of
   different sizes all fail.
@@ -195,7 +196,8 @@ _CUDA_NAMES = re.compile(
     r"__global__|__restrict__|__align__|__shfl\w*|__int_as_float|__float_as_int|__f\w+_rn|__CUDACC__|"
     r"expf|logf|sqrtf|fmaxf|fminf|fabsf|powf|atomicAdd|std)\b")
 _SPACES = ("device", "constant", "threadgroup", "thread")
-_TYPES = r"(?:unsigned\s+int|unsigned|float|int|uint|ushort|half|bfloat16_t|float16_t|int32_t|uint32_t|size_t|bool|T|velox_v16)"
+_TYPES = (r"(?:unsigned\s+int|unsigned|float|int|uint|ushort|half|bfloat16_t|float16_t|int32_t|uint32_t|"
+          r"size_t|bool|T|velox_v16)")
 _DECL = re.compile(rf"(?<![\w.])({_TYPES})\s*(\*|&|\(&)\s*[A-Za-z_(]")
 _DOUBLE = re.compile(r"(?<![\w.])((?:\d+\.\d*|\.\d+)(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+)(?![\w.])")
 

@@ -478,7 +478,7 @@ def _fused_steps(key: str, params: dict, *, b=1, h=2, g=2, d=64, prefill=30, ste
         from . import decode
         from .registry import get_method
         m = get_method(key)
-        rng = np.random.default_rng(zlib.crc32(("fused", key).__repr__().encode()))
+        rng = np.random.default_rng(zlib.crc32(repr(("fused", key)).encode()))
         st = m.init(b, h, d, dtype=mx.float32, backend="mlx", **params)
         st = m.update(st, _arr(rng, b, h, prefill, d), _arr(rng, b, h, prefill, d),
                       queries=_arr(rng, b, h * g, prefill, d))
