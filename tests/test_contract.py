@@ -35,6 +35,20 @@ def test_signature_matches_spec(key):
 
 
 @pytest.mark.parametrize("key", KEYS)
+def test_spec_says_how_decisions_treat_kv_heads(key):
+    """``heads``: independent, mixed (reduced through ``velox.distributed``) or unshardable."""
+    vt.check_heads_kind(key)
+
+
+def test_every_spec_file_declares_heads():
+    import tomllib
+    from importlib import resources
+    for key in spec_keys():
+        data = tomllib.loads((resources.files("velox.specs") / f"{key}.toml").read_text("utf-8"))
+        assert data.get("heads") in ("independent", "mixed", "unshardable"), f"{key}.toml: heads"
+
+
+@pytest.mark.parametrize("key", KEYS)
 def test_public_names(key):
     m = get_method(key)
     if not key.isidentifier():

@@ -52,9 +52,10 @@ if _blas.loaded is None and _blas.reason.startswith("mlx.core was imported befor
 
 import mlx.core as mx
 
-from . import compose, wrap
+from . import compose, distributed, wrap
 from .accounting import fp16_bytes, state_nbytes
 from .backend import BACKENDS, BackendUnavailable
+from .distributed import LOCAL, Heads
 from .registry import Method, State, get_method, method_keys, method_of
 from .spec import Spec, load_spec
 
@@ -62,14 +63,17 @@ __version__ = "0.1.0"
 
 
 def init(key: str, batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
-         backend: str = "auto", **params: Any) -> State:
-    """``<key>_init`` by method key; unknown parameter names raise ``ValueError``."""
+         backend: str = "auto", heads: Heads = LOCAL, **params: Any) -> State:
+    """``<key>_init`` by method key; unknown parameter names raise ``ValueError``. ``heads``:
+    where the state's ``kv_heads`` sit among its layer's (``velox.distributed``: one shard of
+    a tensor-parallel model's; :data:`velox.distributed.LOCAL`, every head, by default)."""
     method = get_method(key)
     unknown = sorted(set(params) - set(method.spec.params))
     if unknown:
         raise ValueError(f"{key} got unknown parameter(s) {', '.join(unknown)}; "
                          f"valid: {', '.join(method.spec.params)}")
-    return method.init(batch, kv_heads, head_dim, dtype=dtype, backend=backend, **params)
+    return method.init(batch, kv_heads, head_dim, dtype=dtype, backend=backend, heads=heads,
+                       **params)
 
 
 def update(state: State, keys: mx.array, values: mx.array, *,
@@ -112,7 +116,7 @@ def tokens_seen(state: State) -> int:
 
 
 __all__ = [
-    "BACKENDS", "BackendUnavailable", "Method", "Spec", "compose", "wrap", "fp16_bytes", "get_kv", "get_method",
+    "BACKENDS", "BackendUnavailable", "Method", "Spec", "compose", "distributed", "wrap", "fp16_bytes", "get_kv", "get_method",
     "init", "kv_slots", "load_spec", "method_keys", "method_of", "nbytes", "positions", "state_nbytes",
     "tokens_seen", "update",
 ]

@@ -161,7 +161,7 @@ def _spec(policy: Spec, key: str, by_logits: bool) -> Spec:
         contract=contract, tolerance=dict(policy.tolerance, atol=1e-6, rtol=1e-6),
         deviations=policy.deviations + (
             "Survivors are stored as per-token affine codes (keys and values).", keys_line),
-        backends=policy.backends)
+        backends=policy.backends, heads=policy.heads, heads_note=policy.heads_note)
 
 
 def composable(policy: str) -> Method:
@@ -357,7 +357,17 @@ def _code_spec(policy: Spec, codec_spec: Spec, key: str, codec_params: tuple[str
                          if k in ("estimator", "blas_codes")}),
         tolerance=dict(codec_spec.tolerance),
         deviations=policy.deviations + _codec_deviations(codec_spec, codec_params) + (keys_line,),
-        backends=tuple(b for b in policy.backends if b in ("reference", "mlx")))
+        backends=tuple(b for b in policy.backends if b in ("reference", "mlx")),
+        **_composed_heads(policy, codec_spec))
+
+
+def _composed_heads(policy: Spec, codec_spec: Spec) -> dict[str, str]:
+    """The composition's ``heads`` (``velox.distributed``): the policy's, its codec coding
+    each kv head alone (a codec whose coding crosses heads is refused)."""
+    if codec_spec.heads != "independent":
+        raise ValueError(f"{codec_spec.key} codes across kv heads ({codec_spec.heads_note}): it "
+                         f"holds no policy's survivors")
+    return dict(heads=policy.heads, heads_note=policy.heads_note)
 
 
 def _codec_deviations(codec_spec: Spec, codec_params: tuple[str, ...]) -> tuple[str, ...]:

@@ -49,6 +49,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 import dataclasses
 from dataclasses import dataclass
+import inspect
 import math
 import operator
 from typing import Any, NamedTuple
@@ -61,6 +62,7 @@ from ._typing import Array, Bool, Float, Int, Shaped
 from .backend import Backend, gpu_kernels
 from .coded import CodedKeys
 from .consts import CONST_BYTES, cached_const
+from .distributed import LOCAL, Heads, head_gather
 from .ordering import order_key
 from .ragged import ragged
 from .slots import Move, filled_rows
@@ -379,10 +381,13 @@ def cuda_update(mlx_update, capacity, decode_step):
     A decode step at a full cache (one new token, ``capacity(state)`` rows stored) runs
     ``decode_step(state, keys, values, queries)``, the method's fused kernels. Every other
     call (prefill, chunks, a cache still filling) is a step the kernels do not cover and runs
-    ``mlx_update``, the vectorised MLX ops of the ``mlx`` backend, on the same GPU.
+    ``mlx_update``, the vectorised MLX ops of the ``mlx`` backend, on the same GPU; so does a
+    state holding one shard of its layer's kv heads (``velox.distributed``) whose selection is
+    shared by the heads (``per_head`` false): the kernels average the heads they hold.
     """
     def update(state, keys, values, queries):
-        if keys.shape[2] != 1 or state.keys.shape[2] != capacity(state):
+        if (keys.shape[2] != 1 or state.keys.shape[2] != capacity(state)
+                or (not getattr(state, "per_head", True) and getattr(state, "heads", LOCAL).shards > 1)):
             return mlx_update(state, keys, values, queries)
         return decode_step(state, keys, values, queries)
 
@@ -429,6 +434,7 @@ class _Plan(NamedTuple):
     shared: Callable
     slots: bool
     slack: Callable
+    heads: Callable = lambda state: getattr(state, "heads", LOCAL)  # noqa: E731  (velox.distributed)
 
 
 def _getter(expr: str | None, default: int = 0) -> Callable:
@@ -662,6 +668,8 @@ def _decode_slot(plan: _Plan, state, scores, new_pos) -> tuple[Move, mx.array]:
     elif stored_only:
         scores = scores[..., :n]
     total = state.next_pos[:, :, None] + 1
+    if plan.shared(state):  # every kv head of the layer, those of other shards too
+        scores = head_gather(plan.heads(state), scores)
     if plan.shared(state) or scores.shape[1] == 1:  # one selection for the row
         scores = scores.mean(axis=1, keepdims=True) if scores.shape[1] > 1 else scores
         cand, total = cand[:, :1], total[:, :1]
@@ -758,7 +766,7 @@ def _mlx_backend(score, carry, fields, plan: _Plan, logits_only: bool = False) -
             else:
                 scores = scored.scores
                 if plan.shared(state):  # one selection for the row, shared by every head
-                    scores = scores.mean(axis=1, keepdims=True)
+                    scores = head_gather(plan.heads(state), scores).mean(axis=1, keepdims=True)
                 idx = top_budget(scores, plan.capacity(state),
                                  protected(n + s, plan.sinks(state), plan.recent(state)))
                 idx = mx.broadcast_to(idx, (b, h) + idx.shape[2:])
@@ -857,7 +865,7 @@ def _reference_backend(reference, carry, fields, plan: _Plan, logits_only: bool 
                     for name in per_head:
                         per_head[name][i][j] = out.updates[name]
         if evicting and plan.shared(state):
-            scores[:] = scores.mean(axis=1, keepdims=True)
+            scores[:] = head_gather(plan.heads(state), scores).mean(axis=1, keepdims=True)
         stacked = {name: np.stack([np.stack(row) for row in rows]) for name, rows in per_head.items()}
         cap, sinks, recent = plan.capacity(state), plan.sinks(state), plan.recent(state)
         if _slot_step(plan, state, n, s, evicting):
@@ -895,14 +903,16 @@ def _cuda_update(mlx_update, plan: _Plan, decode_step) -> Callable:
     slots (none empty) runs ``decode_step`` (the method's kernels for the scores, MLX ops for
     the loser and the slot write); every other call the ``mlx`` backend, on the same GPU."""
     def update(state, keys, values, queries):
-        if (keys.shape[2] != 1 or empty_slots(state)
-                or state.keys.shape[2] != plan.capacity(state) + plan.slack(state)):
+        if not full_decode(state, keys):
             return mlx_update(state, keys, values, queries)
         return decode_step(state, keys, values, queries)
 
     def full_decode(state, keys) -> bool:
+        # a selection shared with other shards' heads gathers their scores: MLX ops (the
+        # kernels average the heads they hold)
         return (keys.shape[2] == 1 and not empty_slots(state) and isinstance(state.keys, mx.array)
-                and state.keys.shape[2] == plan.capacity(state) + plan.slack(state))
+                and state.keys.shape[2] == plan.capacity(state) + plan.slack(state)
+                and not (plan.shared(state) and plan.heads(state).shards > 1))
 
     def with_attention(state, keys, values, queries):
         """A decode step at a full state with its attention computed in the same kernel as
@@ -1054,7 +1064,8 @@ def state_type(name: str, init: Callable, doc: str, *, grows: bool = False, **ca
     """The state record of an eviction method, from its ``init``: ``keys``, ``values``
     ``[b, h, n, d]``, ``positions [b, h, n]``, the ``carried`` per-token arrays (``name=
     annotation``, in order), ``next_pos [b, h]``, then every parameter of ``init``'s
-    signature as a static field (its annotation), ``empty`` (the empty slots, an int) when
+    signature as a static field (its annotation), ``heads`` (a
+    :class:`velox.distributed.Heads`) when ``init`` takes one, ``empty`` (the empty slots, an int) when
     ``init`` has a ``slack`` parameter or the state ``grows`` (a prefill-bounded method whose
     decode steps fill slots it adds as it needs them, see the module), ``ragged`` (whether
     its batch rows hold different numbers of tokens, ``velox.ragged``; False) and
@@ -1064,7 +1075,9 @@ def state_type(name: str, init: Callable, doc: str, *, grows: bool = False, **ca
               ("positions", Int[Array, "b h n"]), *carried.items(), ("next_pos", Int[Array, "b h"])]
     params = param_fields(init)
     slots = [("empty", int)] if grows or any(p == "slack" for p, _ in params) else []
-    record = NamedTuple(name, [*fields, *params, *slots, ("ragged", bool), ("backend", str)])
+    # a method whose selection may reduce over a layer's kv heads holds where its heads sit
+    heads = [("heads", Heads)] if "heads" in inspect.signature(init).parameters else []
+    record = NamedTuple(name, [*fields, *params, *heads, *slots, ("ragged", bool), ("backend", str)])
     record.__doc__ = doc
     record.__module__ = init.__module__
     return record

@@ -30,6 +30,7 @@ from . import evict, wrap
 from .decode import (compiled, fill_token, layer_step, steady_token, with_empty_slots,
                      write_row)
 from .decode import arrays as _arrays
+from .distributed import LOCAL, Heads
 from .registry import Method
 
 __all__ = ["Plan", "Pending", "Held", "written", "take", "defer", "absorb", "attend", "fast_after",
@@ -40,7 +41,9 @@ __all__ = ["Plan", "Pending", "Held", "written", "take", "defer", "absorb", "att
 class Plan(NamedTuple):
     """A layer's settings its steps read: the method it steps (``m``), the backend, parameters
     and calibration arrays its state is made with, the slots of its steady state (``rows``,
-    ``velox.decode.steady_rows``), and whether steady steps compile."""
+    ``velox.decode.steady_rows``), whether steady steps compile, and where the layer's kv
+    heads the cache holds sit among the layer's (``heads``, ``velox.distributed``: a shard of
+    a tensor-parallel model's)."""
 
     m: Method
     backend: str = "auto"
@@ -48,6 +51,7 @@ class Plan(NamedTuple):
     artifact: Any = None
     rows: int | None = None
     compile: bool = True
+    heads: Heads = LOCAL
 
 
 class Pending(NamedTuple):
@@ -87,11 +91,11 @@ def written(h: Held) -> Held:
 
 def take(p: Plan, h: Held, keys: mx.array, values: mx.array) -> tuple[Held, Pending]:
     """A call's tokens taken: the state created on the first tokens (``p.m.init`` with the
-    plan's parameters and backend, calibrated where it has an artifact), the offset advanced;
-    the step, for :func:`defer` or :func:`absorb`."""
+    plan's parameters, backend and heads, calibrated where it has an artifact), the offset
+    advanced; the step, for :func:`defer` or :func:`absorb`."""
     if h.state is None:
         b, n_heads, _, d = keys.shape
-        st = p.m.init(b, n_heads, d, dtype=keys.dtype, backend=p.backend, **p.params)
+        st = p.m.init(b, n_heads, d, dtype=keys.dtype, backend=p.backend, heads=p.heads, **p.params)
         if p.artifact is not None:
             st = p.m.calibrate(st, p.artifact)
         h = h._replace(state=st, row=None, fast=False)

@@ -226,6 +226,7 @@ def register(key: str, state_type: type, init: Callable, backends: Any = None, *
     _REGISTRY[key] = m
     _BY_STATE[state_type] = m
     try:
+        _takes_heads(key, init, m.spec)  # the spec's heads and the init's signature agree
         given = backends(m.spec) if callable(backends) else dict(backends or {})
         m.backends.update({name: Backend.of(b) for name, b in given.items()})
         if "cuda" in m.backends and "metal" in m.spec.backends and "metal" not in m.backends:
@@ -380,28 +381,53 @@ def _own_states_only(m: Method) -> None:
         m.layer_update = _checked(m, "layer_update", m.layer_update, at=2)
 
 
+def _takes_heads(key: str, body: Callable, spec: Spec) -> bool:
+    """Whether ``body`` (an ``init``) takes the :class:`velox.distributed.Heads` record: its
+    spec says ``heads = "mixed"`` and it has a ``heads`` parameter (or ``**params``, a
+    composition's, which hands it on); a ``ValueError`` where the two disagree."""
+    sig = inspect.signature(body).parameters
+    named = "heads" in sig
+    forwards = any(q.kind is q.VAR_KEYWORD for q in sig.values())
+    mixed = spec.heads == "mixed"
+    if mixed and not (named or forwards):
+        raise ValueError(f"{key}: its spec says heads = 'mixed' but its init takes no heads= "
+                         "(the velox.distributed.Heads record its reductions over kv heads use)")
+    if named and not mixed:
+        raise ValueError(f"{key}: its init takes heads= but its spec says heads = {spec.heads!r}")
+    return mixed
+
+
 def _checked_init(key: str, body: Callable) -> Callable:
     """``body`` behind the validation every ``init`` shares (see :func:`register`)."""
     from .backend import resolve_backend
+    from .distributed import LOCAL, check_heads
     from .spec import validate_params
     from .validate import check_dims
 
     sig = inspect.signature(body)
-    named = {"batch", "kv_heads", "head_dim", "dtype", "backend"}
+    named = {"batch", "kv_heads", "head_dim", "dtype", "backend", "heads"}
 
     @functools.wraps(body)
-    def init(*args: Any, **kwargs: Any) -> State:
+    def init(*args: Any, heads: Any = LOCAL, **kwargs: Any) -> State:
+        check_heads(heads)
+        method = get_method(key)
+        spec = method.spec
+        extra = {}
+        if _takes_heads(key, body, spec):
+            extra["heads"] = heads
+        elif heads.shards > 1 and spec.heads == "unshardable":
+            raise ValueError(f"{key} cannot hold one shard of a layer's kv heads ({heads.shards} "
+                             f"processes hold a tensor-parallel model's heads): {spec.heads_note}")
         given = dict(sig.bind(*args, **kwargs).arguments)
         for name in [n for n, q in sig.parameters.items() if q.kind is q.VAR_KEYWORD]:
             given.update(given.pop(name, {}))
         batch, kv_heads, head_dim = given["batch"], given["kv_heads"], given["head_dim"]
         dtype = given.get("dtype", sig.parameters["dtype"].default)
         check_dims(batch, kv_heads, head_dim, dtype)
-        method = get_method(key)
-        params = validate_params(method.spec, {k: v for k, v in given.items() if k not in named},
+        params = validate_params(spec, {k: v for k, v in given.items() if k not in named},
                                  dims=dict(batch=batch, kv_heads=kv_heads, head_dim=head_dim))
         backend = resolve_backend(given.get("backend", "auto"), key, method.backends)
-        return body(batch, kv_heads, head_dim, dtype=dtype, backend=backend, **params)
+        return body(batch, kv_heads, head_dim, dtype=dtype, backend=backend, **extra, **params)
 
     return init
 

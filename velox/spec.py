@@ -140,6 +140,8 @@ class Spec:
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     authors: str = ""
     compose: tuple[str, ...] = ()
+    heads: str = "independent"
+    heads_note: str = ""
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -238,7 +240,7 @@ _TABLE_ONLY = {"min", "max", "min_exclusive", "max_exclusive", "choices", "test_
                "test_choices", "seed_name"}
 _ANNOTATIONS = {int: "int", float: "float", bool: "bool", str: "choice",
                 "int": "int", "float": "float", "bool": "bool", "str": "choice"}
-_NOT_PARAMS = ("batch", "kv_heads", "head_dim", "dtype", "backend")
+_NOT_PARAMS = ("batch", "kv_heads", "head_dim", "dtype", "backend", "heads")
 
 
 _PY_TYPES = {"int": int, "float": float, "bool": bool, "str": str,
@@ -247,7 +249,7 @@ _PY_TYPES = {"int": int, "float": float, "bool": bool, "str": str,
 
 def param_fields(init: Callable) -> list[tuple[str, type]]:
     """``(name, Python type)`` of each method parameter of an ``init`` (its keyword-only
-    parameters but ``dtype`` and ``backend``, in signature order): the static fields of a
+    parameters but ``dtype``, ``backend`` and ``heads``, in signature order): the static fields of a
     state record built from the signature."""
     return [(q.name, _PY_TYPES[q.annotation]) for q in inspect.signature(init).parameters.values()
             if q.kind is q.KEYWORD_ONLY and q.name not in _NOT_PARAMS]
@@ -281,7 +283,8 @@ def args_section(doc: str | None) -> dict[str, str]:
 
 def init_params(init: Callable) -> list[tuple[str, str, Any, str]]:
     """``(name, type, default, doc)`` of each method parameter of an ``init`` function: its
-    keyword-only parameters other than ``dtype`` and ``backend``, in signature order."""
+    keyword-only parameters other than ``dtype``, ``backend`` and ``heads``, in signature
+    order."""
     sig = inspect.signature(init)
     docs = args_section(init.__doc__)
     out = []
@@ -351,7 +354,22 @@ def parse_spec(data: Mapping[str, Any], init: Callable | None = None) -> Spec:
         presets={k: dict(v) for k, v in data.get("presets", {}).items()},
         authors=paper.get("authors", ""),
         compose=tuple(data.get("compose", ())),
+        **_heads_fields(data),
     )
+
+
+def _heads_fields(data: Mapping[str, Any]) -> dict[str, str]:
+    """The spec's ``heads`` (how the method's decisions treat a layer's kv heads, one of
+    ``velox.distributed.HEAD_KINDS``: what a tensor-parallel shard, holding some of them,
+    needs) and ``heads_note`` (what crosses the heads; required unless ``independent``)."""
+    from .distributed import HEAD_KINDS
+    key, kind, note = data.get("key"), data.get("heads"), data.get("heads_note", "")
+    if kind not in HEAD_KINDS:
+        raise ValueError(f"spec {key}: heads={kind!r} must be one of {', '.join(HEAD_KINDS)} "
+                         f"(whether a decision reduces over a layer's kv heads)")
+    if kind != "independent" and not note:
+        raise ValueError(f"spec {key}: heads={kind!r} needs heads_note (what crosses the kv heads)")
+    return dict(heads=kind, heads_note=note)
 
 
 def with_metal(backends: tuple[str, ...]) -> tuple[str, ...]:

@@ -30,7 +30,7 @@ from .spec import Param, Spec, evaluate, validate_params
 
 __all__ = ["Case", "cases", "param_strategy", "make_inputs", "run", "DTYPES",
            "check_capacity", "check_sinks", "check_positions", "check_next_pos",
-           "check_error_bound", "check_bytes", "check_signature", "head_independent",
+           "check_error_bound", "check_bytes", "check_signature", "check_heads_kind", "head_independent",
            "row_case", "assert_states_close", "NONFINITE", "nonfinite_tokens", "check_nonfinite",
            "by_position", "check_slots", "test_params"]
 
@@ -473,8 +473,28 @@ def check_signature(key: str) -> None:
         assert name in sig.parameters, f"{key}_init lacks parameter {name}"
         assert sig.parameters[name].default == p.default, (
             f"{key}_init default {name}={sig.parameters[name].default!r}, spec says {p.default!r}")
-    extra = set(sig.parameters) - set(m.spec.params) - {"batch", "kv_heads", "head_dim", "dtype", "backend"}
+    extra = set(sig.parameters) - set(m.spec.params) - {"batch", "kv_heads", "head_dim", "dtype",
+                                                         "backend", "heads"}
     assert not extra, f"{key}_init has parameters missing from its spec: {sorted(extra)}"
+    if m.spec.heads == "mixed":
+        assert "heads" in sig.parameters, f"{key}: spec says heads = 'mixed', its init takes no heads="
+    else:
+        assert "heads" not in sig.parameters, f"{key}_init takes heads= but its spec says {m.spec.heads!r}"
+
+
+def check_heads_kind(key: str) -> None:
+    """The spec says how the method's decisions treat a layer's kv heads (``heads``, one of
+    ``velox.distributed.HEAD_KINDS``, with a ``heads_note`` unless ``independent``), and a
+    method whose contract says its heads are not updated independently (``head_independent``
+    false, or a parameter's name) does not call itself ``independent``."""
+    from .distributed import HEAD_KINDS
+    spec = get_method(key).spec
+    assert spec.heads in HEAD_KINDS, f"{key}: heads={spec.heads!r} is not one of {HEAD_KINDS}"
+    assert spec.heads == "independent" or spec.heads_note, f"{key}: heads={spec.heads!r} without heads_note"
+    flag = spec.contract.get("head_independent", True)
+    if flag is not True:
+        assert spec.heads != "independent", (
+            f"{key}: contract.head_independent={flag!r} but heads = 'independent'")
 
 
 def assert_states_close(case: Case, a, b, *, atol: float, rtol: float, what: str) -> None:

@@ -28,6 +28,7 @@ from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
 from ..crosslayer import checked_update, layer_params
+from ..distributed import LOCAL, Heads, head_gather
 from ..heavy_hitters import heavy_hitter_kernel, heavy_hitter_reference, heavy_hitter_scores
 from ..registry import register
 
@@ -46,7 +47,7 @@ class ChunkKVRecord(NamedTuple):
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
          budget: int = 512, chunk_size: int = 8, n_sink: int = 4, score: str = "attn_mass",
          reuse_layers: int = 1, grace: int = 16, decay: float = 0.98, per_head: bool = True,
-         backend: str = "auto") -> ChunkKVState:
+         heads: Heads = LOCAL, backend: str = "auto") -> ChunkKVState:
     """Empty ChunkKV state keeping at most ``budget`` tokens per head (sinks included).
 
     Args:
@@ -62,6 +63,8 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
             the seed, added with h2o's default).
         per_head: each kv head selects its own chunks (false = the paper: one selection per
             layer).
+        heads: where the state's kv heads sit among the layer's (``velox.distributed``): one
+            selection for the layer gathers every shard's token scores.
     """
     return evict.empty_state(ChunkKVState, locals())
 
@@ -119,7 +122,8 @@ def _select_mlx(state: ChunkKVState, keys, values, queries) -> tuple[ChunkKVStat
     if n + s > state.budget:
         scores, cand_pos = tokens.scores, mx.concatenate([state.positions, new_pos], axis=2)
         if not state.per_head:  # one selection per layer: every head holds the same positions
-            scores, cand_pos = scores.mean(axis=1, keepdims=True), cand_pos[:, :1]
+            scores = head_gather(state.heads, scores).mean(axis=1, keepdims=True)
+            cand_pos = cand_pos[:, :1]
         chunk = _chunk_mean_mlx(scores, cand_pos, state.chunk_size)
         idx = evict.top_budget(chunk, state.budget, evict.protected(n + s, state.n_sink, state.grace))
         idx = mx.broadcast_to(idx, state.positions.shape[:2] + idx.shape[2:])
@@ -166,8 +170,10 @@ def _select_reference(state: ChunkKVState, keys, values, queries):
                 tokens[i, j] = np.concatenate([old[i, j], new])
     chosen = [[None] * h for _ in range(b)]
     if N > state.budget:
+        # one selection for the layer: every shard's heads (velox.distributed)
+        shared = tokens if state.per_head else head_gather(state.heads, tokens)
         for i in range(b):
-            rows = [tokens[i].mean(axis=0)] if not state.per_head else tokens[i]
+            rows = [shared[i].mean(axis=0)] if not state.per_head else tokens[i]
             for j, row in enumerate(rows):
                 pos = c.positions[i, j]
                 chunk = _chunk_mean_reference(row, pos, state.chunk_size)

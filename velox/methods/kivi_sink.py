@@ -27,6 +27,7 @@ import numpy as np
 from .. import nuq, quant
 from .. import reference as ref
 from .._typing import Array, Float, Int
+from ..distributed import LOCAL, Heads, head_gather
 from ..registry import register
 from . import kivi
 from .kivi import KiviState, extended_state, flush_count
@@ -38,7 +39,7 @@ KiviSinkState = extended_state(
     "KiviSinkState", "KIVI's fields (see ``KiviState``) plus the exact sink rows and their positions.",
     arrays=[("sink_keys", Float[Array, "b h ns d"]), ("sink_values", Float[Array, "b h ns d"]),
             ("sink_positions", Int[Array, "b h ns"])],
-    params=[("n_sink_tokens", int)], module=__name__)
+    params=[("n_sink_tokens", int), ("heads", Heads)], module=__name__)
 
 
 def _kivi(state: KiviSinkState) -> KiviState:
@@ -52,7 +53,7 @@ def _with(state: KiviSinkState, inner: KiviState, **fields) -> KiviSinkState:
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
          bits: int = 2, group_size: int = 32, residual_length: int = 128, n_sink_tokens: int = 5,
-         residual_dtype: str = "float16", backend: str = "auto") -> KiviSinkState:
+         residual_dtype: str = "float16", heads: Heads = LOCAL, backend: str = "auto") -> KiviSinkState:
     """Empty KIVI-with-sinks state (sink rows held in ``residual_dtype`` too).
 
     Args:
@@ -63,6 +64,8 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
         n_sink_tokens: predicted sink tokens kept exact (0 = KIVI).
         residual_dtype: dtype of the rows held exact ("model": the cache dtype); scales and
             zeros are float16 (bfloat16 for a bfloat16 cache).
+        heads: where the state's kv heads sit among the layer's (``velox.distributed``): the
+            sink norms sum every shard's heads.
     """
     inner = kivi.init(batch, kv_heads, head_dim, dtype=dtype, bits=bits, group_size=group_size,
                       residual_length=residual_length, residual_dtype=residual_dtype,
@@ -71,7 +74,8 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
     rd = inner.residual_keys.dtype
     return KiviSinkState(**inner._asdict(), sink_keys=mx.zeros((b, h, 0, d), rd),
                          sink_values=mx.zeros((b, h, 0, d), rd),
-                         sink_positions=mx.zeros((b, h, 0), mx.int32), n_sink_tokens=n_sink_tokens)
+                         sink_positions=mx.zeros((b, h, 0), mx.int32), n_sink_tokens=n_sink_tokens,
+                         heads=heads)
 
 
 def _first_flush(state: KiviSinkState, s: int) -> int:
@@ -93,8 +97,9 @@ def _update_mlx(state: KiviSinkState, keys, values, queries) -> KiviSinkState:
     def rows(x, idx):
         return mx.take_along_axis(x, mx.broadcast_to(idx, (b, h, idx.shape[2], d)), axis=2)
 
-    # key norm of each token quantized now, summed over the kv heads: [b, f]
-    norm = nuq.tree_sum(nuq.tree_sum(mx.square(ck[:, :, :f].astype(mx.float32))).swapaxes(1, 2))
+    # key norm of each token quantized now, summed over the layer's kv heads: [b, f]
+    norms = head_gather(state.heads, nuq.tree_sum(mx.square(ck[:, :, :f].astype(mx.float32))))
+    norm = nuq.tree_sum(norms.swapaxes(1, 2))
     is_sink = nuq.top_k_mask(norm, n)
     pos = mx.broadcast_to(nuq.top_k_indices(norm, n, mask=is_sink)[0][:, None, :], (b, h, n))
     # a sink row is replaced by its group's first non-sink row (a group of sinks only: kept)
@@ -123,9 +128,11 @@ def _update_reference(state: KiviSinkState, keys, values, queries) -> KiviSinkSt
     b, h, _, d = ck.shape
     sinks = np.zeros((b, n), np.int64)
     mk, mv = ck.copy(), cv.copy()
+    # each head's key norms, every shard's heads (velox.distributed)
+    norms = head_gather(state.heads, nuq.np_tree_sum(ck[:, :, :f] ** 2))
     for i in range(b):
-        # key norm of each token quantized now, summed over the kv heads
-        norm = nuq.np_tree_sum(nuq.np_tree_sum(ck[i, :, :f] ** 2).T)
+        # key norm of each token quantized now, summed over the layer's kv heads
+        norm = nuq.np_tree_sum(norms[i].T)
         sinks[i] = nuq.np_top_k_indices(norm, n)[0]
         for t in range(0, f, g):  # a sink row is replaced by its group's first non-sink row
             group = np.arange(t, t + g)

@@ -27,6 +27,7 @@ from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float
 from ..attention import candidate_weights, scoring_queries, softmax
+from ..distributed import LOCAL, Heads
 from ..registry import register
 
 __all__ = ["KVzipState", "State", "init", "update", "get_kv", "nbytes", "kvzip_importance"]
@@ -34,7 +35,7 @@ __all__ = ["KVzipState", "State", "init", "update", "get_kv", "nbytes", "kvzip_i
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
          budget: int = 512, n_sink: int = 4, probe: str = "context", per_head: bool = True,
-         backend: str = "auto") -> KVzipState:
+         heads: Heads = LOCAL, backend: str = "auto") -> KVzipState:
     """Empty KVzip state keeping at most ``budget`` tokens per head.
 
     Args:
@@ -44,6 +45,8 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
             key); latest: the newest query alone (TOVA).
         per_head: each kv head keeps its own tokens (false: one set per layer, importance
             averaged over heads).
+        heads: where the state's kv heads sit among the layer's (``velox.distributed``): one
+            selection for the layer gathers every shard's importance.
     """
     return evict.empty_state(KVzipState, locals())
 

@@ -39,6 +39,7 @@ from .. import reference as ref
 from .._typing import Array, Bool, Float, Int
 from ..accounting import state_nbytes
 from ..crosslayer import checked_update, layer_params
+from ..distributed import LOCAL, Heads, host_max
 from ..registry import get_method, register
 
 __all__ = ["MiniCacheState", "MiniCacheRecord", "State", "init", "update", "get_kv", "nbytes",
@@ -72,6 +73,7 @@ class MiniCacheState(NamedTuple):
     retention_threshold: float
     slerp_t: float
     role: str
+    heads: Heads                                  # where its kv heads sit (velox.distributed)
     backend: str
 
 
@@ -86,7 +88,8 @@ class MiniCacheRecord(NamedTuple):
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
          start_frac: float = 0.5, group_size: int = 2, retention_threshold: float = 0.9,
-         slerp_t: float = 0.5, role: str = "primary", backend: str = "auto") -> MiniCacheState:
+         slerp_t: float = 0.5, role: str = "primary", heads: Heads = LOCAL,
+         backend: str = "auto") -> MiniCacheState:
     """Empty MiniCache state of one layer.
 
     Args:
@@ -99,6 +102,8 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
         role: ``"primary"`` (a group's first layer, or a layer merged with none) or
             ``"merge"`` (the others); ``make_cache`` gives each layer its role. Alone, either
             keeps every token exact.
+        heads: where the state's kv heads sit among the layer's (``velox.distributed``): a
+            merge layer's retained rows pad to the most any of the layer's heads holds.
     """
     b, h, d = batch, kv_heads, head_dim
     rows = lambda: mx.zeros((b, h, 0, d), dtype)  # noqa: E731
@@ -110,7 +115,8 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
         kept_keys=flags(), kept_values=flags(), norm_keys=norms(), norm_values=norms(),
         own_keys=rows(), own_values=rows(), own_key_index=index(), own_value_index=index(),
         next_pos=mx.zeros((b, h), mx.int32), start_frac=start_frac, group_size=group_size,
-        retention_threshold=retention_threshold, slerp_t=slerp_t, role=role, backend=backend)
+        retention_threshold=retention_threshold, slerp_t=slerp_t, role=role, heads=heads,
+        backend=backend)
 
 
 State = MiniCacheState
@@ -155,13 +161,15 @@ def merge_rows(rows: list[mx.array], t: float, threshold: float) -> tuple[mx.arr
     return e, kept
 
 
-def _compact(rows: mx.array, index: mx.array, valid: mx.array) -> tuple[mx.array, mx.array]:
+def _compact(rows: mx.array, index: mx.array, valid: mx.array,
+             heads: Heads = LOCAL) -> tuple[mx.array, mx.array]:
     """The valid ``rows [b, h, n, d]`` of each ``(b, h)`` first, in their order, cut to the
-    largest count of any ``(b, h)`` (others padded with zero rows, index -1)."""
+    largest count of any ``(b, h)`` (of the layer: every shard's heads, ``heads``; others
+    padded with zero rows, index -1)."""
     n = valid.shape[-1]
     if n == 0:
         return rows, index
-    count = int(valid.sum(axis=-1).max().item())
+    count = host_max(heads, int(valid.sum(axis=-1).max().item()))
     order = mx.argsort(mx.where(valid, 0, n) + mx.arange(n), axis=-1)[..., :count]
     keep = mx.take_along_axis(valid, order, axis=-1)
     rows = mx.where(keep[..., None], mx.take_along_axis(rows, order[..., None], axis=2), 0)
@@ -210,7 +218,7 @@ def _follow_mlx(state: MiniCacheState, keys, values, shared: dict | None) -> Min
         idx = getattr(state, name)
         cand = mx.concatenate([getattr(state, f"own_{side}"), own], axis=2)
         index = mx.concatenate([idx, mx.broadcast_to(m + mx.arange(r, dtype=mx.int32), kept.shape)], axis=2)
-        rows, index = _compact(cand, index, mx.concatenate([idx >= 0, kept], axis=2))
+        rows, index = _compact(cand, index, mx.concatenate([idx >= 0, kept], axis=2), state.heads)
         fields.update({f"own_{side}": rows, name: index})
     fields.update(shared, keys=keys.astype(dt), values=values.astype(dt))
     return state._replace(**fields)
@@ -292,7 +300,7 @@ def _follow_reference(state: MiniCacheState, keys, values, shared: dict | None) 
         per = [[[(j, row) for j, row in zip(old_idx[bi, hi], old_rows[bi, hi]) if j >= 0]
                 + [(m + t, own[bi, hi, t]) for t in range(r) if kept[bi, hi, t]]
                 for hi in range(h)] for bi in range(b)]
-        count = max(len(p) for row in per for p in row)
+        count = host_max(state.heads, max(len(p) for row in per for p in row))
         rows = np.zeros((b, h, count, d), np.float32)
         index = np.full((b, h, count), -1, np.int32)
         for bi in range(b):

@@ -29,6 +29,7 @@ from .. import evict
 from .. import reference as ref
 from .._typing import Array, Float, Int
 from ..attention import candidate_weights, scoring_queries
+from ..distributed import LOCAL, Heads
 from ..registry import register
 
 __all__ = ["MorphKVState", "State", "init", "update", "get_kv", "nbytes"]
@@ -48,13 +49,14 @@ class MorphKVState(NamedTuple):
     window: int
     aggregate: str
     per_head: bool
+    heads: Heads  # where its kv heads sit among the layer's (velox.distributed)
     backend: str
     ragged: bool = False  # batch rows hold different numbers of tokens (velox.ragged)
 
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
          budget: int = 512, n_sink: int = 4, window: int = 8, aggregate: str = "sum",
-         per_head: bool = True, backend: str = "auto") -> MorphKVState:
+         per_head: bool = True, heads: Heads = LOCAL, backend: str = "auto") -> MorphKVState:
     """Empty MorphKV state keeping at most ``budget`` tokens per head.
 
     Args:
@@ -65,6 +67,8 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
         aggregate: how the voters' attention profiles combine into a token's score.
         per_head: each kv head keeps its own tokens (false: one set per layer, attention
             averaged over heads).
+        heads: where the state's kv heads sit among the layer's (``velox.distributed``): one
+            selection for the layer gathers every shard's votes.
     """
     return evict.empty_state(MorphKVState, locals(),
                              profiles=mx.zeros((batch, kv_heads, 0, window - 1), mx.float32))

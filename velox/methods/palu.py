@@ -53,6 +53,7 @@ from ..attention import softmax
 from ..codecs import palu as codec
 from ..codecs.a2ats import rotate, rotate_np
 from ..codecs.palu import LatentCodes, LatentRows, PaluTables
+from ..distributed import LOCAL, Heads, first_head, host_max, total_heads
 from ..evict import append_rows
 from ..registry import register
 
@@ -82,6 +83,7 @@ class PaluState(NamedTuple):
     basis: str
     layer: int
     cache_dtype: str
+    heads: Heads  # where its kv heads sit among the layer's (velox.distributed)
     backend: str
 
 
@@ -92,7 +94,7 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
          rank: int = 0, energy_threshold: float = 0.9, n_head_groups: int = 4, hi_bit: int = 4,
          lo_bit: int = 2, hi_fraction: float = 0.25, group_size: int = 32,
          quantize_values: bool = True, basis: str = "smollm2-135m-instruct", layer: int = -1,
-         backend: str = "auto") -> PaluState:
+         heads: Heads = LOCAL, backend: str = "auto") -> PaluState:
     """Empty Palu state.
 
     Args:
@@ -109,19 +111,36 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
             projection weights shipped with the package (layer `layer`; any model's through
             make_cache(..., artifacts=FILE)), or "prefill" (a PCA of the first update's rows).
         layer: the model layer whose shipped bases the state takes (-1: none).
+        heads: where the state's kv heads sit among the layer's (``velox.distributed``): the
+            groups are the layer's, a shard holding whole ones; a weight basis's energy rank
+            is the largest over the layer's groups.
     """
-    groups = codec.head_groups(kv_heads, n_head_groups)
+    groups = _local_groups(kv_heads, n_head_groups, heads)
     e = kv_heads // groups * head_dim
     if rank > e:
         raise ValueError(f"rank={rank} exceeds a group's width: {kv_heads // groups} kv heads "
                          f"of head_dim {head_dim} ({e}) with n_head_groups={n_head_groups}")
     t = _placeholder(batch, groups, e, head_dim, rank or e)
     if basis != "prefill":
-        t = _shipped(t, batch, kv_heads, head_dim, basis, layer, rank, energy_threshold)
+        t = _shipped(t, batch, kv_heads, head_dim, basis, layer, rank, energy_threshold, heads)
     state = PaluState(None, None, t, mx.zeros((batch, kv_heads), mx.int32), rank,
                       energy_threshold, n_head_groups, hi_bit, lo_bit, hi_fraction, group_size,
-                      quantize_values, basis, layer, quant.dtype_name(dtype), backend)
+                      quantize_values, basis, layer, quant.dtype_name(dtype), heads, backend)
     return _emptied(state)
+
+
+def _local_groups(kv_heads: int, n_head_groups: int, heads: Heads) -> int:
+    """The groups of a state's ``kv_heads``: the layer's groups (of all its heads, every
+    shard's) that the state's shard holds, whole; a ``ValueError`` where one would straddle
+    two shards."""
+    total = total_heads(heads, kv_heads)
+    groups = codec.head_groups(total, n_head_groups)
+    if groups % heads.shards:
+        raise ValueError(
+            f"palu groups the layer's {total} kv heads in {groups} groups of {total // groups} "
+            f"(n_head_groups={n_head_groups}); {heads.shards} shards of {kv_heads} heads would "
+            f"split a group: take n_head_groups a multiple of {heads.shards} that divides {total}")
+    return groups // heads.shards
 
 
 def _placeholder(b: int, groups: int, e: int, d: int, r: int) -> PaluTables:
@@ -166,9 +185,10 @@ def _group_arrays(a: np.ndarray, groups: int) -> np.ndarray:
     return a.reshape(groups, h // groups * a.shape[1], *a.shape[2:])
 
 
-def _tables_from(arrays: dict, b: int, kv_heads: int, d: int, rank: int, threshold: float
-                 ) -> PaluTables:
-    """Tables of one layer's calibration (``velox.adapters.artifacts``'s ``fit_palu``)."""
+def _tables_from(arrays: dict, b: int, kv_heads: int, d: int, rank: int, threshold: float,
+                 heads: Heads = LOCAL) -> PaluTables:
+    """Tables of one layer's calibration (``velox.adapters.artifacts``'s ``fit_palu``) for a
+    state of ``kv_heads`` (its shard's arrays: ``heads``; the rank is the layer's)."""
     e = arrays["key_basis"].shape[-1]
     groups = kv_heads * d // e
     sides = {}
@@ -176,7 +196,7 @@ def _tables_from(arrays: dict, b: int, kv_heads: int, d: int, rank: int, thresho
         basis = _group_arrays(np.asarray(arrays[f"{kind}_basis"], np.float32), groups)  # [G, e, e]
         spread = np.asarray(arrays[f"{kind}_spread"], np.float32).reshape(groups, -1, e)[:, 0]
         mean = np.asarray(arrays[f"{kind}_mean"], np.float32).reshape(groups, e)
-        r = codec.calibrated_rank(spread, threshold, rank)
+        r = host_max(heads, codec.calibrated_rank(spread, threshold, rank))
         top = spread[:, :1]
         sigma = np.where(top > 0, np.maximum(spread, codec.SPREAD_FLOOR * top), 1.0)[:, :r]
         rep = lambda a: mx.array(np.ascontiguousarray(np.broadcast_to(a, (b, *a.shape))))  # noqa: E731
@@ -201,15 +221,18 @@ def _check_arrays(arrays: dict, kv_heads: int, d: int, groups: int) -> str | Non
 
 
 def _shipped(t: PaluTables, b: int, kv_heads: int, d: int, name: str, layer: int, rank: int,
-             threshold: float) -> PaluTables:
-    """The shipped calibration's layer ``layer`` where it fits, else ``t`` (no basis)."""
+             threshold: float, heads: Heads = LOCAL) -> PaluTables:
+    """The shipped calibration's layer ``layer`` where it fits, else ``t`` (no basis); on a
+    shard (``heads``), its heads of the layer's."""
     arrays, info = codec.shipped_arrays(name)
     if not 0 <= layer < info["layers"]:
         return t
+    total, first = total_heads(heads, kv_heads), first_head(heads, kv_heads)
     one = {k: v[layer] for k, v in arrays.items()}
-    if _check_arrays(one, kv_heads, d, t.groups) is not None:
+    if _check_arrays(one, total, d, t.groups * heads.shards) is not None:
         return t
-    return _tables_from(one, b, kv_heads, d, rank, threshold)
+    one = {k: v[first:first + kv_heads] for k, v in one.items()}
+    return _tables_from(one, b, kv_heads, d, rank, threshold, heads)
 
 
 def calibrated(state: PaluState, arrays: dict) -> PaluState:
@@ -226,7 +249,7 @@ def calibrated(state: PaluState, arrays: dict) -> PaluState:
         raise ValueError(f"the palu calibration does not fit this state: {why}; fit it with "
                          f"`{CALIBRATE}` (--param n_head_groups=... to group the heads as the "
                          f"cache does)")
-    t = _tables_from(arrays, b, h, d, state.rank, state.energy_threshold)
+    t = _tables_from(arrays, b, h, d, state.rank, state.energy_threshold, state.heads)
     return _emptied(state._replace(tables=t))
 
 

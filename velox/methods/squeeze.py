@@ -29,6 +29,7 @@ import numpy as np
 from .. import evict
 from .._typing import Array, Float
 from ..crosslayer import checked_update, layer_params, round_to_total
+from ..distributed import LOCAL, Heads, head_gather
 from ..heavy_hitters import heavy_hitter_kernel, heavy_hitter_reference, heavy_hitter_scores
 from ..registry import get_method, register
 
@@ -50,7 +51,7 @@ class SqueezeRecord(NamedTuple):
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
          budget: int = 512, n_sink: int = 4, strength: float = 1.0, grace: int = 16,
-         decay: float = 0.98, backend: str = "auto") -> SqueezeState:
+         decay: float = 0.98, heads: Heads = LOCAL, backend: str = "auto") -> SqueezeState:
     """Empty state of one layer keeping at most ``budget`` tokens per head.
 
     Args:
@@ -62,6 +63,8 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
             default).
         decay: multiplier applied to accumulated scores at every token (H2O's decay; not in
             the seed, added with h2o's default).
+        heads: where the state's kv heads sit among the layer's (``velox.distributed``): the
+            layer's concentration averages every shard's heads.
     """
     return evict.empty_state(SqueezeState, locals())
 
@@ -140,7 +143,7 @@ def _layer_update(record: SqueezeRecord, layer: int, state: SqueezeState,
         state = state._replace(budget=record.budgets[layer])
     state = get_method(KEY).backends[state.backend](state, keys, values, queries)
     if not record.resolved:
-        c = concentration(keys).mean()
+        c = head_gather(state.heads, concentration(keys)).mean()
         conc = mx.where(mx.arange(n_layers) == layer, c, record.concentration)
         record = record._replace(concentration=conc)
         if layer == n_layers - 1:  # every layer has reported: reallocate once (host read)

@@ -15,6 +15,7 @@ import mlx.core as mx
 from .. import evict
 from .. import reference as ref
 from ..attention import candidate_weights, head_weights, scoring_queries
+from ..distributed import LOCAL, Heads
 from ..registry import register
 
 __all__ = ["TovaState", "State", "init", "update", "get_kv", "nbytes"]
@@ -22,7 +23,7 @@ __all__ = ["TovaState", "State", "init", "update", "get_kv", "nbytes"]
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
          budget: int = 512, n_sink: int = 4, per_head: bool = False, slack: int = 0,
-         backend: str = "auto") -> TovaState:
+         heads: Heads = LOCAL, backend: str = "auto") -> TovaState:
     """Empty TOVA state keeping at most ``budget`` tokens per head.
 
     Args:
@@ -32,6 +33,8 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
             attention averaged over heads).
         slack: rows held beyond budget: a full state (budget + slack rows) keeps budget in
             one selection, and the next slack tokens fill the freed slots (0 = per token).
+        heads: where the state's kv heads sit among the layer's (``velox.distributed``): one
+            selection for the layer gathers every shard's scores.
     """
     return evict.empty_state(TovaState, locals())
 

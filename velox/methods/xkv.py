@@ -48,6 +48,7 @@ from .._typing import Array, Float, Int, UInt
 from ..accounting import state_nbytes
 from ..attention import softmax
 from ..crosslayer import layer_params
+from ..distributed import LOCAL, Heads, host_max
 from ..registry import register
 from ..validate import check_update
 
@@ -82,6 +83,7 @@ class XKVState(NamedTuple):
     energy_threshold: float
     latent_bits: int
     group_quant_size: int
+    heads: Heads                             # where its kv heads sit (velox.distributed)
     backend: str
 
 
@@ -99,7 +101,8 @@ class XKVRecord(NamedTuple):
 
 def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
          group_size: int = 2, rank: int = 0, energy_threshold: float = 0.95,
-         latent_bits: int = 4, group_quant_size: int = 32, backend: str = "auto") -> XKVState:
+         latent_bits: int = 4, group_quant_size: int = 32, heads: Heads = LOCAL,
+         backend: str = "auto") -> XKVState:
     """Empty xKV state of one layer.
 
     Args:
@@ -109,6 +112,8 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
         energy_threshold: the share of the stacked keys' energy the energy rank keeps (rank=0).
         latent_bits: bits of a latent channel's code.
         group_quant_size: latent channels of a token sharing one scale and zero.
+        heads: where the state's kv heads sit among the layer's (``velox.distributed``): the
+            codes are as wide as the layer's widest head needs, every shard's heads counted.
     """
     b, h, d = batch, kv_heads, head_dim
     sd = quant.side_dtype(dtype)
@@ -119,7 +124,7 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
         shared_basis=mx.zeros((b, h, d, 0), mx.float32), mean=mx.zeros((b, h, d), mx.float32),
         next_pos=mx.zeros((b, h), mx.int32), group_size=group_size, rank=rank,
         energy_threshold=energy_threshold, latent_bits=latent_bits,
-        group_quant_size=group_quant_size, backend=backend)
+        group_quant_size=group_quant_size, heads=heads, backend=backend)
 
 
 State = XKVState
@@ -156,15 +161,15 @@ def _eigh_descending(m: mx.array) -> tuple[mx.array, mx.array]:
 
 
 def fit(scatter: mx.array, count: mx.array, *, rank: int, energy_threshold: float,
-        group_quant_size: int) -> mx.array:
+        group_quant_size: int, heads: Heads = LOCAL) -> mx.array:
     """The basis ``[b, h, d, w]`` (float32) of the rows behind ``scatter [b, h, d, d]`` and
     ``count [b, h]``: the eigenvectors of their covariance by decreasing eigenvalue, each
     signed so that its largest-magnitude entry is positive, those of eigenvalues at most
     ``NULL_SHARE`` of the largest replaced by a canonical basis of their space (the rows do
     not tell its directions apart, so rounding would choose them); each head's ``rank`` (or its energy
     rank: the fewest leading eigenvalues holding ``energy_threshold`` of their sum, at least
-    1) rounded up by :func:`coded_width`; ``w`` the widest head's, the columns beyond a head's
-    own zero. The eigendecomposition runs on the CPU stream (MLX has it there only), and the
+    1) rounded up by :func:`coded_width`; ``w`` the widest head's (of the layer: every shard's
+    heads, ``heads``), the columns beyond a head's own zero. The eigendecomposition runs on the CPU stream (MLX has it there only), and the
     width is read back to the host (the shapes follow it)."""
     d = scatter.shape[-1]
     cov = scatter / mx.maximum(count, 1.0)[..., None, None]
@@ -184,13 +189,13 @@ def fit(scatter: mx.array, count: mx.array, *, rank: int, energy_threshold: floa
     after = mx.take_along_axis(free, mx.maximum(j - k[..., None], 0)[..., None, :], axis=-1)
     vec = mx.where(j < k[..., None, None], vec, after)
     if rank:
-        heads = mx.full(lam.shape[:-1], min(rank, d), mx.int32)
+        ranks = mx.full(lam.shape[:-1], min(rank, d), mx.int32)
     else:
         cum = mx.cumsum(lam, axis=-1)
         short = (cum < energy_threshold * cum[..., -1:]).astype(mx.int32).sum(axis=-1)
-        heads = mx.clip(short + 1, 1, d).astype(mx.int32)
-    width = coded_width(heads, d, group_quant_size)
-    w = int(width.max().item())
+        ranks = mx.clip(short + 1, 1, d).astype(mx.int32)
+    width = coded_width(ranks, d, group_quant_size)
+    w = host_max(heads, int(width.max().item()))
     keep = mx.arange(w, dtype=mx.int32) < width[..., None, None]
     return mx.where(keep, vec[..., :w], mx.array(0.0, mx.float32))
 
@@ -352,7 +357,7 @@ def _fitted_alone(state: XKVState, rows: mx.array, extra: tuple | None = None) -
     if extra is not None:
         scatter, count = scatter + extra[0], count + extra[1]
     basis = fit(scatter, count, rank=state.rank, energy_threshold=state.energy_threshold,
-                group_quant_size=state.group_quant_size)
+                group_quant_size=state.group_quant_size, heads=state.heads)
     return state._replace(basis=basis, mean=mean)
 
 
