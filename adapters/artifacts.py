@@ -206,11 +206,15 @@ WANTS_INPUTS = frozenset({"palu"})
 
 
 def model_dims(model) -> dict[str, int]:
-    """``layers``, ``kv_heads`` and ``head_dim`` of an mlx-lm model's attention layers."""
+    """``layers``, ``kv_heads`` and ``head_dim`` of an mlx-lm model's attention layers (a
+    tensor-parallel model's: every process's kv heads of a layer)."""
+    from velox.adapters.sharding import model_heads
+
     attn = [layer.self_attn for layer in model.layers]
     a = attn[0]
     head_dim = getattr(a, "head_dim", None) or a.k_proj.weight.shape[0] // a.n_kv_heads
-    return {"layers": len(attn), "kv_heads": int(a.n_kv_heads), "head_dim": int(head_dim)}
+    kv = int(a.n_kv_heads) * model_heads(model).shards
+    return {"layers": len(attn), "kv_heads": kv, "head_dim": int(head_dim)}
 
 
 def calibrate(method: str, model, tokenizer, text: str, *, model_name: str, source: str,
@@ -219,8 +223,13 @@ def calibrate(method: str, model, tokenizer, text: str, *, model_name: str, sour
     from velox import __version__
     from velox.adapters.calibration import capture_inputs, capture_qk, capture_qkv
 
+    from velox.adapters.sharding import model_heads
+
     if method not in FITTERS:
         raise ValueError(f"{method} has no calibration (calibrated methods: {', '.join(sorted(FITTERS))})")
+    if model_heads(model).shards > 1:
+        raise ValueError("calibrate the unsharded model (one process): its artifact holds every "
+                         "kv head, and make_cache gives each shard of a tensor-parallel model its own")
     tokens = tokenizer.encode(text)
     _say(progress, f"calibrating {method}: capturing keys over {len(tokens)} tokens")
     if method in WANTS_INPUTS:

@@ -91,7 +91,9 @@ from velox.adapters.routing import (KV_BITS as _KV_BITS, Mode, _check_mode, _cho
                                     routes_attention as _routes_attention, tap_queries,
                                     uninstall_query_capture)
 from velox.adapters.model_step import SteppedCache
+from velox.adapters.sharding import check_method, model_heads, pipeline_stages, shard_artifact
 from velox.backend import resolve_backend
+from velox.distributed import LOCAL, Heads, check_heads
 from velox.registry import Method, get_method
 from velox.spec import validate_params
 from velox.state_dims import method_dims
@@ -230,8 +232,9 @@ class VeloxCache(SteppedCache):
                  compile: bool = True, real_queries: bool = True, decode: str = "evict",
                  decode_cap: int = DECODE_CAP, mode: Mode | str = Mode.PROXY,
                  artifact: dict[str, Any] | None = None, rollback: int = 0,
-                 observe: Callable[[int, StepInfo], Any] | None = None):
+                 observe: Callable[[int, StepInfo], Any] | None = None, heads: Heads = LOCAL):
         _check_settings(decode, decode_cap, rollback, compile, real_queries, backend)
+        check_heads(heads)
         self.method, self.params = get_method(method), dict(params or {})
         self.mode = _check_mode(mode)
         full = _check_layer(self.method, self.mode, layer, rollback, self.params, artifact)
@@ -239,7 +242,8 @@ class VeloxCache(SteppedCache):
         self._m = wrap.with_tail(self.method, decode_cap) if decode == "append" else self.method
         self._m = wrap.with_rollback(self._m, rollback) if rollback else self._m
         self._plan = Plan(self._m, backend, self.params, artifact, compile=compile,
-                          rows=steady_rows(self._m, full))
+                          rows=steady_rows(self._m, full), heads=heads)
+        self.heads = heads  # the layer's kv heads this cache holds (velox.distributed)
         self.decode, self.decode_cap, self.rollback, self.artifact = decode, decode_cap, rollback, artifact
         self.backend, self.layer, self._model, self.compile = backend, layer, model, compile
         self.real_queries, self.last_step, self.held = real_queries, None, Held()
@@ -550,6 +554,14 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
             (``cache.observe = fn``; ``None`` turns it off).
         **params: the method's parameters; a list gives one value per attention layer.
             Methods with a schedule (``layer_params``) derive per-layer values themselves.
+    A tensor-parallel model (mlx-lm's ``model.shard(group)``, ``sharded_load``): each process
+    makes its caches over the kv heads it holds (``velox.adapters.sharding.model_heads``), every
+    decision a method takes over a layer's heads reduced across the group
+    (``velox.distributed``), so each process keeps what one process holding every head would;
+    a calibration artifact (fitted on the whole model) is cut to the process's heads. Refused:
+    heads that do not divide among the processes, a method whose spec says ``heads =
+    "unshardable"``, a cross-layer method on a pipelined model.
+
     Returns:
         A list for ``prompt_cache=`` (layers whose default cache is not a plain ``KVCache``,
         e.g. recurrent or sliding-window layers, keep their default cache). Every velox
@@ -562,6 +574,8 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
         raise ValueError(f"method={method!r} must be a method key (a str)")
     m = get_method(method)
     resolve_backend(backend, m.key, m.backends)  # an unknown or unavailable backend, now
+    heads = model_heads(model)  # a tensor-parallel model's: this process's kv heads
+    check_method(m, heads, pipeline_stages(model))
     if artifacts is not None and not isinstance(artifacts, (str, Path)):
         raise ValueError(f"artifacts={artifacts!r} must be a path (str or pathlib.Path) or None")
     base = default_layout(model)
@@ -592,19 +606,26 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
         if len(next(iter(arrays.values()))) != n:
             raise ValueError(f"{artifacts} holds {len(next(iter(arrays.values())))} layers; the "
                              f"model has {n} layers with a plain KV cache")
-        fitted = [layer_arrays(arrays, i) for i in range(n)]
+        local = _local_kv_heads(model)
+        fitted = [shard_artifact(layer_arrays(arrays, i), heads, local) for i in range(n)]
     caches = list(base)
     for i, slot in enumerate(slots):
         caches[slot] = VeloxCache(method, per_layer[i], backend=backend, layer=i,
                                   model=shared, compile=compile, real_queries=real_queries,
                                   decode=decode, decode_cap=decode_cap, mode=mode,
                                   artifact=None if fitted is None else fitted[i],
-                                  rollback=rollback, observe=observe)
+                                  rollback=rollback, observe=observe, heads=heads)
         caches[slot]._routed = routed  # merge batches B > 1 rows only through the wrapper
     guards.install()
     if compile and mode is Mode.DEFERRED:
         model_step.install(model)
     return caches
+
+
+def _local_kv_heads(model) -> int:
+    """The kv heads each attention layer of ``model`` computes in this process."""
+    attn = next(layer.self_attn for layer in model.layers if hasattr(layer, "self_attn"))
+    return int(attn.n_kv_heads)
 
 
 def default_layout(model) -> list:

@@ -24,10 +24,12 @@ from mlx_lm.models.cache import KVCache
 
 from velox.adapters import guards, model_step
 from velox.adapters.cache import DECODE_CAP, VeloxCache, _dims, _Model, default_layout
+from velox.adapters.sharding import model_heads
 from velox.adapters.routing import (Mode, _choose_mode, install_query_capture,
                                     routes_attention as _routes_attention, untapped)
 from velox.backend import BackendUnavailable, resolve_backend
 from velox.decode import slack as decode_slack
+from velox.distributed import LOCAL, Heads
 from velox import wrap
 from velox.registry import Method, get_method
 from velox.spec import validate_params
@@ -68,12 +70,17 @@ def _split(value: Any, name: str, arrays: dict[str, mx.array]) -> Any:
     if isinstance(value, dict):
         return {"__dict__": {k: _split(v, f"{name}.{k}", arrays) for k, v in value.items()}}
     if hasattr(value, "_fields"):  # a nested record (a composed method's policy state)
-        return {"__record__": {k: _split(v, f"{name}.{k}", arrays) for k, v in value._asdict().items()}}
+        return _save_record(value, name, arrays, nested=True)
     return value
 
 
-def _save_record(record: tuple, prefix: str, arrays: dict[str, mx.array]) -> dict[str, Any]:
-    return {k: _split(v, f"{prefix}.{k}", arrays) for k, v in record._asdict().items()}
+def _save_record(record: tuple, prefix: str, arrays: dict[str, mx.array], *,
+                 nested: bool = False) -> dict[str, Any]:
+    # a state's kv heads (velox.distributed) are every head of the layer here (save_cache
+    # refuses a shard's): not written, a loaded state holds every head (_build)
+    d = {k: _split(v, f"{prefix}.{k}", arrays) for k, v in record._asdict().items()
+         if not isinstance(v, Heads)}
+    return {"__record__": d} if nested else d
 
 
 def _array_bytes(x: mx.array) -> bytes:
@@ -184,6 +191,10 @@ def save_cache(path: str | Path, caches: list, metadata: dict[str, str] | None =
     for i, c in enumerate(caches):
         if not isinstance(c, VeloxCache):
             raise ValueError(f"layer {i} holds a {type(c).__name__}; save_cache stores velox caches only")
+        if c.heads.shards > 1:
+            raise ValueError(f"layer {i} holds one shard of a tensor-parallel model's kv heads "
+                             f"({c.heads.shards} processes): save_cache stores caches of a model "
+                             "held by one process")
         c._settle()  # a step whose forward never reached the wrapper, as the next call would
         st = c.velox_state
         entry = {"method": c.method.key, "params": c.params, "backend": c.backend,
@@ -250,6 +261,9 @@ def load_cache(path: str | Path, model=None, *,
         compiled decode step, backend), and the user metadata.
     """
     where = str(path)
+    if model is not None and model_heads(model).shards > 1:
+        raise ValueError(f"{where}: load_cache takes a model held by one process, not a "
+                         f"tensor-parallel shard ({model_heads(model).shards} processes)")
     try:
         arrays, raw = mx.load(where, return_metadata=True)
     except (RuntimeError, ValueError) as e:
@@ -761,6 +775,8 @@ def _with_backend(desc: Any, backend: str) -> Any:
 def _build(where: str, record_type: type, desc: dict, arrays: dict[str, mx.array],
            used: set[str]) -> tuple:
     fields = set(record_type._fields)
+    if "heads" in fields and "heads" not in desc and _holds_heads(record_type):
+        desc = {**desc, "heads": LOCAL}  # every kv head of the layer (not written)
     missing, extra = sorted(fields - set(desc)), sorted(set(desc) - fields)
     if missing or extra:
         raise ValueError(f"{where}: {record_type.__name__} fields missing: {', '.join(missing) or '-'}; "
@@ -786,6 +802,14 @@ def _build(where: str, record_type: type, desc: dict, arrays: dict[str, mx.array
 
     kinds = getattr(record_type, "__annotations__", {})
     return record_type(**{k: join(v, k, kinds.get(k)) for k, v in desc.items()})
+
+
+def _holds_heads(record_type: type) -> bool:
+    """Whether a record's ``heads`` field is a ``velox.distributed.Heads`` (not written)."""
+    try:
+        return typing.get_type_hints(record_type).get("heads") is Heads
+    except Exception:  # an annotation that does not resolve: not one of velox's records
+        return False
 
 
 def _member(kind: Any, d: Any) -> Any:

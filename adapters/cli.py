@@ -368,11 +368,16 @@ def _label(method: str, params: dict[str, Any]) -> str:
 
 # --- commands ------------------------------------------------------------------------
 
-def _load(path: str | None, verbose: bool):
+def _load(path: str | None, verbose: bool, group: Any = None):
     from velox.adapters.smollm2 import load_model
 
     t0 = time.perf_counter()
-    model, tokenizer = load_model(path)
+    if group is not None:  # started by mlx.launch: each process holds a shard of the heads
+        from velox.adapters.sharding import load_sharded
+
+        model, tokenizer = load_sharded(path, group)
+    else:
+        model, tokenizer = load_model(path)
     if verbose:
         print(f"velox: model loaded in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return model, tokenizer
@@ -500,8 +505,12 @@ def cmd_generate(args) -> int:
     from mlx_lm.generate import stream_generate
 
     from velox.adapters.harness import memory
+    from velox.adapters.sharding import launched_group
 
-    model, tokenizer = _load(args.model, args.verbose)
+    group = launched_group()  # under mlx.launch: the model tensor-parallel over the processes
+    rank = 0 if group is None else group.rank()
+    out = sys.stdout if rank == 0 else io.StringIO()  # process 0 prints, the others follow
+    model, tokenizer = _load(args.model, args.verbose and rank == 0, group)
     caches = _factory(model, args.method, params)()
     prompt: Any = args.prompt
     if not args.no_chat and getattr(tokenizer, "chat_template", None):
@@ -512,18 +521,20 @@ def cmd_generate(args) -> int:
     last = None
     for last in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
                                 prompt_cache=caches):
-        sys.stdout.write(last.text)
-        sys.stdout.flush()
+        out.write(last.text)
+        out.flush()
     mem = memory(caches)
-    print()
+    print(file=out)
     label = _label(args.method, params)
+    where = "" if group is None else f" in process 0 of {group.size()} (its shard of the kv heads)"
     if last is not None:
-        print(f"[{label}] KV cache {_fmt_bytes(mem.kv_bytes)} holding {mem.stored} of the "
+        print(f"[{label}] KV cache {_fmt_bytes(mem.kv_bytes)}{where} holding {mem.stored} of the "
               f"{mem.tokens} tokens seen; a full {mem.dtype} cache of them "
               f"{_fmt_bytes(mem.full_bytes)} ({mem.full_ratio:.2f}x the bytes held), as fp16 "
               f"{_fmt_bytes(mem.fp16_bytes)} ({mem.ratio:.2f}x); "
               f"prompt {last.prompt_tokens} tokens at {last.prompt_tps:.1f} tok/s, "
-              f"decode {last.generation_tokens} tokens at {last.generation_tps:.1f} tok/s")
+              f"decode {last.generation_tokens} tokens at {last.generation_tps:.1f} tok/s",
+              file=out)
     return 0
 
 

@@ -1356,8 +1356,10 @@ def installed(cfg: ServeConfig) -> Iterator[None]:
     original_load, original_http = saved["load"], saved["_run_http_server"]
     handler = _handler_class()
 
-    def load(path, *args, **kwargs):
-        out = original_load(path, *args, **kwargs)
+    original_sharded = saved["sharded_load"]
+
+    def load(path, *args, _loader=original_load, **kwargs):
+        out = _loader(path, *args, **kwargs)
         # The server loads its model with return_config=True (server.py:436) and a draft
         # model without (server.py:452): the draft keeps mlx-lm's caches.
         if kwargs.get("return_config"):
@@ -1371,8 +1373,11 @@ def installed(cfg: ServeConfig) -> Iterator[None]:
                          "one request at a time (the caches have no merge)")
         return out
 
-    def sharded_load(*args, **kwargs):
-        raise ValueError("velox serve does not support distributed (sharded) serving")
+    def sharded_load(path, *args, **kwargs):
+        # under mlx.launch (several processes): the model tensor-parallel over them, each
+        # process's caches over its kv heads (velox.adapters.sharding); process 0 serves HTTP,
+        # the others run the same generation steps (mlx_lm.server's distributed mode)
+        return load(path, *args, _loader=original_sharded, **kwargs)
 
     def run_http(host, port, response_generator, server_class=None, handler_class=None):
         # Open the port only once the model is loaded and its caches ran one token.
