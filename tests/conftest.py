@@ -101,17 +101,21 @@ def layer_by_layer():
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", default=False,
                      help="also run the every-method cases marked slow (tests._helpers.every_method)")
+    parser.addoption("--run-distributed", action="store_true", default=False,
+                     help="also run the multi-process cases marked distributed (tests/test_distributed.py)")
 
 
 def pytest_collection_modifyitems(config, items):
     """Cases marked ``slow`` (an every-method test's methods beyond one of each family) are
-    deselected unless ``--run-slow`` is given."""
-    if config.getoption("--run-slow"):
-        return
-    keep = [i for i in items if i.get_closest_marker("slow") is None]
-    if len(keep) != len(items):
-        config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("slow")])
-        items[:] = keep
+    deselected unless ``--run-slow`` is given, those marked ``distributed`` (ring-backend
+    processes on localhost) unless ``--run-distributed`` is."""
+    for marker, option in (("slow", "--run-slow"), ("distributed", "--run-distributed")):
+        if config.getoption(option):
+            continue
+        keep = [i for i in items if i.get_closest_marker(marker) is None]
+        if len(keep) != len(items):
+            config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker(marker)])
+            items[:] = keep
 
 
 def pytest_report_header(config):
