@@ -150,6 +150,31 @@ def test_entropy_coded_default_is_far_smaller(model, tmp_path):
     assert model(TOKENS[:, :1], cache=loaded).shape == (1, 1, 100)
 
 
+def test_the_model_gives_kvtc_its_rotary_base(model, tmp_path):
+    """``save_cache(..., model=)`` codes keys without the model's rotary embedding: the file's
+    description and its rows are those of ``rope_theta`` given by hand; codec_params override
+    the model's; another codec or fixed-rate codes leave the model's base unused."""
+    caches = _filled(model, "streaming_llm", window_size=512)
+    by_model, by_hand, plain = (tmp_path / f"{n}.safetensors" for n in ("m", "h", "p"))
+    save_cache(by_model, caches, codec="kvtc", model=model)
+    save_cache(by_hand, caches, codec="kvtc", codec_params={
+        "rope_theta": float(model.args.rope_theta), "rope_traditional": model.args.rope_traditional})
+    save_cache(plain, caches, codec="kvtc")
+
+    def desc(p):
+        return json.loads(mx.load(str(p), return_metadata=True)[1]["0.codec"])
+    assert desc(by_model) == desc(by_hand) and desc(by_model)["params"]["rope_theta"] == 10000.0
+    assert desc(plain)["params"]["rope_theta"] is None
+    assert by_model.read_bytes() == by_hand.read_bytes()
+    over = tmp_path / "o.safetensors"
+    save_cache(over, caches, codec="kvtc", codec_params={"rope_theta": 500000.0}, model=model)
+    assert desc(over)["params"]["rope_theta"] == 500000.0
+    fixed = tmp_path / "f.safetensors"
+    save_cache(fixed, caches, codec="kvtc", codec_params={"bit_budget": 128}, model=model)
+    assert "rope_theta" not in desc(fixed)["params"]
+    save_cache(tmp_path / "l.safetensors", caches, codec="lossless", model=model)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_lossless_files_round_trip_to_the_bit(dtype, tmp_path):
     args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2,
