@@ -1111,6 +1111,19 @@ def _generator_class():
                 self.failure = f"{type(exc).__name__}: {_one_line(exc)}"
                 raise
 
+        def _share_request(self, request):
+            # distributed (mlx.launch): process 0 pickles each request for the others; its
+            # record (which watches the client) stays with process 0
+            req = None if request is None else request[1]
+            record = getattr(req, "velox", None)
+            if record is None:
+                return super()._share_request(request)
+            req.velox = None
+            try:
+                return super()._share_request(request)
+            finally:
+                req.velox = record
+
         def _next_request(self, timeout=None):
             item = super()._next_request(timeout)
             if item is not None and getattr(item[1], "velox", None) is not None:
