@@ -396,3 +396,27 @@ def test_velox_serve_under_mlx_launch(chat_folder, tmp_path):
             _end(proc)
             log.close()
     assert answers[0] == answers[1], answers
+
+
+def test_the_benchmark_reports_steps_costs_and_bytes():
+    """``benchmarks/distributed_step.py``'s report of a run's results (no process started)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "distributed_step.py"
+    spec = importlib.util.spec_from_file_location("distributed_step", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    names = list(bench.CACHES)
+
+    def rank(n, r, step):
+        spread = {"median": 1e-3, "iqr": 1e-4}
+        return {"shards": n, "shard": r, "steps": {k: step for k in names},
+                "steps_iqr": {k: 1e-4 for k in names}, "ab": spread,
+                "tokens": {k: 7 for k in names}, "bytes": {k: 1 << 20 for k in names},
+                "alone": None if n == 1 else {"all_gather": spread, "all_sum": spread}}
+    results = {1: [rank(1, 0, 0.004)], 2: [rank(2, r, 0.008) for r in range(2)]}
+    text, doc = bench.report(results, "python benchmarks/distributed_step.py")
+    assert "| 2 | tova | 12 | 8.00 | 0.10 | 2.00x | yes | yes |" in text
+    assert "| 2 | +1.00 (0.10) | +12.5% | 1.000 (0.100) | 1.000 (0.100) | 1.00 | 0.50 |" in text
+    assert "| 2 | h2o | 1.00 MiB, 1.00 MiB | 2.00 MiB | 1.00 MiB | 1.000 |" in text
+    assert doc["summary"]["2"]["velox_collectives_s"] == 4e-3
