@@ -58,6 +58,9 @@ from .backend import BACKENDS, BackendUnavailable
 from .distributed import LOCAL, Heads
 from .registry import Method, State, get_method, method_keys, method_of
 from .spec import Spec, load_spec
+from . import backend as _backend, selfcheck as _selfcheck  # noqa: E402
+
+_backend.install_metal_proof(_selfcheck.PROOF)  # the metal backend's parity self-check
 
 __version__ = "0.1.0"
 

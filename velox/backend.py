@@ -9,8 +9,8 @@ from typing import Any, Iterable
 
 import mlx.core as mx
 
-__all__ = ["BACKENDS", "Backend", "BackendUnavailable", "device_supports", "resolve_backend",
-           "gpu_kernels"]
+__all__ = ["BACKENDS", "Backend", "BackendUnavailable", "MetalProof", "device_supports",
+           "install_metal_proof", "resolve_backend", "gpu_kernels"]
 
 #: Every backend name; ``auto`` picks the fastest available one at init.
 BACKENDS = ("reference", "mlx", "metal", "cuda")
@@ -22,6 +22,36 @@ _AUTO_ORDER = ("cuda", "metal", "mlx")
 
 class BackendUnavailable(ValueError):
     """A backend was asked for that this method or this machine cannot run."""
+
+
+@dataclass(frozen=True)
+class MetalProof:
+    """What the ``metal`` backend is proven by (``velox.selfcheck`` installs its functions at
+    ``import velox``, :func:`install_metal_proof`): ``verified()``, whether its kernels passed
+    the parity self-check for this MLX, device and kernel sources; ``reference_only()``,
+    whether a self-check is computing its ``mlx`` references now (kernels off); ``ensure()``,
+    the self-check of a first use (raises :class:`BackendUnavailable` unless it passes).
+    Until one is installed, ``metal`` is never proven."""
+
+    verified: Callable[[], bool]
+    reference_only: Callable[[], bool]
+    ensure: Callable[[], Any]
+
+
+def _unproven() -> Any:
+    raise BackendUnavailable("backend 'metal' has no self-check installed (import velox)")
+
+
+_METAL = MetalProof(verified=lambda: False, reference_only=lambda: False, ensure=_unproven)
+
+
+def install_metal_proof(proof: MetalProof) -> None:
+    """Make ``proof`` what the ``metal`` backend is proven by (``velox/__init__`` installs
+    ``velox.selfcheck``'s)."""
+    global _METAL
+    if not isinstance(proof, MetalProof):
+        raise TypeError(f"install_metal_proof takes a MetalProof, not {type(proof).__name__}")
+    _METAL = proof
 
 
 def device_supports(backend: str) -> bool:
@@ -48,21 +78,17 @@ def gpu_kernels() -> bool:
     while a self-check computes its references (``velox.selfcheck.mlx_only``)."""
     if mx.default_device() != mx.gpu:
         return False
-    from .selfcheck import metal_verified, reference_only
-    if reference_only():
+    if _METAL.reference_only():
         return False
     if device_supports("cuda"):
         return True
-    return device_supports("metal") and metal_verified()
+    return device_supports("metal") and _METAL.verified()
 
 
 def _proven(name: str) -> bool:
     """Whether ``auto`` may pick ``name``: ``metal`` once its kernels passed the self-check
     for this MLX, device and velox (in this process or recorded), every other one as it is."""
-    if name != "metal":
-        return True
-    from .selfcheck import metal_verified
-    return metal_verified()
+    return name != "metal" or _METAL.verified()
 
 
 def resolve_backend(requested: str, key: str, implemented: Iterable[str]) -> str:
@@ -84,8 +110,7 @@ def resolve_backend(requested: str, key: str, implemented: Iterable[str]) -> str
     if not device_supports(requested):
         raise BackendUnavailable(f"backend {requested!r} is not available: {_why_not(requested)}")
     if requested == "metal":
-        from .selfcheck import ensure_metal
-        ensure_metal()
+        _METAL.ensure()
     return requested
 
 

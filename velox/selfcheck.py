@@ -36,6 +36,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from . import backend as _backend
+
 __all__ = ["Check", "Result", "Report", "Device", "metal_device", "metal_build", "run_checks",
            "metal_checks", "ensure_metal", "record", "metal_verified", "cached_verdict", "cache_path",
            "mlx_only", "KernelBuildError"]
@@ -244,7 +246,7 @@ def ensure_metal(*, checks: Iterable[Check] | None = None, build: Callable | Non
     process and device; ``checks``, ``build`` and ``device`` default to the real ones),
     record its verdict in the cache, and raise :class:`velox.backend.BackendUnavailable` with
     what disagreed (or that Metal is absent) unless it passed. Returns the report."""
-    from .backend import BackendUnavailable
+    BackendUnavailable = _backend.BackendUnavailable
     dev = (device or metal_device)()
     if not dev.available:
         raise BackendUnavailable(f"backend 'metal' is not available: {dev.why}")
@@ -666,3 +668,10 @@ def metal_checks() -> list[Check]:
               "output within codec.TOLERANCE"),
         Check("codec: QJL keys", _codec_check("qjl", {}), "output within codec.TOLERANCE"),
     ]
+
+
+#: What ``velox.backend`` asks of the ``metal`` backend (installed by ``velox/__init__``):
+#: each call reads this module's function at the time, so a stand-in put in its place counts.
+PROOF = _backend.MetalProof(verified=lambda: metal_verified(),
+                            reference_only=lambda: reference_only(),
+                            ensure=lambda: ensure_metal())
