@@ -38,7 +38,7 @@ STEP = 8
 # Tiny sizes: every parameter a method has of these names takes this value.
 TINY = dict(budget=10, window_size=10, obs_window=4, residual_length=2, recent=2, n_sink=2,
             grace=2, chunk_size=4, window=8, recent_boundary=8, mid_boundary=16, merge_window=4,
-            threshold_window=8)
+            threshold_window=8, basis="prefill")
 
 
 def tiny(key: str) -> dict:
