@@ -189,8 +189,14 @@ def test_projection_invariants(p):
             for j in range(h):
                 a = x[i, j, ap[i, j]].astype(np.float64)
                 ridx, rgamma, rr = ak.project_np(x[i, j], ap[i, j])
-                assert np.array_equal(ridx, idx[i, j]) and np.array_equal(rgamma, gamma[i, j])
-                np.testing.assert_allclose(rr, r[i, j], atol=1e-6)
+                assert np.array_equal(ridx, idx[i, j])
+                # gamma in float16: a float32 quotient on a rounding boundary (another BLAS's
+                # dot) may round to the neighbouring float16, one ulp, and move r with it
+                g16, rg16 = gamma[i, j].astype(np.float32), rgamma.astype(np.float32)
+                same = g16 == rg16
+                assert (np.abs(g16 - rg16) <= 2.0 ** -10 * np.abs(rg16) + 2.0 ** -24).all()
+                assert same.mean() >= 0.99
+                np.testing.assert_allclose(rr[same], r[i, j][same], atol=1e-6)
                 chosen = a[idx[i, j]]
                 # x = gamma a + r, to float32 rounding
                 recon = g[i, j, :, None] * chosen + r[i, j]

@@ -84,7 +84,7 @@ best = float("inf")
 for _ in range(5):
     t = time.perf_counter(); mx.eval(a @ a); best = min(best, time.perf_counter() - t)
 maps = open("/proc/self/maps").read()
-print(_blas.loaded is not None, _blas.OPENBLAS in maps, best, _blas.reason)
+print(_blas.loaded is not None, (_blas.loaded or _blas.OPENBLAS) in maps, best, _blas.reason)
 """
 
 
@@ -104,7 +104,7 @@ def test_import_velox_loads_openblas_in_process(tmp_path):
     on = _matmul_run("import velox", tmp_path)  # (not in the checkout: the installed velox)
     off = _matmul_run("import velox", tmp_path, VELOX_NO_OPENBLAS="1")
     late = _matmul_run("import mlx.core; import velox", tmp_path)
-    assert on[:2] == (True, True) and on[3] == "loaded before mlx.core"
+    assert on[:2] == (True, True) and on[3].startswith("loaded before mlx.core")
     assert off[:2] == (False, False) and "VELOX_NO_OPENBLAS" in off[3]
     assert late[:2] == (False, False) and "imported before velox" in late[3]
     assert on[2] * 3 < off[2], (on, off)  # 512x512 fp32: ~1 ms against ~45 ms on 2 cores
