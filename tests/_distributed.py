@@ -75,19 +75,11 @@ def params_for(key: str, tokens: int) -> dict:
     """Parameters that compress ``tokens`` (capacities well below them), with the head-mixing
     choice of the methods that have one (``per_head=False``), and the spec's test choice where
     the default is a shipped fit of SmolLM2 (Palu's basis, A2ATS's and VecInfer's codebooks)."""
+    from tests._helpers import small_params
     from velox.registry import get_method
 
     spec = get_method(key).spec
-    p = {}
-    for name, param in spec.params.items():
-        if param.test_max is not None and param.type == "int" and name in ("budget", "window_size"):
-            p[name] = min(param.default, max(24, tokens // 3))
-    if "obs_window" in spec.params:
-        p["obs_window"] = min(8, spec.defaults["obs_window"])
-    if "residual_length" in spec.params:
-        p["residual_length"] = 8
-    if "recent" in spec.params:
-        p["recent"] = min(4, spec.defaults["recent"])
+    p = small_params(key, tokens)
     if "per_head" in spec.params:
         p["per_head"] = False
     for name, param in spec.params.items():  # a shipped fit (SmolLM2's): the tests' choice
@@ -261,4 +253,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests._helpers, as a script
     sys.exit(main())

@@ -226,3 +226,21 @@ def every_method(keys=None) -> list:
     from velox.registry import method_keys
     return [pytest.param(k, marks=() if k in FAMILIES else pytest.mark.slow)
             for k in (method_keys() if keys is None else keys)]
+
+
+def small_params(key: str, tokens: int) -> dict:
+    """Parameters whose capacity is well below ``tokens`` (compression really happens)."""
+    from velox.registry import get_method
+
+    spec = get_method(key).spec
+    p = {}
+    for name, param in spec.params.items():
+        if param.test_max is not None and param.type == "int" and name in ("budget", "window_size"):
+            p[name] = min(param.default, max(24, tokens // 3))
+    if "obs_window" in spec.params:
+        p["obs_window"] = min(8, spec.defaults["obs_window"])
+    if "residual_length" in spec.params:
+        p["residual_length"] = 8
+    if "recent" in spec.params:  # a recent window that fits the small budget
+        p["recent"] = min(4, spec.defaults["recent"])
+    return p

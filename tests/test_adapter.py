@@ -12,7 +12,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from tests._helpers import every_method
+from tests._helpers import every_method, small_params
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
@@ -37,22 +37,6 @@ def greedy(model, cache, n=12, step=7, prompt=PROMPT):
     computes one step ahead)."""
     return [int(tok) for tok, _ in generate_step(prompt, model, prompt_cache=cache, max_tokens=n,
                                                  prefill_step_size=step)]
-
-
-def small_params(key: str, tokens: int) -> dict:
-    """Parameters whose capacity is well below ``tokens`` (compression really happens)."""
-    spec = get_method(key).spec
-    p = {}
-    for name, param in spec.params.items():
-        if param.test_max is not None and param.type == "int" and name in ("budget", "window_size"):
-            p[name] = min(param.default, max(24, tokens // 3))
-    if "obs_window" in spec.params:
-        p["obs_window"] = min(8, spec.defaults["obs_window"])
-    if "residual_length" in spec.params:
-        p["residual_length"] = 8
-    if "recent" in spec.params:  # a recent window that fits the small budget
-        p["recent"] = min(4, spec.defaults["recent"])
-    return p
 
 
 def large_params(key: str, tokens: int) -> dict | None:
