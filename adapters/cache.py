@@ -368,9 +368,7 @@ class VeloxCache(SteppedCache):
         if h.state is None or h.pending is not None or not _capture_installed() or self.observe:
             return None
         if self.record_step() is not None:  # a cross-layer method: its full state, no row
-            alone = (self.compile and not self.rollback and self._m is self.method
-                     and not self._route_unknown)  # no journal, tail or unknown route
-            form = record_form(self._m, self._state) if alone else None
+            form = record_form(self._m, self._state) if self.compile and self._alone() else None
             return None if form is None else (self._m, form, None, h.offset)
         form = compiled_form(self._m, h.state, h.offset, steady=h.fast,
                              plain=self.compile and self._plain(), row=h.row)
@@ -481,11 +479,16 @@ class VeloxCache(SteppedCache):
         if held is not None and before is not None:
             held.fn(self.layer, step_info(self._m, before, self._state, step.keys, step.values))
 
-    def _plain(self) -> bool:
-        """No journal, tail, observer, unknown route or model-level record: a single-token
-        step is the method's alone (the fast path, chunked storage's compiled step)."""
+    def _alone(self) -> bool:
+        """No journal, tail, observer or unknown route: a single-token step is the method's
+        own (with its model-level record, for a cross-layer method)."""
         return (not self.rollback and self._m is self.method and not self.observe
-                and not self._route_unknown and self.method.layer_update is None)
+                and not self._route_unknown)
+
+    def _plain(self) -> bool:
+        """:meth:`_alone` and no model-level record: the fast path, chunked storage's
+        compiled step."""
+        return self._alone() and self.method.layer_update is None
 
     def _wrapped(self) -> bool:
         return self.mode is Mode.DEFERRED and not self._route_unknown and _capture_installed()

@@ -84,6 +84,7 @@ CAPS = {
     "recent": 8,              # knorm, keyformer, qfilters: budget > n_sink + recent
 }
 
+_SHIM = "<shim>"  # a variant's library built by scripts/openblas_shim.py when it runs
 # BLAS configurations whose differences decide which fields are compared within a tolerance.
 _AVX512 = "AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL AVX512_SPR"
 VARIANTS: dict[str, dict[str, str | None]] = {
@@ -96,9 +97,8 @@ VARIANTS: dict[str, dict[str, str | None]] = {
     "zen": {"OPENBLAS_CORETYPE": "Zen", "NPY_DISABLE_CPU_FEATURES": _AVX512},
     # the scipy-openblas32 wheel's OpenBLAS (another release) through scripts/openblas_shim.py,
     # what CI loads where the system package cannot be installed
-    "wheel_openblas": {"VELOX_OPENBLAS": "<shim>", "LD_PRELOAD": None},
+    "wheel_openblas": {"VELOX_OPENBLAS": _SHIM, "LD_PRELOAD": None},
 }
-_SHIM = "<shim>"  # built by scripts/openblas_shim.py when a variant asks for it
 # A field that depends on BLAS rounding is compared within ``rel * scale + rel * |expected|``,
 # scale its largest magnitude in the trajectory, rel ten times the largest difference the
 # variants showed relative to scale, and at least this floor (a few units in the last place).
