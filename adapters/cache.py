@@ -374,9 +374,9 @@ class VeloxCache(SteppedCache):
     def steady_state(self) -> tuple | None:
         if not _capture_installed() or self.observe or self.held.state is None or self.held.pending:
             return None
-        record = self.record_step() is not None  # a cross-layer method: its full state, no row
-        self.held, form = _layer.steady(self._plan, self.held, plain=self._plain(),
-                                        alone=self._alone(), record=record)
+        record, alone = self.record_step() is not None, self._alone()  # record: no row
+        self.held, form = _layer.steady(self._plan, self.held, alone=alone, record=record,
+                                        plain=alone and self.method.layer_update is None)
         return None if form is None else (self._m, form, self.held.row, self.held.offset)
 
     def record_step(self) -> tuple[Any, int] | None:
