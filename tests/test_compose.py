@@ -125,3 +125,61 @@ def test_composed_deviations_name_only_parameters_it_has():
     assert "n_outlier" not in m.spec.params
     lines = [d for d in m.spec.deviations if "n_outlier" in d]
     assert len(lines) == 1 and "not parameters of the composition" in lines[0]
+
+
+@pytest.mark.parametrize("backend", ["mlx", "reference"])
+def test_an_evictor_composed_with_vecinfer_holds_its_key_and_value_codes(backend):
+    """``tova+vecinfer``: survivors held as VecInfer's key and value indices, against the
+    shipped calibration (SmolLM2's layer 0: 3 kv heads, head_dim 64, a codebook and smoothing
+    factors a kv head). With room for the prompt the codes are vecinfer's alone; under
+    eviction every survivor keeps the codes it was given, and a decode step keeps the same
+    tokens on both backends (a ``reference`` score reads one kv head's tables)."""
+    from velox.codecs import vecinfer
+
+    rng = np.random.default_rng(5)
+    keys = mx.array(rng.standard_normal((1, 3, 40, 64)).astype(np.float32))
+    values = mx.array(rng.standard_normal((1, 3, 40, 64)).astype(np.float32))
+    m = velox.get_method("tova+vecinfer")
+    assert m.spec.contract["policy_keys"] == "codes" and "values held as VecInfer codes" in m.spec.summary
+    assert m.per_layer_params(30, {"budget": 24})[3]["layer"] == 3  # the shipped fit's layers
+    alone = velox.update(velox.init("vecinfer", 1, 3, 64, layer=0, backend=backend), keys, values)
+    both = velox.update(velox.init("tova+vecinfer", 1, 3, 64, budget=64, layer=0, backend=backend),
+                        keys, values)
+    assert both.tables.codebook.shape == (3, 4096, 4) and both.value_tables.codebook.shape == (3, 256, 8)
+    for a, b in ((alone.key_codes.idx, both.key_codes.idx), (alone.value_codes.idx, both.value_codes.idx)):
+        assert np.array_equal(np.array(a)[:, :, :40], np.array(b))
+    small = velox.update(velox.init("tova+vecinfer", 1, 3, 64, budget=24, n_sink=2, layer=0,
+                                    backend=backend), keys, values)
+    pos = np.array(velox.positions(small))
+    assert pos.shape == (1, 3, 24)
+    slots = np.array(small.policy.positions)  # storage order
+    for h in range(3):
+        for name in ("key_codes", "value_codes"):
+            got = np.array(getattr(small, name).idx)[0, h]
+            want = np.array(getattr(alone, name).idx)[0, h, slots[0, h]]
+            assert np.array_equal(got, want)
+    step = [velox.update(small._replace(backend=b), keys[:, :, :1] * 0.5, values[:, :, :1])
+            for b in ("mlx", "reference")]
+    assert np.array_equal(np.array(velox.positions(step[0])), np.array(velox.positions(step[1])))
+    k_hat, v_hat = velox.get_kv(step[0])
+    assert k_hat.shape == v_hat.shape == (1, 3, 24, 64)
+    # bytes: the policy's, the packed indices (12-bit keys of 4 channels, 8-bit values of 8:
+    # 6 + 2 words a token), the tables
+    from mlx.utils import tree_flatten
+
+    held = lambda x: sum(a.nbytes for _, a in tree_flatten(x) if isinstance(a, mx.array))  # noqa: E731
+    tables = held(small.tables) + held(small.value_tables)
+    assert velox.nbytes(small) == held(small.policy) + 3 * 24 * (6 + 2) * 4 + 3 * 4 + tables
+    assert vecinfer.KEYS.head is not None
+
+
+@pytest.mark.parametrize("codec", ["a2ats", "nsnquant", "anchorkv"])
+def test_methods_that_hold_no_survivors_say_why(codec):
+    """Methods that are not a codec cache refuse composition with the reason their spec gives."""
+    note = velox.get_method(codec).spec.compose_note
+    assert note
+    with pytest.raises(ValueError, match="cannot hold an eviction policy's survivors") as err:
+        compose.evict_then_store("tova", codec=codec)
+    assert note in str(err.value)
+    with pytest.raises(ValueError, match="codec='vecinfer'"):
+        compose.evict_then_store("tova", codec="vecinfer_keys")

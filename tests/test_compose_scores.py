@@ -162,7 +162,7 @@ def test_policy_keys_in_the_composed_specs():
 
     decoded = "The policy scores candidates with the decoded stored keys"
     for key in ("tova+qjl", "tova+turboquant_prod", "tova+turboquant_mse", "tova+affine",
-                "h2o+affine", "h2o+turboquant_mse"):
+                "h2o+affine", "h2o+turboquant_mse", "tova+vecinfer", "h2o+vecinfer"):
         spec = velox.get_method(key).spec
         assert spec.contract["policy_keys"] == "codes"
         assert not any(d.startswith(decoded) for d in spec.deviations)

@@ -8,7 +8,9 @@
 The composed state keeps the policy's own bookkeeping (positions, scores, ...) and holds the
 survivors only as codes: per-token affine codes of keys and values (``codec="affine"``, groups
 along channels, packed in MLX's layout), or keys as another codec's codes and values as
-per-token 8-bit codes (``velox.codec_cache``); its bytes are those arrays. At each update the
+per-token 8-bit codes (``velox.codec_cache``), or, for a codec method that codes its values
+with a codec of its own (VecInfer's product-quantized values), keys and values as that
+method's codes; its bytes are those arrays. At each update the
 policy scores the candidates, then the codec keeps the survivors' codes as they are (pure
 eviction) or codes what the policy keeps afresh (merging policies change kept values). Rows
 are coded independently, so dropping a token never touches another's codes.
@@ -182,11 +184,16 @@ def evict_then_store(policy: str, codec: str = "affine", **defaults: Any) -> Met
     Registered on first use (so ``velox.init("<policy>+<codec>", ...)``, the adapter and the
     contract suite all accept it). With ``codec="affine"`` keys and values are per-token
     affine codes and the parameters are the policy's plus ``bits`` and ``group_size``. With
-    another codec (``"turboquant_prod"``, ``"qjl"``, ...: a codec whose method of the same key
-    is registered) keys are that codec's codes, values per-token 8-bit affine codes
-    (``velox.codec_cache``), and the parameters are the policy's plus the codec method's; the
-    attention reads the key codes (the codec's ``scores``), and so does a policy whose scores
-    read the keys only as attention logits (see the module docstring).
+    another codec method (``"turboquant_prod"``, ``"qjl"``, ``"vecinfer"``, ...: a method
+    built by ``velox.codec_cache``, named by its key) keys are its key codec's codes, values
+    per-token 8-bit affine codes, or the method's own value codes where it has a value codec
+    (VecInfer), and the parameters are the policy's plus those of the codec method that its
+    codecs read (under the method's names: VecInfer's ``key_sub_dim``, ...); the attention
+    reads the key codes (the codec's ``scores``), and so does a policy whose scores read the
+    keys only as attention logits (see the module docstring). A codec method's per-layer
+    schedule (``layer_params``: the layer of VecInfer's shipped calibration) is the
+    composition's. A method that is not a codec cache (A2ATS, NSNQuant, AnchorKV, ...) is a
+    ``ValueError`` giving its spec's ``compose_note``.
 
     ``defaults`` (``bits=3``) become the defaults of the returned method's ``init`` (its
     signature shows them, its ``spec`` holds them; arguments given to ``init`` still win). They
@@ -336,17 +343,21 @@ def _evict_then_affine(policy: str) -> Method:
 
 
 def _code_spec(policy: Spec, codec_spec: Spec, key: str, codec_params: tuple[str, ...],
-               by_logits: bool) -> Spec:
+               by_logits: bool, *, own_values: bool = False) -> Spec:
+    """The composed spec. ``own_values``: the codec method codes its values itself (VecInfer's
+    product-quantized values), so the composition's values are its codes, not 8-bit ones."""
     keys_contract, keys_line = _scoring(codec_spec.key, by_logits)
     taken = sorted(set(policy.params) & set(codec_params))
     if taken:
         raise ValueError(f"{policy.key} and {codec_spec.key} both name parameter(s) {', '.join(taken)}")
+    held = (f"keys and values held as {codec_spec.name} codes" if own_values else
+            f"keys held as {codec_spec.name} codes, values as per-token 8-bit codes")
     return Spec(
-        key=key, name=f"{policy.name} + {codec_spec.name} keys", title=policy.title,
+        key=key, name=f"{policy.name} + {codec_spec.name} keys" + (" and values" if own_values else ""),
+        title=policy.title,
         arxiv=policy.arxiv, venue=policy.venue, family="composed", phases=policy.phases,
         queries=policy.queries,
-        summary=f"{policy.summary}; survivors' keys held as {codec_spec.name} codes, values as "
-                "per-token 8-bit codes",
+        summary=f"{policy.summary}; survivors' {held}",
         params={**policy.params, **{n: codec_spec.params[n] for n in codec_params}},
         constraints=policy.constraints + tuple(
             c for c in codec_spec.constraints
@@ -392,12 +403,19 @@ def _evict_then_code(policy: str, codec_name: str) -> Method:
     if key in method_keys():
         return get_method(key)
     P = composable(policy)
-    codec = get_codec(codec_name)
-    C = get_method(codec_name)  # the codec's own method: its parameters' spec
-    # the codec's parameters that are its method's (not arrays a calibration installs)
-    cnames = tuple(n for n in codec.params if n in C.spec.params)
+    C, lay = _codec_method(codec_name)  # the codec's own method: its parameters' spec
+    codec = get_codec(lay.codec)
+    # values: 8-bit affine codes (value_codec and value_bits are not parameters of a
+    # composition), unless the codec method codes its values with a codec of its own (VecInfer)
+    own_values = lay.values not in codec_cache.VALUE_CODECS
+    # the codec's parameters that are its method's (not arrays a calibration installs), under
+    # the method's names (VecInfer's key_sub_dim for its key codec's sub_dim), the keys' first
+    named = [lay.rename.get(n, n) for n in codec.params]
+    if own_values:
+        named += [lay.value_rename[n] for n in get_codec(lay.values).params if n in lay.value_rename]
+    cnames = tuple(n for n in dict.fromkeys(named) if n in C.spec.params)
     by_logits = evict.scores_by_logits(P)
-    spec = _code_spec(P.spec, C.spec, key, cnames, by_logits)
+    spec = _code_spec(P.spec, C.spec, key, cnames, by_logits, own_values=own_values)
     pure = bool(P.spec.contract.get("exact_rows", False))
     hints = typing.get_type_hints(P.state_type)
     Policy = NamedTuple(f"{P.state_type.__name__}Policy",
@@ -407,13 +425,15 @@ def _evict_then_code(policy: str, codec_name: str) -> Method:
     State = NamedTuple(
         f"{P.state_type.__name__}{C.state_type.__name__.replace('State', '')}",
         [("policy", Policy), ("key_codes", chints["key_codes"]),
-         ("value_codes", codec_cache.Int8Rows), ("tables", chints["tables"]),
-         ("next_pos", mx.array)] + [(n, type(C.spec.params[n].default)) for n in cnames]
+         ("value_codes", chints["value_codes"] if own_values else codec_cache.Int8Rows),
+         ("tables", chints["tables"])]
+        + ([("value_tables", chints["value_tables"])] if own_values else [])
+        + [("next_pos", mx.array)] + [(n, type(C.spec.params[n].default)) for n in cnames]
         + [("cache_dtype", str), ("backend", str)])
-    # values: 8-bit affine codes (value_codec and value_bits are not parameters of a composition);
     # the codec method's prepare step (a fit at the first keys, a refusal) runs before encoding
     codec_cache._LAYOUT[State] = codec_cache._Layout(
-        codec_name, "affine", {}, prepare=codec_cache._LAYOUT[C.state_type].prepare)
+        lay.codec, lay.values if own_values else "affine", dict(lay.rename),
+        value_rename=dict(lay.value_rename) if own_values else {}, prepare=lay.prepare)
 
     def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float32,
              backend: str = "auto", **params: Any):
@@ -506,4 +526,35 @@ def _evict_then_code(policy: str, codec_name: str) -> Method:
                     get_kv=get_kv if slotted else codec_cache.get_kv,
                     positions=_composed_positions if slotted else (lambda st: st.policy.positions),
                     kv_slots=kv_slots, dims=codec_cache.dims,
-                    attend=attend if slotted else codec_cache.attend, spec=spec)
+                    attend=attend if slotted else codec_cache.attend, spec=spec,
+                    # a codec method's per-layer schedule (VecInfer's layer of its shipped fit)
+                    layer_params=C.layer_params)
+
+
+def _codec_method(name: str):
+    """``(method, layout)`` of the codec method ``name``: a registered method built by
+    ``velox.codec_cache`` (its codes a token's own, in a layout the composition shares).
+    Anything else is a ``ValueError`` saying why: an unknown name, a codec whose method has
+    another name, or a method whose storage is not that layout (its spec's ``compose_note``
+    says what it does instead)."""
+    from . import codec_cache
+    from .codecs import get_codec
+
+    if name not in method_keys():
+        get_codec(name)  # an unknown codec: ValueError naming the registered ones
+        lays = {k: codec_cache._LAYOUT.get(get_method(k).state_type) for k in method_keys()}
+        owners = sorted(k for k, lay in lays.items()
+                        if lay is not None and lay.chunked and name in (lay.codec, lay.values))
+        if not owners:
+            raise ValueError(f"{name} is a codec but no method's key; compose with a codec "
+                             "method's key (a method built by velox.codec_cache)")
+        raise ValueError(f"{name} is a codec of the method(s) {', '.join(owners)}; compose with the "
+                         f"method's key (codec={owners[0]!r}), whose parameters the composition takes")
+    C = get_method(name)
+    lay = codec_cache._LAYOUT.get(C.state_type)
+    if lay is None or not lay.chunked:
+        why = C.spec.compose_note or (
+            f"{name} does not hold its tokens as a codec's codes, one token's alone "
+            "(velox.codec_cache)")
+        raise ValueError(f"{name} cannot hold an eviction policy's survivors: {why}")
+    return C, lay

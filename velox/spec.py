@@ -140,6 +140,8 @@ class Spec:
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     authors: str = ""
     compose: tuple[str, ...] = ()
+    #: why the method holds no eviction policy's survivors (``velox.compose``), where it cannot
+    compose_note: str = ""
     heads: str = "independent"
     heads_note: str = ""
 
@@ -354,6 +356,7 @@ def parse_spec(data: Mapping[str, Any], init: Callable | None = None) -> Spec:
         presets={k: dict(v) for k, v in data.get("presets", {}).items()},
         authors=paper.get("authors", ""),
         compose=tuple(data.get("compose", ())),
+        compose_note=data.get("compose_note", ""),
         **_heads_fields(data),
     )
 

@@ -239,14 +239,25 @@ def scores_np(t: VecInferTables, queries: np.ndarray, codes: VQCodes) -> np.ndar
     return pq.scores_np(q, cb, idx)
 
 
+def head_tables(t: VecInferTables, i: int, j: int) -> VecInferTables:
+    """Kv head ``j``'s tables (its smoothing factors ``[1, d]`` and codebook ``[1, K, s]``) of
+    tables holding one a kv head; shared ones as they are (the batch row ``i`` shares them)."""
+    def one(x, base):  # base: the array's own axes
+        x = np.asarray(x)
+        return x[j:j + 1] if x.ndim == base + 1 else x
+    return t._replace(smooth=one(t.smooth, 1), codebook=one(t.codebook, 2))
+
+
 _ERROR = ("no bound: each sub-vector is replaced by its nearest centroid (exact when the codebook "
           "holds it); scores are q . decode(k) read from the lookup table")
 _PARAMS = ("sub_dim", "bits", "codebook", "seed", "kv_heads", "layer")
 
 KEYS = register_codec(Codec(
     name="vecinfer_keys", tables=key_tables, encode=encode, decode=decode, scores=scores,
-    encode_np=encode_np, decode_np=decode_np, scores_np=scores_np, params=_PARAMS, error=_ERROR))
+    encode_np=encode_np, decode_np=decode_np, scores_np=scores_np, params=_PARAMS, error=_ERROR,
+    head=head_tables))
 
 VALUES = register_codec(Codec(
     name="vecinfer_values", tables=value_tables, encode=encode, decode=decode, scores=scores,
-    encode_np=encode_np, decode_np=decode_np, scores_np=scores_np, params=_PARAMS, error=_ERROR))
+    encode_np=encode_np, decode_np=decode_np, scores_np=scores_np, params=_PARAMS, error=_ERROR,
+    head=head_tables))
