@@ -121,12 +121,12 @@ class _Model:
             return None
         if self.record is None:
             self.record = m.model_init(self.layer_params)
-        return self.record
+        return layer.token_record(self.record)
 
     def keep(self, record: Any) -> None:
         """Take the record a layer's update returned (its arrays scheduled for evaluation)."""
         if record is not None:
-            self.record = record
+            self.record = layer.kept_record(self.record, record)
             mx.async_eval(_arrays(record))
 
 
@@ -190,11 +190,6 @@ def _check_layer(m: Method, mode: Mode, layer: Any, rollback: int, params: dict[
     validated (every one, defaults filled in)."""
     if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
         raise ValueError(f"layer={layer!r} must be an integer >= 0")
-    if rollback and m.layer_update is not None:
-        raise ValueError(
-            f"rollback={rollback}: {m.key} updates a model-level record shared by every layer, "
-            "layer by layer, which neither a layer's journal restores nor a verify call split "
-            "inside each layer reproduces; use rollback=0")
     if mode is Mode.PROXY and m.attend is not None:
         raise ValueError(f"{m.key} attends through its own hook: it needs mode='deferred' (a "
                          "model whose attention calls mlx-lm's scaled_dot_product_attention)")
@@ -325,6 +320,8 @@ class VeloxCache(SteppedCache):
         ``can_trim(n)`` is false); without rollback nothing, and 0."""
         if self.rollback:
             self.held = layer.trim(self.held, n, self.rollback)
+            if self._model is not None and n:  # the record this layer left then (the last layer's stands)
+                self._model.record = layer.left_record(self.held.state)
         return n if self.rollback else 0
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
@@ -398,6 +395,9 @@ class VeloxCache(SteppedCache):
             install_query_capture()  # loaded without its model: its modules are imported now
         self._settle()
         if 1 < s <= self.rollback + 1 and self.held.offset > 0 and self._wrapped():
+            if self._model is not None:  # a cross-layer record: refused where it cannot split
+                layer.check_verify(self._m, s, self.rollback)
+                self._model.record_of(self._m)  # (made on first use)
             self.held = self.held._replace(offset=self.held.offset + s,
                                            pending=Pending(keys, values, new_only=True, split=True))
             return keys, values
@@ -427,11 +427,18 @@ class VeloxCache(SteppedCache):
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                         mask=mask, sinks=sinks)
         if step.split:  # a verify call: the one-token steps it stands for, each journaled
-            s = step.keys.shape[2]
+            s, model = step.keys.shape[2], self._model
             self.held = self.held._replace(offset=self.held.offset - s, pending=None)
-            return mx.concatenate([self.attention(queries[:, :, i:i + 1], *self._fetch(
-                step.keys[:, :, i:i + 1], step.values[:, :, i:i + 1]), scale=scale, mask=None,
-                sinks=sinks) for i in range(s)], axis=2)
+            outs = []
+            for i in range(s):  # a cross-layer record: each token's own (velox.layer.at_token)
+                if model is not None:
+                    model.record = layer.at_token(model.record, i, s)
+                outs.append(self.attention(queries[:, :, i:i + 1], *self._fetch(
+                    step.keys[:, :, i:i + 1], step.values[:, :, i:i + 1]), scale=scale, mask=None,
+                    sinks=sinks))
+            if model is not None:
+                model.record = layer.after_split(model.record, self.layer == model.n_layers - 1)
+            return mx.concatenate(outs, axis=2)
         before = self._state if self.observe else None
         out, self.held, self.last_step, record = layer.attend(
             self._plan, self.held, queries, keys, values, scale=scale, mask=mask, sinks=sinks,
