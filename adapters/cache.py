@@ -557,7 +557,8 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
             call) runs as one-token steps, so ``draft_model=`` with ``num_draft_tokens <= d``
             gives the greedy tokens of the run without a draft. The journal costs up to ``d``
             states beyond the cache's own in ``decode="evict"`` (each step makes a new
-            state), hence the bound. Refused for cross-layer methods.
+            state), hence the bound. A cross-layer method's journal restores its model-level
+            record too; a verify call of MiniCache, which cannot split per layer, raises.
         observe: ``fn(layer, info)`` called after every update of a layer's state with the
             step's ``velox.decode.StepInfo`` (tokens held and dropped, bytes, the step's
             quantization error); observed caches decode layer by layer. Also settable later

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+import velox.methods.xquant as xq
 from velox import layer, wrap
 from velox.adapters import mlxlm
 from velox.adapters.mlxlm import load_cache, make_cache, save_cache
@@ -139,8 +140,11 @@ def test_trim_restores_every_layer_and_the_record(tiny_llama, key):
             b = copy.deepcopy(a)
             assert [c.trim(n) for c in b] == [n] * LAYERS
             assert fields(b) == seen[at - n], (key, d, n)
+        coded = xq.quantized_tokens(a[1].velox_state) if key == "xquant" else None
         assert [c.trim(d) for c in a] == [d] * LAYERS
         assert fields(a) == seen[at - d] and a[0].offset == at - d
+        if key == "xquant":  # its first flush is the 43rd token: among the trimmed at d = 3
+            assert (coded, xq.quantized_tokens(a[1].velox_state)) == ((32, 0) if d == 3 else (0, 0))
         assert not a[0].can_trim(1)
         for i in range(at - d, at - d + 2):  # decoding on: the run that never saw them
             for got, want in zip(forward(a, x, i, i + 1), forward(fork, x, i, i + 1)):

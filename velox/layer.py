@@ -15,6 +15,14 @@ A decode step's row may be left unwritten (``row``: the slot write of the last s
 function that reads the state's rows writes it first (:func:`written`); the cache stores the
 record it gets back, so the row is written once.
 
+A cross-layer method's model-level record (shared by every layer of a model, held by the
+cache's model) goes through these steps as a value: :func:`absorb` and :func:`attend` take it
+and return the next one; after a trim the layer's journal says which record it left then
+(:func:`left_record`; the last layer's is the model's). A verify call, run as one-token steps
+inside each layer, carries one record per token from layer to layer (:class:`TokenRecords`,
+:func:`at_token`, :func:`after_split`), where the method's spec says that is exact, and is
+refused (:func:`check_verify`) where it is not.
+
 ``fast``: the state is at its steady size after a fused step of a cache whose steps are
 plain (no journal, tail, observer or model-level record): the next single-token call needs
 no check (``VeloxCache.update_and_fetch``). A new state ends it; writing the row keeps it.

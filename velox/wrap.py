@@ -28,6 +28,17 @@ tokens exactly, back to a step boundary, or raises. Journaled bytes are real: ``
 counts every distinct array the current and journaled states hold. Its states are steady
 where the wrapped method's are: a steady decode step is the wrapped method's
 (``velox.decode.split_step``), its row written at once, journaled.
+
+A cross-layer method (``m.layer_update``: a model-level record every layer's update reads and
+returns) keeps its record in the journal too: each layer's state holds the record it left at
+its newest update (``JournalState.record``) and the one it had left before each journaled
+update (``records``), references again. :func:`trim` restores that record with the state, so
+trimming every layer in order, as a step updates them, ends on the last layer's: the model's
+record at that token, exactly (``velox.layer.left_record``). Its ``nbytes`` counts each state
+as ``m`` does (an array the layer holds of another layer, a group's shared codes or basis, is
+that layer's) and each array once; the journaled records hold arrays of the layers' states
+(and small ones of their own, ChunkKV's selection), uncounted as the model's record is.
+``layer_update``, ``model_init`` and ``layer_params`` are the wrapped method's, journaled.
 """
 
 from __future__ import annotations
