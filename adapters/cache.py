@@ -428,16 +428,17 @@ class VeloxCache(SteppedCache):
                                                         mask=mask, sinks=sinks)
         if step.split:  # a verify call: the one-token steps it stands for, each journaled
             s, model = step.keys.shape[2], self._model
+            last = model is not None and self.layer == model.n_layers - 1
             self.held = self.held._replace(offset=self.held.offset - s, pending=None)
             outs = []
             for i in range(s):  # a cross-layer record: each token's own (velox.layer.at_token)
                 if model is not None:
-                    model.record = layer.at_token(model.record, i, s)
+                    model.record = layer.at_token(model.record, i, s, last)
                 outs.append(self.attention(queries[:, :, i:i + 1], *self._fetch(
                     step.keys[:, :, i:i + 1], step.values[:, :, i:i + 1]), scale=scale, mask=None,
                     sinks=sinks))
             if model is not None:
-                model.record = layer.after_split(model.record, self.layer == model.n_layers - 1)
+                model.record = layer.after_split(model.record, last)
             return mx.concatenate(outs, axis=2)
         before = self._state if self.observe else None
         out, self.held, self.last_step, record = layer.attend(

@@ -85,6 +85,9 @@ def fields(caches) -> dict:
         out[f"{i}.positions"] = np.array(c.positions()).tobytes()
         for name, x in tree_flatten(c.velox_state) if c.velox_state is not None else []:
             out[f"{i}.state.{name}"] = _value(x)
+        tail = (None, None) if c.tail is None else c.tail
+        for name, x in zip(("tail_k", "tail_v", "tail_q"), (*tail, c.tail_queries)):
+            out[f"{i}.{name}"] = None if x is None else _value(x)
     record = caches[0]._model.record
     assert not isinstance(record, layer.TokenRecords)  # a verify call leaves the model's own
     out["record.type"] = type(record).__name__
@@ -99,18 +102,21 @@ def build(tiny_llama, key: str, rollback: int, **kw):
     return make_cache(tiny_llama, key, rollback=rollback, **PARAMS[key], **kw)
 
 
+@pytest.mark.parametrize("decode", ["evict", "append"])
 @pytest.mark.parametrize("key", sorted(PARAMS))
-def test_trim_restores_every_layer_and_the_record(tiny_llama, key):
+def test_trim_restores_every_layer_and_the_record(tiny_llama, key, decode):
     """Per depth d in {1, 3}: the caches with rollback=d step exactly as rollback=0 caches fed
     the same tokens one by one (a verify call of d + 1 tokens among single tokens, where the
     method splits one); trim(n) on every layer gives that run's fields n tokens back, for
     every n <= d; trimming more raises and changes nothing; decoding on gives the outputs and
-    fields of the run that never saw the trimmed tokens."""
+    fields of the run that never saw the trimmed tokens. In append mode (a tail of 3) the
+    method absorbs the tail with its record inside the trimmed steps too."""
+    kw = dict(decode=decode, decode_cap=3)
     for d in (1, 3):
         calls = [1, 1, 1, d + 1 if key in SPLITS else 1, 1, 1]
         total = sum(PREFILL) + sum(calls) + 2
-        x = rows(hash((key, d)) % 2**32, total)
-        a, r = build(tiny_llama, key, d), build(tiny_llama, key, 0)
+        x = rows(hash((key, d, decode)) % 2**32, total)
+        a, r = build(tiny_llama, key, d, **kw), build(tiny_llama, key, 0, **kw)
         at = 0
         for s in PREFILL:
             for got, want in zip(forward(a, x, at, at + s), forward(r, x, at, at + s)):
@@ -143,7 +149,7 @@ def test_trim_restores_every_layer_and_the_record(tiny_llama, key):
         coded = xq.quantized_tokens(a[1].velox_state) if key == "xquant" else None
         assert [c.trim(d) for c in a] == [d] * LAYERS
         assert fields(a) == seen[at - d] and a[0].offset == at - d
-        if key == "xquant":  # its first flush is the 43rd token: among the trimmed at d = 3
+        if key == "xquant" and decode == "evict":  # its first flush is the 43rd token: among the trimmed at d = 3
             assert (coded, xq.quantized_tokens(a[1].velox_state)) == ((32, 0) if d == 3 else (0, 0))
         assert not a[0].can_trim(1)
         for i in range(at - d, at - d + 2):  # decoding on: the run that never saw them

@@ -43,7 +43,7 @@ from .registry import Method
 
 __all__ = ["Plan", "Pending", "Held", "written", "take", "defer", "absorb", "attend", "fast_after",
            "stored_rows", "tokens", "positions", "new_arrays", "inner_state", "tail_state", "kind",
-           "trim", "can_trim", "trimmable_tokens", "TokenRecords", "check_verify", "at_token",
+           "trim", "can_trim", "trimmable_tokens", "TokenRecords", "split_refusal", "check_verify", "at_token",
            "after_split", "token_record", "kept_record", "left_record", "leaving"]
 
 
@@ -292,14 +292,16 @@ def leaving(h: Held, record: Any) -> Held:
 
 class TokenRecords(NamedTuple):
     """A cross-layer method's model-level records through a verify call run as one-token
-    steps inside each layer: token ``i``'s record as the layers so far left it, and the token
-    the stepping layer is at. Each layer steps every token of the call before the next layer
-    starts, so token ``i``'s record goes from layer to layer on its own; every token starts
-    from the record the model held before the call (:func:`check_verify`: exact only where
-    no layer reads what a layer wrote at an earlier token)."""
+    steps inside each layer: token ``i``'s record as the layers so far left it, the token the
+    stepping layer is at, and the record the model held before the call (``start``). Each
+    layer steps every token of the call before the next layer starts, so token ``i``'s record
+    goes from layer to layer on its own, starting from ``start`` (:func:`check_verify`: exact
+    only where no layer reads what a layer wrote at an earlier token); the last layer hands
+    on the record each token leaves (:func:`at_token`)."""
 
     records: tuple
     at: int = 0
+    start: Any = None
 
 
 def split_refusal(m: Method) -> str | None:
@@ -333,13 +335,22 @@ def check_verify(m: Method, s: int, depth: int) -> None:
             "or a method whose record a verify call can split")
 
 
-def at_token(record: Any, i: int, s: int) -> Any:
+def at_token(record: Any, i: int, s: int, last: bool) -> Any:
     """The model-level record a layer's verify call of ``s`` tokens holds as it steps token
     ``i``: the call's first layer makes the tokens' records from the model's (each token
-    starting from it), a later layer takes those the layer before left."""
-    if isinstance(record, TokenRecords):
-        return record._replace(at=i)
-    return TokenRecords((record,) * s, i)
+    starting from it), a later layer takes those the layer before left. At the ``last``
+    layer a token whose record no layer has replaced yet (still ``start`` itself) takes the
+    record the token before left, as token-by-token decoding hands it on: so the last layer
+    steps, journals and leaves what it would have, token by token (ChunkKV's or XQuant's
+    selection or codes carried past tokens that publish none, an append tail's)."""
+    if not isinstance(record, TokenRecords):
+        record = TokenRecords((record,) * s, i, record)
+    record = record._replace(at=i)
+    if last and i > 0 and record.records[i] is record.start:
+        records = list(record.records)
+        records[i] = records[i - 1]
+        record = record._replace(records=tuple(records))
+    return record
 
 
 def after_split(record: Any, last: bool) -> Any:
