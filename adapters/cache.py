@@ -79,10 +79,9 @@ from mlx_lm.models import base as _mlx_base
 from mlx_lm.models.cache import KVCache
 
 import velox
-from velox import evict, layer, wrap
-from velox.decode import (StepInfo, arrays as _arrays, compiled_form, record_form, step_info, steady_rows,
-                          with_state as _with_state)
-from velox.layer import Held, Pending, Plan
+from velox import layer as _layer, wrap
+from velox.decode import StepInfo, arrays as _arrays, step_info, with_state as _with_state
+from velox.layer import Held, Pending
 from velox.adapters import guards, model_step
 from velox.adapters.batch import VeloxBatchCache
 from velox.adapters.routing import (KV_BITS as _KV_BITS, Mode, _check_mode, _choose_mode,
@@ -121,12 +120,12 @@ class _Model:
             return None
         if self.record is None:
             self.record = m.model_init(self.layer_params)
-        return layer.token_record(self.record)
+        return _layer.token_record(self.record)
 
     def keep(self, record: Any) -> None:
         """Take the record a layer's update returned (its arrays scheduled for evaluation)."""
         if record is not None:
-            self.record = layer.kept_record(self.record, record)
+            self.record = _layer.kept_record(self.record, record)
             mx.async_eval(_arrays(record))
 
 
@@ -159,6 +158,21 @@ class _Shared:
 
     def __deepcopy__(self, memo: dict) -> "_Shared":
         return self
+
+
+class _Observer:
+    """A cache's ``observe``: ``None`` or ``fn(layer, info)``, held as a :class:`_Shared`;
+    setting it makes the cache decide its fast path again."""
+
+    def __get__(self, obj, cls=None) -> Callable[[int, StepInfo], Any] | None:
+        held = None if obj is None else obj.__dict__.get("_observe")
+        return None if held is None else held.fn
+
+    def __set__(self, obj, fn: Callable[[int, StepInfo], Any] | None) -> None:
+        if fn is not None and not callable(fn):
+            raise ValueError(f"observe={fn!r} must be None or a function fn(layer, info)")
+        obj.__dict__["_observe"] = None if fn is None else _Shared(fn)
+        obj.held = obj.held._replace(fast=False)  # decided again, with or without it
 
 
 ROLLBACK_MAX = wrap.ROLLBACK_MAX  # the most steps a cache journals (``rollback=``)
@@ -199,6 +213,18 @@ def _check_layer(m: Method, mode: Mode, layer: Any, rollback: int, params: dict[
     return full
 
 
+def _plan(m: Method, mode: Mode, layer: Any, params: dict[str, Any], artifact: Any, *,
+          backend: str, decode: str, decode_cap: int, rollback: int, compile: bool,
+          heads: Heads) -> _layer.Plan:
+    """One layer's plan (``velox.layer.plan``), its settings that depend on the method and
+    the heads checked first."""
+    check_heads(heads)
+    full = _check_layer(m, mode, layer, rollback, params, artifact)
+    return _layer.plan(m, params, full, backend=backend, rollback=rollback, artifact=artifact,
+                       tail=decode_cap if decode == "append" else None, compile=compile,
+                       heads=heads)
+
+
 class _BatchMerge:
     """``merge`` as a classmethod, hidden on an instance known to be unrouted (its
     ``_routed`` is ``False``): ``hasattr(cache, "merge")`` is then false."""
@@ -215,12 +241,10 @@ class _BatchMerge:
 
 
 class VeloxCache(SteppedCache):
-    """mlx-lm's cache protocol over one layer's ``velox.layer.Held`` record (``held``); each
-    step is a function of ``velox.layer`` whose result the cache stores (module doc: the
-    protocol's facts). Settings are fixed at construction; ``last_step`` says how the last
-    step ran (nothing reads it). ``observe`` (``None`` or ``fn(layer, info)``, shared by
-    copies) gets every update's ``velox.decode.StepInfo``; an observed cache decodes layer
-    by layer, and off it costs nothing."""
+    """mlx-lm's cache protocol over one layer's ``velox.layer.Held`` record (``held``), each
+    step a function of ``velox.layer`` (module doc: the protocol's facts). Settings are fixed
+    at construction; ``last_step`` says how the last step ran; ``observe`` (:class:`_Observer`)
+    gets every update's ``velox.decode.StepInfo`` (observed, a cache decodes layer by layer)."""
 
     def __init__(self, method: str, params: dict[str, Any] | None = None, *,
                  backend: str = "auto", layer: int = 0, model: _Model | None = None,
@@ -229,38 +253,23 @@ class VeloxCache(SteppedCache):
                  artifact: dict[str, Any] | None = None, rollback: int = 0,
                  observe: Callable[[int, StepInfo], Any] | None = None, heads: Heads = LOCAL):
         _check_settings(decode, decode_cap, rollback, compile, real_queries, backend)
-        check_heads(heads)
-        self.method, self.params = get_method(method), dict(params or {})
-        self.mode = _check_mode(mode)
-        full = _check_layer(self.method, self.mode, layer, rollback, self.params, artifact)
-        # the method it steps: behind its decode tail in append mode, then its journal
-        self._m = wrap.with_tail(self.method, decode_cap) if decode == "append" else self.method
-        self._m = wrap.with_rollback(self._m, rollback) if rollback else self._m
-        self._plan = Plan(self._m, backend, self.params, artifact, compile=compile,
-                          rows=steady_rows(self._m, full), heads=heads)
-        self.heads = heads  # the layer's kv heads this cache holds (velox.distributed)
+        self.method, self.params, self.mode = get_method(method), dict(params or {}), _check_mode(mode)
+        self._plan = _plan(self.method, self.mode, layer, self.params, artifact, backend=backend,
+                           decode=decode, decode_cap=decode_cap, rollback=rollback,
+                           compile=compile, heads=heads)
+        self._m = self._plan.m  # the method it steps: behind a decode tail, then a journal
         self.decode, self.decode_cap, self.rollback, self.artifact = decode, decode_cap, rollback, artifact
         self.backend, self.layer, self._model, self.compile = backend, layer, model, compile
-        self.real_queries, self.last_step, self.held = real_queries, None, Held()
+        self.real_queries, self.heads, self.last_step, self.held = real_queries, heads, None, Held()
         self._route_unknown = False  # loaded without its model: its first forward says
         self.observe = observe
 
-    @property
-    def observe(self) -> Callable[[int, StepInfo], Any] | None:
-        held = self.__dict__.get("_observe")
-        return None if held is None else held.fn
-
-    @observe.setter
-    def observe(self, fn: Callable[[int, StepInfo], Any] | None) -> None:
-        if fn is not None and not callable(fn):
-            raise ValueError(f"observe={fn!r} must be None or a function fn(layer, info)")
-        self.__dict__["_observe"] = None if fn is None else _Shared(fn)
-        self.held = self.held._replace(fast=False)  # decided again, with or without it
+    observe = _Observer()
 
     @property
     def _state(self) -> tuple | None:
         """The stepped method's state, its pending row written (once: the record is kept)."""
-        self.held = layer.written(self.held)
+        self.held = _layer.written(self.held)
         return self.held.state
 
     @_state.setter
@@ -280,7 +289,7 @@ class VeloxCache(SteppedCache):
 
     def size(self) -> int:
         """Tokens held: stored (an append-mode tail included) and those of a pending step."""
-        return layer.tokens(self._m, self.held)
+        return _layer.tokens(self._m, self.held)
 
     def empty(self) -> bool:
         return self.held.state is None and self.held.pending is None
@@ -288,27 +297,27 @@ class VeloxCache(SteppedCache):
     @property
     def tail(self) -> tuple[mx.array, mx.array] | None:
         """Append mode: the decoded ``(keys, values)`` not yet compressed, or ``None``."""
-        st = layer.tail_state(self.held.state)
+        st = _layer.tail_state(self.held.state)
         return None if st is None else (st.keys, st.values)
 
     @property
     def tail_queries(self) -> mx.array | None:
         """Append mode: the tail's real queries (``None`` also where a step gave none)."""
-        st = layer.tail_state(self.held.state)
+        st = _layer.tail_state(self.held.state)
         return None if st is None else st.queries
 
     def positions(self) -> mx.array:
         """Absolute positions ``[b, h, n]``: stored (a tail last), then a pending step's."""
-        return layer.positions(self._m, self.held)
+        return _layer.positions(self._m, self.held)
 
     def is_trimmable(self) -> bool:
         return self.rollback > 0
 
     def trimmable_tokens(self) -> int:
-        return layer.trimmable_tokens(self.held.state)
+        return _layer.trimmable_tokens(self.held.state)
 
     def can_trim(self, n: int) -> bool:
-        return layer.can_trim(self.held.state, n)
+        return _layer.can_trim(self.held.state, n)
 
     @_BatchMerge
     def merge(cls, caches: list) -> "velox.adapters.batch.VeloxBatchCache":
@@ -319,9 +328,9 @@ class VeloxCache(SteppedCache):
         """Remove the newest ``n`` tokens exactly and return ``n`` (``ValueError`` where
         ``can_trim(n)`` is false); without rollback nothing, and 0."""
         if self.rollback:
-            self.held = layer.trim(self.held, n, self.rollback)
+            self.held = _layer.trim(self.held, n, self.rollback)
             if self._model is not None and n:  # the record this layer left then (the last layer's stands)
-                self._model.record = layer.left_record(self.held.state)
+                self._model.record = _layer.left_record(self.held.state)
         return n if self.rollback else 0
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
@@ -338,13 +347,16 @@ class VeloxCache(SteppedCache):
     @property
     def nbytes(self) -> int:
         """Bytes the state holds (a tail, its queries, a journal) and a pending step's."""
-        total = 0 if self.held.state is None else self._m.nbytes(self._state)
-        return total + sum(x.nbytes for x in self._pending_arrays())
+        p, held = self.held.pending, 0 if self.held.state is None else self._m.nbytes(self._state)
+        return held + (0 if p is None else p.keys.nbytes + p.values.nbytes)
 
     @property
     def state(self) -> list[mx.array]:
         """Every array of the state and of a pending step (mlx-lm evaluates these)."""
-        return [] if self.held.state is None else _arrays(self._state) + self._pending_arrays()
+        if self.held.state is None:
+            return []
+        self.held = _layer.written(self.held)
+        return _layer.held_arrays(self.held)
 
     @state.setter
     def state(self, v) -> None:
@@ -353,23 +365,16 @@ class VeloxCache(SteppedCache):
     @property
     def velox_state(self) -> tuple | None:
         """The method's own state (no tail, no journal, no pending step)."""
-        return layer.inner_state(self._state)
-
-    def _pending_arrays(self) -> list[mx.array]:
-        p = self.held.pending
-        return [] if p is None else [p.keys, p.values]
+        return _layer.inner_state(self._state)
 
     # -- the compiled whole-model step (velox.adapters.model_step) -------------------
     def steady_state(self) -> tuple | None:
-        h = self.held
-        if h.state is None or h.pending is not None or not _capture_installed() or self.observe:
+        if not _capture_installed() or self.observe or self.held.state is None or self.held.pending:
             return None
-        if self.record_step() is not None:  # a cross-layer method: its full state, no row
-            form = record_form(self._m, self._state) if self.compile and self._alone() else None
-            return None if form is None else (self._m, form, None, h.offset)
-        form = compiled_form(self._m, h.state, h.offset, steady=h.fast,
-                             plain=self.compile and self._plain(), row=h.row)
-        return None if form is None else (self._m, form, h.row, h.offset)
+        record, alone = self.record_step() is not None, self._alone()  # record: no row
+        self.held, form = _layer.steady(self._plan, self.held, alone=alone, record=record,
+                                        plain=alone and self.method.layer_update is None)
+        return None if form is None else (self._m, form, self.held.row, self.held.offset)
 
     def record_step(self) -> tuple[Any, int] | None:
         m = self._m
@@ -379,42 +384,31 @@ class VeloxCache(SteppedCache):
 
     def stepped(self, state, row) -> None:
         fast = self.record_step() is None  # a record's layer takes its checked path next
-        self.held = Held(state, row, self.held.offset + 1, None, fast)
-        self.last_step = "compiled"
+        self.held, self.last_step = Held(state, row, self.held.offset + 1, None, fast), "compiled"
 
     # -- updates -------------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Take this step's tokens; return what its attention reads (stored + new, or the new
         ones alone where the wrapper attends by itself; a verify call waits whole for it)."""
-        h, s = self.held, keys.shape[2]
-        if h.fast and s == 1 and h.pending is None and _capture_installed():
-            # after a fused step: nothing to check; the row is written inside the next one
-            self.held = h._replace(offset=h.offset + 1, pending=Pending(keys, values, True, True))
-            return keys, values
-        if self._route_unknown and h.pending is None:
+        if self._route_unknown and self.held.pending is None:
             install_query_capture()  # loaded without its model: its modules are imported now
         self._settle()
-        if 1 < s <= self.rollback + 1 and self.held.offset > 0 and self._wrapped():
-            if self._model is not None:  # a cross-layer record: refused where it cannot split
-                layer.check_verify(self._m, s, self.rollback)
-                self._model.record_of(self._m)  # (made on first use)
-            self.held = self.held._replace(offset=self.held.offset + s,
-                                           pending=Pending(keys, values, new_only=True, split=True))
-            return keys, values
-        return self._fetch(keys, values)
+        held = _layer.waits(self.held, keys, values, rollback=self.rollback, wrapped=self._wrapped())
+        if held is None:
+            return self._fetch(keys, values)
+        if held.pending.split and self._model is not None:  # a cross-layer record: refused
+            _layer.check_verify(self._m, keys.shape[2], self.rollback)  # where it cannot split
+            self._model.record_of(self._m)  # (made on first use)
+        self.held = held
+        return keys, values
 
     def _fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.held, step = layer.take(self._plan, self.held, keys, values)
         wrapped = self.mode is Mode.DEFERRED and _capture_installed()
-        if wrapped:
-            self.held = layer.defer(self._plan, self.held, step, routed=not self._route_unknown)
-            if self.held.pending.new_only:
-                return keys, values
-        k, v = layer.stored_rows(self._m, self.held.state if wrapped else self._state, wrapped=wrapped)
-        out = evict.append_rows(k, keys), evict.append_rows(v, values)
+        self.held, step, out = _layer.fetch(self._plan, self.held, keys, values, wrapped=wrapped,
+                                            routed=not self._route_unknown)
         if not wrapped:
             self._absorb(step, None)
-            self.last_step = layer.kind(self.held.state, "proxy")
+            self.last_step = _layer.kind(self.held.state, "proxy")
         return out
 
     def attention(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
@@ -433,48 +427,42 @@ class VeloxCache(SteppedCache):
             outs = []
             for i in range(s):  # a cross-layer record: each token's own (velox.layer.at_token)
                 if model is not None:
-                    model.record = layer.at_token(model.record, i, s, last)
+                    model.record = _layer.at_token(model.record, i, s, last)
                 outs.append(self.attention(queries[:, :, i:i + 1], *self._fetch(
                     step.keys[:, :, i:i + 1], step.values[:, :, i:i + 1]), scale=scale, mask=None,
                     sinks=sinks))
             if model is not None:
-                model.record = layer.after_split(model.record, last)
+                model.record = _layer.after_split(model.record, last)
             return mx.concatenate(outs, axis=2)
         before = self._state if self.observe else None
-        out, self.held, self.last_step, record = layer.attend(
+        out, self.held, self.last_step, record = _layer.attend(
             self._plan, self.held, queries, keys, values, scale=scale, mask=mask, sinks=sinks,
             plain=self._plain(), record=self._record(), index=self.layer)
         self._updated(before, step, record)
-        return _with_state(out, layer.new_arrays(self.held))
+        return _with_state(out, _layer.new_arrays(self.held))
 
     def absorb(self, keys: mx.array, values: mx.array, *, queries: mx.array | None = None) -> None:
         """Feed rows (and their queries) straight into the state (KVzip's reconstruction)."""
         self._settle()
-        self.held, step = layer.take(self._plan, self.held, keys, values)
+        self.held, step = _layer.take(self._plan, self.held, keys, values)
         self._absorb(step, queries)
 
     def _settle(self) -> None:
         """Complete with the proxy a pending step whose attention missed the wrapper (a
         cache loaded without its model then learns its mode is proxy)."""
-        step = self.held.pending
-        if step is None:
-            return
-        if self._route_unknown:
+        if self.held.pending is not None and self._route_unknown:
             self._route_unknown = False
             self.mode = _choose_mode(self._m, real_queries=self.real_queries, routed=False)
-        if step.new_only:
-            raise RuntimeError(
-                f"{self.method.key} attends through mlx-lm's scaled_dot_product_attention, "
-                "but the last forward did not call it for this layer")
-        self.held = self.held._replace(pending=None)
-        self._absorb(step, None)
+        self.held, step = _layer.missed(self.method, self.held)
+        if step is not None:
+            self._absorb(step, None)
 
     def _absorb(self, step: Pending, queries: mx.array | None) -> None:
         before = self._state if self.observe else None
-        self.held, record = layer.absorb(self._plan, self.held, step, queries,
-                                         record=self._record(), index=self.layer)
+        self.held, record = _layer.absorb(self._plan, self.held, step, queries,
+                                          record=self._record(), index=self.layer)
         self._updated(before, step, record)
-        mx.async_eval(layer.new_arrays(self.held))
+        mx.async_eval(_layer.new_arrays(self.held))
 
     def _record(self) -> Any:
         return None if self._model is None else self._model.record_of(self._m)
@@ -488,14 +476,12 @@ class VeloxCache(SteppedCache):
             held.fn(self.layer, step_info(self._m, before, self._state, step.keys, step.values))
 
     def _alone(self) -> bool:
-        """No journal, tail, observer or unknown route: a single-token step is the method's
-        own (with its model-level record, for a cross-layer method)."""
+        """No journal, tail, observer or unknown route: a step is the method's own."""
         return (not self.rollback and self._m is self.method and not self.observe
                 and not self._route_unknown)
 
     def _plain(self) -> bool:
-        """:meth:`_alone` and no model-level record: the fast path, chunked storage's
-        compiled step."""
+        """:meth:`_alone`, no model-level record: the fast path and the compiled step."""
         return self._alone() and self.method.layer_update is None
 
     def _wrapped(self) -> bool:

@@ -159,3 +159,24 @@ def test_every_script_imports_velox_before_mlx():
         if first["mlx"] is not None and (first["velox"] is None or first["velox"] > first["mlx"]):
             late.append(path.name)
     assert late == []
+
+
+def test_lowrank_prefill_times_the_decompositions_and_restores_them():
+    """The decomposition timer counts every eigh / svd call of MLX and NumPy while it runs,
+    returns their results unchanged, and puts the functions back."""
+    import velox  # noqa: F401
+    import mlx.core as mx
+    import numpy as np
+
+    bench = _load("lowrank_prefill")
+    before = (mx.linalg.eigh, mx.linalg.svd, np.linalg.eigh, np.linalg.svd)
+    a = np.array([[2.0, 1.0], [1.0, 3.0]], np.float32)
+    total = [0.0]
+    with bench.timed_decompositions(total):
+        lam, _ = mx.linalg.eigh(mx.array(a), stream=mx.cpu)
+        lam_np, _ = np.linalg.eigh(a)
+        np.linalg.svd(a)
+    assert total[0] > 0
+    assert np.allclose(np.array(lam), np.linalg.eigvalsh(a), atol=1e-5)
+    assert np.allclose(lam_np, np.linalg.eigvalsh(a))
+    assert (mx.linalg.eigh, mx.linalg.svd, np.linalg.eigh, np.linalg.svd) == before

@@ -155,3 +155,75 @@ def test_inner_and_tail_states():
     tail = layer.tail_state(h.state)
     assert tail is not None and tail.tail_len == 1 and layer.kind(h.state, "deferred") == "tail"
     assert layer.inner_state(h.state) is h.state.inner.inner
+
+
+def test_plan_wraps_the_method_in_a_tail_then_a_journal():
+    m = get_method("tova")
+    full = validate_params(m.spec, PARAMS["tova"])
+    p = layer.plan(m, PARAMS["tova"], full, backend="mlx")
+    assert p.m is m and p.rows == decode.steady_rows(m, full) and p.backend == "mlx"
+    both = layer.plan(m, PARAMS["tova"], full, tail=4, rollback=2)
+    assert both.m.key == "tova@tail4@rollback2" and wrap.wrapped(wrap.wrapped(both.m)) is m
+    assert both.rows == decode.steady_rows(both.m, full)
+
+
+def test_fetch_hands_out_what_the_attention_reads():
+    """Wrapped: the step pending, the new rows alone where the wrapper attends by itself (a
+    steady token), stored + new otherwise; not wrapped: the step is the caller's to absorb."""
+    p = _plan("tova")
+    rng = np.random.default_rng(6)
+    k, v, _ = _rows(rng, 3)
+    h, step, (gk, gv) = layer.fetch(p, layer.Held(), k, v, wrapped=False, routed=True)
+    assert h.pending is None and step.keys is k and gk.shape[2] == 3 and h.offset == 3
+    h, _ = layer.absorb(p, h, step, None)
+    k1, v1, _ = _rows(rng, 1)
+    h2, step, (gk, gv) = layer.fetch(p, h, k1, v1, wrapped=True, routed=True)
+    assert h2.pending is not None and not h2.pending.new_only  # room left: stored + new
+    sk, _ = layer.stored_rows(p.m, h2.state, wrapped=True)
+    assert gk.shape[2] == sk.shape[2] + 1 and bool(mx.array_equal(gk[:, :, -1:], k1))
+    full, step = layer.take(p, layer.Held(), *_rows(rng, 12)[:2])
+    full, _ = layer.absorb(p, full, step, None)
+    h3, _, (gk, gv) = layer.fetch(p, full, k1, v1, wrapped=True, routed=True)
+    assert h3.pending.fused and h3.pending.new_only and gk is k1 and gv is v1
+
+
+def test_waits_and_missed():
+    """A single token after a fused step, and a verify call, wait whole for the wrapped
+    attention; nothing waits unwrapped or with a step pending. A step whose attention never
+    came is handed back, unless the cache handed out its new rows alone."""
+    rng = np.random.default_rng(7)
+    k, v, _ = _rows(rng, 1)
+    fast = layer.Held(state=(), offset=5, fast=True)
+    got = layer.waits(fast, k, v, rollback=0, wrapped=True)
+    assert got.offset == 6 and got.pending.fused and got.pending.new_only
+    assert layer.waits(fast, k, v, rollback=0, wrapped=False) is None
+    assert layer.waits(fast._replace(fast=False), k, v, rollback=0, wrapped=True) is None
+    k3, v3, _ = _rows(rng, 3)
+    split = layer.waits(layer.Held(state=(), offset=5), k3, v3, rollback=2, wrapped=True)
+    assert split.pending.split and split.offset == 8
+    assert layer.waits(layer.Held(state=(), offset=5), k3, v3, rollback=1, wrapped=True) is None
+    assert layer.waits(layer.Held(offset=0), k3, v3, rollback=4, wrapped=True) is None
+    m = get_method("tova")
+    h, step = layer.missed(m, fast._replace(pending=layer.Pending(k, v)))
+    assert h.pending is None and step.keys is k
+    assert layer.missed(m, fast) == (fast, None)
+    with pytest.raises(RuntimeError, match="did not call it"):
+        layer.missed(m, fast._replace(pending=layer.Pending(k, v, new_only=True)))
+
+
+def test_steady_offers_the_compiled_form_only_when_nothing_waits():
+    p = _plan("tova")
+    rng = np.random.default_rng(8)
+    assert layer.steady(p, layer.Held(), plain=True, alone=True, record=False)[1] is None
+    h, step = layer.take(p, layer.Held(), *_rows(rng, 12)[:2])
+    h, _ = layer.absorb(p, h, step, None)
+    k, v, q = _rows(rng, 1)
+    h = layer.defer(p, *layer.take(p, h, k, v), routed=True)
+    _, h, kind, _ = layer.attend(p, h, q, k, v, scale=SCALE, mask=None, sinks=None, plain=True)
+    kept, form = layer.steady(p, h, plain=True, alone=True, record=False)
+    assert kind == "fused" and form is not None and kept is h and kept.row is not None
+    assert layer.steady(p, h._replace(pending=layer.Pending(k, v)), plain=True, alone=True,
+                        record=False)[1] is None
+    assert layer.steady(p, h._replace(fast=False), plain=True, alone=True, record=False)[1] is None
+    arrays = layer.held_arrays(layer.written(h)._replace(pending=layer.Pending(k, v)))
+    assert arrays[-2] is k and arrays[-1] is v

@@ -35,16 +35,17 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 
 from . import evict, wrap
-from .decode import (compiled, fill_token, layer_step, steady_token, with_empty_slots,
-                     write_row)
+from .decode import (compiled, compiled_form, fill_token, layer_step, record_form, steady_rows,
+                     steady_token, with_empty_slots, write_row)
 from .decode import arrays as _arrays
 from .distributed import LOCAL, Heads
 from .registry import Method
 
-__all__ = ["Plan", "Pending", "Held", "written", "take", "defer", "absorb", "attend", "fast_after",
-           "stored_rows", "tokens", "positions", "new_arrays", "inner_state", "tail_state", "kind",
-           "trim", "can_trim", "trimmable_tokens", "TokenRecords", "split_refusal", "check_verify", "at_token",
-           "after_split", "token_record", "kept_record", "left_record", "leaving"]
+__all__ = ["Plan", "Pending", "Held", "plan", "written", "take", "defer", "waits", "fetch", "missed", "absorb", "attend",
+           "fast_after", "steady", "stored_rows", "tokens", "positions", "held_arrays", "new_arrays",
+           "inner_state", "tail_state", "kind", "trim", "can_trim", "trimmable_tokens", "TokenRecords",
+           "split_refusal", "check_verify", "at_token", "after_split", "token_record", "kept_record",
+           "left_record", "leaving"]
 
 
 class Plan(NamedTuple):
@@ -91,6 +92,19 @@ class Held(NamedTuple):
     fast: bool = False
 
 
+def plan(m: Method, params: dict[str, Any], full: dict[str, Any], *, backend: str = "auto",
+         tail: int | None = None, rollback: int = 0, artifact: Any = None, compile: bool = True,
+         heads: Heads = LOCAL) -> Plan:
+    """The plan of a layer stepping ``m`` (``params`` as given, ``full`` the same validated
+    with its defaults): the method behind a decode tail of ``tail`` tokens where one is given
+    (``velox.wrap.with_tail``), then behind a journal of its last ``rollback`` updates
+    (``velox.wrap.with_rollback``); the slots of its steady state."""
+    run = wrap.with_tail(m, tail) if tail else m
+    run = wrap.with_rollback(run, rollback) if rollback else run
+    return Plan(run, backend, params, artifact, rows=steady_rows(run, full), compile=compile,
+                heads=heads)
+
+
 def written(h: Held) -> Held:
     """``h`` with its pending row written into its slot (``fast`` kept: the same slots)."""
     if h.row is None:
@@ -123,6 +137,50 @@ def defer(p: Plan, h: Held, step: Pending, *, routed: bool) -> Held:
     fused = fused or filled is not None
     new_only = routed and (m.attend is not None or fused)
     return h._replace(pending=step._replace(fused=fused, new_only=new_only, filled=filled))
+
+
+def waits(h: Held, keys: mx.array, values: mx.array, *, rollback: int,
+          wrapped: bool) -> Held | None:
+    """``h`` with a call's tokens pending whole for the wrapped attention (``wrapped``: it
+    runs for this layer) where they need nothing before it, else ``None`` (:func:`fetch`):
+    a single token after a fused step while ``fast`` holds (nothing to check; the row is
+    written inside the next step), and a verify call (2 to ``rollback + 1`` tokens on a
+    state holding tokens), which the attention runs as the one-token steps it stands for."""
+    s = keys.shape[2]
+    if not wrapped or h.pending is not None:
+        return None
+    if h.fast and s == 1:
+        return h._replace(offset=h.offset + 1, pending=Pending(keys, values, True, True))
+    if 1 < s <= rollback + 1 and h.offset > 0:
+        return h._replace(offset=h.offset + s,
+                          pending=Pending(keys, values, new_only=True, split=True))
+    return None
+
+
+def fetch(p: Plan, h: Held, keys: mx.array, values: mx.array, *, wrapped: bool,
+          routed: bool) -> tuple[Held, Pending, tuple[mx.array, mx.array]]:
+    """A call's tokens taken (:func:`take`) and what the call hands the model's attention:
+    ``(held, step, (keys, values))``. Where the wrapped attention comes later (``wrapped``)
+    the step is pending for it (:func:`defer`), and the new rows alone are handed out where
+    the wrapper attends by itself; else the step is the caller's to :func:`absorb` and the
+    stored rows come first (:func:`stored_rows`)."""
+    h, step = take(p, h, keys, values)
+    h = defer(p, h, step, routed=routed) if wrapped else written(h)
+    if wrapped and h.pending.new_only:
+        return h, step, (keys, values)
+    k, v = stored_rows(p.m, h.state, wrapped=wrapped)
+    return h, step, (evict.append_rows(k, keys), evict.append_rows(v, values))
+
+
+def missed(m: Method, h: Held) -> tuple[Held, Pending | None]:
+    """``h`` without a pending step whose attention never reached the wrapper, and that step
+    (``None`` where none is pending), for :func:`absorb` with the proxy; ``RuntimeError``
+    where the cache had handed out its new rows alone (nothing attended over the rest)."""
+    step = h.pending
+    if step is not None and step.new_only:
+        raise RuntimeError(f"{m.key} attends through mlx-lm's scaled_dot_product_attention, "
+                           "but the last forward did not call it for this layer")
+    return (h, None) if step is None else (h._replace(pending=None), step)
 
 
 def absorb(p: Plan, h: Held, step: Pending, queries: mx.array | None, *, record: Any = None,
@@ -189,6 +247,22 @@ def fast_after(p: Plan, state, plain: bool) -> bool:
     return plain and p.m.kv_slots(state)[0].shape[2] == p.rows
 
 
+def steady(p: Plan, h: Held, *, plain: bool, alone: bool, record: bool) -> tuple[Held, Any]:
+    """The state the whole model's compiled step takes for ``h``'s next token, ``None`` where
+    that token runs layer by layer (a state not made yet, a step pending): with a model-level
+    ``record``, the layer's full state (its row written first; ``velox.decode.record_form``)
+    where its steps are the method's ``alone``; else ``velox.decode.compiled_form`` (``fast``
+    its fast path, ``plain`` its steps). Returns ``(held, form)``: ``held`` as the cache keeps
+    it."""
+    if h.state is None or h.pending is not None:
+        return h, None
+    if record:
+        h = written(h)
+        return h, record_form(p.m, h.state) if p.compile and alone else None
+    return h, compiled_form(p.m, h.state, h.offset, steady=h.fast, plain=p.compile and plain,
+                            row=h.row)
+
+
 def stored_rows(m: Method, state, *, wrapped: bool) -> tuple[mx.array, mx.array]:
     """The stored rows a step's attention reads: ``kv_slots`` (storage order; attention does
     not depend on it). With empty slots the wrapped attention masks them; mlx-lm's own
@@ -214,6 +288,13 @@ def positions(m: Method, h: Held) -> mx.array:
         return pos
     new = mx.arange(h.offset - t, h.offset, dtype=pos.dtype)
     return mx.concatenate([pos, mx.broadcast_to(new, (*pos.shape[:2], t))], axis=2)
+
+
+def held_arrays(h: Held) -> list[mx.array]:
+    """Every array ``h`` holds: its state's (its row written: :func:`written`) and a pending
+    step's rows."""
+    p = h.pending
+    return _arrays(h.state) + ([] if p is None else [p.keys, p.values])
 
 
 def new_arrays(h: Held) -> list[mx.array]:
