@@ -329,7 +329,7 @@ class VeloxCache(SteppedCache):
         ``can_trim(n)`` is false); without rollback nothing, and 0."""
         if self.rollback:
             self.held = _layer.trim(self.held, n, self.rollback)
-            if self._model is not None and n:  # the record this layer left then (the last layer's stands)
+            if self._model is not None and n:  # the record it left then (the last layer's stands)
                 self._model.record = _layer.left_record(self.held.state)
         return n if self.rollback else 0
 

@@ -70,8 +70,9 @@ def check_speculative(model, prompt_cache, *, num_draft_tokens: int, kv_bits=Non
         return
     n = len(model.layers)
     for i, c in enumerate(prompt_cache):  # a cross-layer record a verify call cannot split
-        if isinstance(c, Attends) and getattr(c, "_model", None) is not None and c.rollback:
-            layer.check_verify(c._m, k + 1 if i < n else 2, c.rollback)
+        depth = getattr(c, "rollback", 0)
+        if isinstance(c, Attends) and getattr(c, "_model", None) is not None and depth:
+            layer.check_verify(c._m, k + 1 if i < n else 2, depth)
     for c in _velox(prompt_cache[:n]):
         depth = getattr(c, "rollback", 0)  # (a batch cache has none: it never trims)
         if depth < k:

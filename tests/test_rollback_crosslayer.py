@@ -149,7 +149,7 @@ def test_trim_restores_every_layer_and_the_record(tiny_llama, key, decode):
         coded = xq.quantized_tokens(a[1].velox_state) if key == "xquant" else None
         assert [c.trim(d) for c in a] == [d] * LAYERS
         assert fields(a) == seen[at - d] and a[0].offset == at - d
-        if key == "xquant" and decode == "evict":  # its first flush is the 43rd token: among the trimmed at d = 3
+        if key == "xquant" and decode == "evict":  # its first flush: the 43rd token
             assert (coded, xq.quantized_tokens(a[1].velox_state)) == ((32, 0) if d == 3 else (0, 0))
         assert not a[0].can_trim(1)
         for i in range(at - d, at - d + 2):  # decoding on: the run that never saw them
