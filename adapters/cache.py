@@ -120,12 +120,12 @@ class _Model:
             return None
         if self.record is None:
             self.record = m.model_init(self.layer_params)
-        return self.record
+        return _layer.token_record(self.record)
 
     def keep(self, record: Any) -> None:
         """Take the record a layer's update returned (its arrays scheduled for evaluation)."""
         if record is not None:
-            self.record = record
+            self.record = _layer.kept_record(self.record, record)
             mx.async_eval(_arrays(record))
 
 
@@ -204,11 +204,6 @@ def _check_layer(m: Method, mode: Mode, layer: Any, rollback: int, params: dict[
     validated (every one, defaults filled in)."""
     if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
         raise ValueError(f"layer={layer!r} must be an integer >= 0")
-    if rollback and m.layer_update is not None:
-        raise ValueError(
-            f"rollback={rollback}: {m.key} updates a model-level record shared by every layer, "
-            "layer by layer, which neither a layer's journal restores nor a verify call split "
-            "inside each layer reproduces; use rollback=0")
     if mode is Mode.PROXY and m.attend is not None:
         raise ValueError(f"{m.key} attends through its own hook: it needs mode='deferred' (a "
                          "model whose attention calls mlx-lm's scaled_dot_product_attention)")
@@ -334,6 +329,8 @@ class VeloxCache(SteppedCache):
         ``can_trim(n)`` is false); without rollback nothing, and 0."""
         if self.rollback:
             self.held = _layer.trim(self.held, n, self.rollback)
+            if self._model is not None and n:  # the record it left then (the last layer's stands)
+                self._model.record = _layer.left_record(self.held.state)
         return n if self.rollback else 0
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
@@ -399,6 +396,9 @@ class VeloxCache(SteppedCache):
         held = _layer.waits(self.held, keys, values, rollback=self.rollback, wrapped=self._wrapped())
         if held is None:
             return self._fetch(keys, values)
+        if held.pending.split and self._model is not None:  # a cross-layer record: refused
+            _layer.check_verify(self._m, keys.shape[2], self.rollback)  # where it cannot split
+            self._model.record_of(self._m)  # (made on first use)
         self.held = held
         return keys, values
 
@@ -421,11 +421,19 @@ class VeloxCache(SteppedCache):
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                         mask=mask, sinks=sinks)
         if step.split:  # a verify call: the one-token steps it stands for, each journaled
-            s = step.keys.shape[2]
+            s, model = step.keys.shape[2], self._model
+            last = model is not None and self.layer == model.n_layers - 1
             self.held = self.held._replace(offset=self.held.offset - s, pending=None)
-            return mx.concatenate([self.attention(queries[:, :, i:i + 1], *self._fetch(
-                step.keys[:, :, i:i + 1], step.values[:, :, i:i + 1]), scale=scale, mask=None,
-                sinks=sinks) for i in range(s)], axis=2)
+            outs = []
+            for i in range(s):  # a cross-layer record: each token's own (velox.layer.at_token)
+                if model is not None:
+                    model.record = _layer.at_token(model.record, i, s, last)
+                outs.append(self.attention(queries[:, :, i:i + 1], *self._fetch(
+                    step.keys[:, :, i:i + 1], step.values[:, :, i:i + 1]), scale=scale, mask=None,
+                    sinks=sinks))
+            if model is not None:
+                model.record = _layer.after_split(model.record, last)
+            return mx.concatenate(outs, axis=2)
         before = self._state if self.observe else None
         out, self.held, self.last_step, record = _layer.attend(
             self._plan, self.held, queries, keys, values, scale=scale, mask=mask, sinks=sinks,
@@ -536,7 +544,8 @@ def make_cache(model, method: str, *, backend: str = "auto", real_queries: bool 
             call) runs as one-token steps, so ``draft_model=`` with ``num_draft_tokens <= d``
             gives the greedy tokens of the run without a draft. The journal costs up to ``d``
             states beyond the cache's own in ``decode="evict"`` (each step makes a new
-            state), hence the bound. Refused for cross-layer methods.
+            state), hence the bound. A cross-layer method's journal restores its model-level
+            record too; a verify call of MiniCache, which cannot split per layer, raises.
         observe: ``fn(layer, info)`` called after every update of a layer's state with the
             step's ``velox.decode.StepInfo`` (tokens held and dropped, bytes, the step's
             quantization error); observed caches decode layer by layer. Also settable later

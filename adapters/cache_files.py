@@ -30,7 +30,7 @@ from velox.adapters.routing import (Mode, _choose_mode, install_query_capture,
 from velox.backend import BackendUnavailable, resolve_backend
 from velox.decode import slack as decode_slack
 from velox.distributed import LOCAL, Heads
-from velox import wrap
+from velox import layer, wrap
 from velox.registry import Method, get_method
 from velox.spec import validate_params
 from velox.state_dims import method_dims
@@ -295,6 +295,8 @@ def load_cache(path: str | Path, model=None, *,
             # the rows it carries are in the model's dtype, which a fresh one cannot know.
             _compare(f"{where}: cross-layer record", rec, fresh, static_values=False)
             shared.record = rec
+            for c in caches:  # a journal's layers left this record (velox.layer.left_record)
+                c.held = layer.leaving(c.held, rec)
     elif record_meta is not None or layer_params is not None:
         raise ValueError(f"{where}: holds a cross-layer record but no layer's method uses one")
     extra = sorted(set(arrays) - used)

@@ -9,7 +9,8 @@ prompt cache behind the cache protocol's back:
   ``prompt_cache`` it would silently do nothing;
 * speculative decoding trims up to ``num_draft_tokens`` tokens of the model's caches and
   ``num_draft_tokens - 1`` of the draft's; a velox cache trims exactly only within its
-  ``rollback`` depth and only in deferred mode (the verify call run as one-token steps).
+  ``rollback`` depth and only in deferred mode (the verify call run as one-token steps), and
+  a cross-layer method only where that split is exact (``velox.layer.check_verify``).
 
 :func:`install` (``make_cache`` and ``load_cache`` call it) wraps both functions in
 ``mlx_lm.generate``, so that ``mlx_lm.generate``/``stream_generate``, the server and any
@@ -28,6 +29,8 @@ import functools
 import importlib
 import inspect
 from typing import Any, Callable
+
+from velox import layer
 
 from .model_step import Attends
 from .routing import KV_BITS, Mode, capture_installed
@@ -66,6 +69,10 @@ def check_speculative(model, prompt_cache, *, num_draft_tokens: int, kv_bits=Non
     if not isinstance(k, int):
         return
     n = len(model.layers)
+    for i, c in enumerate(prompt_cache):  # a cross-layer record a verify call cannot split
+        depth = getattr(c, "rollback", 0)
+        if isinstance(c, Attends) and getattr(c, "_model", None) is not None and depth:
+            layer.check_verify(c._m, k + 1 if i < n else 2, depth)
     for c in _velox(prompt_cache[:n]):
         depth = getattr(c, "rollback", 0)  # (a batch cache has none: it never trims)
         if depth < k:

@@ -19,9 +19,12 @@ from tests._helpers import every_method
 
 # Methods made of methods (velox.wrap) are checked like any other: a tail over a slot evictor
 # and over a codec cache of chunked storage with its own attention, a journal over a quantizer
-# with its own attention (tests/test_wrap.py runs both wrappers over TOVA and KIVI too).
+# with its own attention, and over a cross-layer method whose layers share arrays (its
+# nbytes counts as the method does; tests/test_wrap.py runs both wrappers over TOVA and KIVI,
+# tests/test_rollback_crosslayer.py the journal over every cross-layer method, by layers).
 WRAPPED = tuple(w(get_method(k), n).key for w, k, n in (
-    (wrap.with_tail, "tova", 4), (wrap.with_tail, "turboquant_mse", 3), (wrap.with_rollback, "kivi", 2)))
+    (wrap.with_tail, "tova", 4), (wrap.with_tail, "turboquant_mse", 3), (wrap.with_rollback, "kivi", 2),
+    (wrap.with_rollback, "xquant", 2)))
 KEYS = method_keys() + WRAPPED
 
 

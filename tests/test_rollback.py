@@ -29,6 +29,7 @@ SCALE = D ** -0.5
 SMALL = dict(budget=10, window_size=8, n_sink=2, grace=2, recent=2, obs_window=4, window=4,
              residual_length=4, group_size=8, merge_window=4, threshold_window=8,
              calib_tokens=8, kernel_size=3, page_size=4, codebook="random", basis="prefill")
+# Cross-layer methods roll back a model's layers together: tests/test_rollback_crosslayer.py.
 CROSS_LAYER = [k for k in method_keys() if get_method(k).layer_update is not None]
 METHODS = [k for k in method_keys() if k not in CROSS_LAYER]
 
@@ -217,11 +218,10 @@ def test_proxy_mode_trims_at_step_boundaries_only():
 
 
 @pytest.mark.parametrize("key", CROSS_LAYER)
-def test_cross_layer_methods_refuse_rollback(tiny_llama, key):
-    with pytest.raises(ValueError, match="model-level record"):
-        VeloxCache(key, rollback=1)
-    with pytest.raises(ValueError, match="model-level record"):
-        make_cache(tiny_llama, key, rollback=2)
+def test_cross_layer_methods_take_rollback(tiny_llama, key):
+    """Their journals restore the model-level record too (tests/test_rollback_crosslayer.py)."""
+    assert VeloxCache(key, rollback=1, mode="deferred").is_trimmable()
+    assert all(c.is_trimmable() for c in make_cache(tiny_llama, key, rollback=2))
     assert not make_cache(tiny_llama, key)[0].is_trimmable()
 
 

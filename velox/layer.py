@@ -15,6 +15,14 @@ A decode step's row may be left unwritten (``row``: the slot write of the last s
 function that reads the state's rows writes it first (:func:`written`); the cache stores the
 record it gets back, so the row is written once.
 
+A cross-layer method's model-level record (shared by every layer of a model, held by the
+cache's model) goes through these steps as a value: :func:`absorb` and :func:`attend` take it
+and return the next one; after a trim the layer's journal says which record it left then
+(:func:`left_record`; the last layer's is the model's). A verify call, run as one-token steps
+inside each layer, carries one record per token from layer to layer (:class:`TokenRecords`,
+:func:`at_token`, :func:`after_split`), where the method's spec says that is exact, and is
+refused (:func:`check_verify`) where it is not.
+
 ``fast``: the state is at its steady size after a fused step of a cache whose steps are
 plain (no journal, tail, observer or model-level record): the next single-token call needs
 no check (``VeloxCache.update_and_fetch``). A new state ends it; writing the row keeps it.
@@ -35,7 +43,9 @@ from .registry import Method
 
 __all__ = ["Plan", "Pending", "Held", "plan", "written", "take", "defer", "waits", "fetch", "missed", "absorb", "attend",
            "fast_after", "steady", "stored_rows", "tokens", "positions", "held_arrays", "new_arrays",
-           "inner_state", "tail_state", "kind", "trim", "can_trim", "trimmable_tokens"]
+           "inner_state", "tail_state", "kind", "trim", "can_trim", "trimmable_tokens", "TokenRecords",
+           "split_refusal", "check_verify", "at_token", "after_split", "token_record", "kept_record",
+           "left_record", "leaving"]
 
 
 class Plan(NamedTuple):
@@ -340,3 +350,108 @@ def trim(h: Held, n: Any, depth: int) -> Held:
             f"{h.offset}); {n} is not a step boundary within its depth. For speculative "
             "decoding make the model's caches with rollback >= num_draft_tokens")
     return Held(state=wrap.trim(written(h).state, n), offset=h.offset - n)
+
+
+# --- a cross-layer method's model-level record through rollback and verify calls ------------
+
+def left_record(st) -> Any:
+    """The model-level record a cross-layer method's layer left at its newest update, as its
+    journal holds it (``velox.wrap.JournalState.record``; after a trim, the one it had left
+    then): ``None`` without a journal, or before the layer's first update (the record
+    ``model_init`` makes). Trimming every layer in order, as a step updates them, leaves the
+    last layer's: the model's record at that token."""
+    return st.record if isinstance(st, wrap.JournalState) else None
+
+
+def leaving(h: Held, record: Any) -> Held:
+    """``h`` whose journal says its layer left ``record`` at its newest update (a loaded
+    cache's: the model's record as saved), so a trim back to it restores that record."""
+    if isinstance(h.state, wrap.JournalState) and h.state.records == () and h.state.past == ():
+        return h._replace(state=h.state._replace(record=record))
+    return h
+
+
+class TokenRecords(NamedTuple):
+    """A cross-layer method's model-level records through a verify call run as one-token
+    steps inside each layer: token ``i``'s record as the layers so far left it, the token the
+    stepping layer is at, and the record the model held before the call (``start``). Each
+    layer steps every token of the call before the next layer starts, so token ``i``'s record
+    goes from layer to layer on its own, starting from ``start`` (:func:`check_verify`: exact
+    only where no layer reads what a layer wrote at an earlier token); the last layer hands
+    on the record each token leaves (:func:`at_token`)."""
+
+    records: tuple
+    at: int = 0
+    start: Any = None
+
+
+def split_refusal(m: Method) -> str | None:
+    """Why a verify call of cross-layer method ``m`` cannot run exactly as one-token steps
+    inside each layer (``None`` where it can, or ``m`` has no model-level record): its spec
+    says ``contract.record_split = true`` when no layer reads from the record what a layer
+    wrote at an earlier token, the record each token starts from, and gives the reason
+    (``record_split_because``) otherwise."""
+    if m.layer_update is None:
+        return None
+    contract = m.spec.contract
+    if contract.get("record_split", False):
+        return None
+    return contract.get("record_split_because",
+                        "its spec does not say that a token's layers read only what the "
+                        "layers before them wrote at that token (contract.record_split)")
+
+
+def check_verify(m: Method, s: int, depth: int) -> None:
+    """Refuse (``ValueError``) a verify call of ``s`` tokens on a cache of rollback ``depth``
+    whose one-token steps inside each layer would not be token-by-token decoding."""
+    why = split_refusal(m)
+    if why is not None:
+        while wrap.wrapped(m) is not None:  # the method behind its journal and tail
+            m = wrap.wrapped(m)
+        raise ValueError(
+            f"a call of {s} tokens on a cache holding tokens with rollback={depth} runs as "
+            f"{s} one-token steps inside each layer (a speculative verify call), which "
+            f"{m.key} cannot do exactly: {why}. What works: calls of one token (trim undoes "
+            f"up to {depth} of them), calls of more than {depth + 1} tokens (one step each), "
+            "or a method whose record a verify call can split")
+
+
+def at_token(record: Any, i: int, s: int, last: bool) -> Any:
+    """The model-level record a layer's verify call of ``s`` tokens holds as it steps token
+    ``i``: the call's first layer makes the tokens' records from the model's (each token
+    starting from it), a later layer takes those the layer before left. At the ``last``
+    layer a token whose record no layer has replaced yet (still ``start`` itself) takes the
+    record the token before left, as token-by-token decoding hands it on: so the last layer
+    steps, journals and leaves what it would have, token by token (ChunkKV's or XQuant's
+    selection or codes carried past tokens that publish none, an append tail's)."""
+    if not isinstance(record, TokenRecords):
+        record = TokenRecords((record,) * s, i, record)
+    record = record._replace(at=i)
+    if last and i > 0 and record.records[i] is record.start:
+        records = list(record.records)
+        records[i] = records[i - 1]
+        record = record._replace(records=tuple(records))
+    return record
+
+
+def after_split(record: Any, last: bool) -> Any:
+    """The model-level record after a layer's verify call: the tokens' records for the next
+    layer, or, after the ``last`` layer, the last token's, the model's record now."""
+    if last and isinstance(record, TokenRecords):
+        return record.records[-1]
+    return record
+
+
+def token_record(record: Any) -> Any:
+    """The record a layer's step reads: the stepping token's through a verify call."""
+    return record.records[record.at] if isinstance(record, TokenRecords) else record
+
+
+def kept_record(held: Any, new: Any) -> Any:
+    """The model-level record after a layer's step returned ``new``: the stepping token's
+    record replaced through a verify call, else ``new``."""
+    if isinstance(held, TokenRecords):
+        records = list(held.records)
+        records[held.at] = new
+        return held._replace(records=tuple(records))
+    return new

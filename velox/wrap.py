@@ -28,6 +28,17 @@ tokens exactly, back to a step boundary, or raises. Journaled bytes are real: ``
 counts every distinct array the current and journaled states hold. Its states are steady
 where the wrapped method's are: a steady decode step is the wrapped method's
 (``velox.decode.split_step``), its row written at once, journaled.
+
+A cross-layer method (``m.layer_update``: a model-level record every layer's update reads and
+returns) keeps its record in the journal too: each layer's state holds the record it left at
+its newest update (``JournalState.record``) and the one it had left before each journaled
+update (``records``), references again. :func:`trim` restores that record with the state, so
+trimming every layer in order, as a step updates them, ends on the last layer's: the model's
+record at that token, exactly (``velox.layer.left_record``). Its ``nbytes`` counts each state
+as ``m`` does (an array the layer holds of another layer, a group's shared codes or basis, is
+that layer's) and each array once; the journaled records hold arrays of the layers' states
+(and small ones of their own, ChunkKV's selection), uncounted as the model's record is.
+``layer_update``, ``model_init`` and ``layer_params`` are the wrapped method's, journaled.
 """
 
 from __future__ import annotations
@@ -259,11 +270,16 @@ def with_tail(m: Method, cap: int) -> Method:
 
 class JournalState(NamedTuple):
     """``with_rollback``'s state: the wrapped method's state, its states before each of the
-    last journaled updates (oldest first) and the token count of each of those updates."""
+    last journaled updates (oldest first) and the token count of each of those updates; for a
+    cross-layer method also the model-level record its layer left at its newest update
+    (``record``: ``None`` before its first, the record ``model_init`` makes) and the one it
+    had left before each journaled update (``records``, parallel to ``past``)."""
 
     inner: Any
     past: tuple
     steps: tuple
+    record: Any = None
+    records: tuple = ()
 
     @property
     def backend(self) -> str:
@@ -284,9 +300,6 @@ def with_rollback(m: Method, depth: int) -> Method:
     method registered as ``f"{m.key}@rollback{depth}"`` (made once). ``depth`` is an integer
     from 1 to ``ROLLBACK_MAX``; :func:`trim` undoes journaled steps."""
     _check_int("depth", depth, 1, ROLLBACK_MAX)
-    if m.layer_update is not None:
-        raise ValueError(f"{m.key} updates a model-level record shared by every layer, which a "
-                         "layer's journal cannot restore")
     key = f"{m.key}@rollback{depth}"
     if key in _REGISTRY:
         return _REGISTRY[key]
@@ -295,15 +308,29 @@ def with_rollback(m: Method, depth: int) -> Method:
     def make(inner, b, h, d, dtype):
         return own(inner, (), ())
 
-    def journaled(state, inner, s):
-        return own(inner, (*state.past, state.inner)[-depth:], (*state.steps, s)[-depth:])
+    crosslayer = m.layer_update is not None
+
+    def journaled(state, inner, s, record=None):
+        """``inner`` after a step of ``s`` tokens, the state before it journaled (and, for a
+        cross-layer method, the record the layer had left before it, ``record`` the one it
+        leaves now: ``None`` for an update without the model's record keeps the last)."""
+        past, steps = (*state.past, state.inner)[-depth:], (*state.steps, s)[-depth:]
+        if not crosslayer:
+            return own(inner, past, steps)
+        return own(inner, past, steps, state.record if record is None else record,
+                   (*state.records, state.record)[-depth:])
 
     def update(state, keys, values, queries):
         return journaled(state, m.update(state.inner, keys, values, queries=queries), keys.shape[2])
 
     def nbytes(state):
         """Every distinct array of the current and journaled states: the journal's entries
-        share the arrays a step did not replace."""
+        share the arrays a step did not replace. A cross-layer method's layer counts them as
+        its method counts a state (the arrays it holds of another layer, a group's shared
+        codes or basis, are that layer's): its current state's bytes, then each entry's,
+        newest first, with the arrays counted already left out."""
+        if crosslayer:
+            return _crosslayer_nbytes(m, state)
         seen: dict[int, int] = {}
         for st in (state.inner, *state.past):
             for x in arrays(st):
@@ -311,6 +338,13 @@ def with_rollback(m: Method, depth: int) -> Method:
         return sum(seen.values())
 
     extra: dict[str, Any] = {}
+    if crosslayer:
+        def layer_update(record, layer, state, keys, values, *, queries=None):
+            """The wrapped method's layer update, journaled with the record this layer had
+            left before it (the record it leaves now kept as its newest)."""
+            record, inner = m.layer_update(record, layer, state.inner, keys, values, queries=queries)
+            return record, journaled(state, inner, keys.shape[2], record)
+        extra.update(layer_update=layer_update, model_init=m.model_init, layer_params=m.layer_params)
     if m.error_bound is not None:
         extra["error_bound"] = lambda state: m.error_bound(state.inner)
     if m.attend is not None:
@@ -403,4 +437,34 @@ def trim(state: JournalState, n: int) -> JournalState:
         ends = [sum(state.steps[len(state.steps) - j:]) for j in range(1, len(state.steps) + 1)]
         raise ValueError(f"trim({n}): the journal can remove exactly "
                          f"{', '.join(map(str, ends)) or 'no'} tokens now (its step boundaries)")
+    if state.records:  # a cross-layer method's: the record its layer had left then
+        return state._replace(inner=state.past[-k], past=state.past[:-k], steps=state.steps[:-k],
+                              record=state.records[-k], records=state.records[:-k])
     return state._replace(inner=state.past[-k], past=state.past[:-k], steps=state.steps[:-k])
+
+
+def _crosslayer_nbytes(m: Method, state: JournalState) -> int:
+    """The bytes of a cross-layer method's journal (``with_rollback``'s ``nbytes``): each state
+    counted by ``m.nbytes`` with the arrays a newer one holds replaced by empty ones, so an
+    array several entries share counts once and one the method leaves to another layer
+    never does."""
+    seen: set[int] = set()
+    total = 0
+    for st in (state.inner, *reversed(state.past)):
+        total += m.nbytes(_without(st, seen))
+        seen.update(id(x) for x in arrays(st))
+    return total
+
+
+def _without(record: Any, seen: set[int]) -> Any:
+    """``record`` (nested tuples, lists and dicts of arrays) with every array whose id is in
+    ``seen`` replaced by an empty array of its dtype and rank."""
+    if isinstance(record, mx.array):
+        return mx.zeros((0,) * record.ndim, record.dtype) if id(record) in seen else record
+    if isinstance(record, dict):
+        return {k: _without(v, seen) for k, v in record.items()}
+    if isinstance(record, tuple) and hasattr(record, "_fields"):
+        return type(record)(*(_without(x, seen) for x in record))
+    if isinstance(record, (tuple, list)):
+        return type(record)(_without(x, seen) for x in record)
+    return record
