@@ -128,6 +128,28 @@ class _Model:
             self.record = _layer.kept_record(self.record, record)
             mx.async_eval(_arrays(record))
 
+    def at_token(self, i: int, s: int, layer: int) -> None:
+        """Layer ``layer`` of a verify call of ``s`` tokens steps its token ``i``: the record
+        of that token (``velox.layer.at_token``)."""
+        self.record = _layer.at_token(self.record, i, s, layer == self.n_layers - 1)
+
+    def after_split(self, layer: int) -> None:
+        """Layer ``layer`` stepped every token of a verify call (``velox.layer.after_split``)."""
+        self.record = _layer.after_split(self.record, layer == self.n_layers - 1)
+
+
+class _NoModel:
+    """The record holder of a method without a model-level record: nothing to thread."""
+
+    def at_token(self, i: int, s: int, layer: int) -> None:
+        return None
+
+    def after_split(self, layer: int) -> None:
+        return None
+
+
+_NO_MODEL = _NoModel()
+
 
 # --- the cache ------------------------------------------------------------------------
 
@@ -421,18 +443,15 @@ class VeloxCache(SteppedCache):
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                         mask=mask, sinks=sinks)
         if step.split:  # a verify call: the one-token steps it stands for, each journaled
-            s, model = step.keys.shape[2], self._model
-            last = model is not None and self.layer == model.n_layers - 1
+            s, model = step.keys.shape[2], self._model or _NO_MODEL
             self.held = self.held._replace(offset=self.held.offset - s, pending=None)
             outs = []
-            for i in range(s):  # a cross-layer record: each token's own (velox.layer.at_token)
-                if model is not None:
-                    model.record = _layer.at_token(model.record, i, s, last)
-                outs.append(self.attention(queries[:, :, i:i + 1], *self._fetch(
-                    step.keys[:, :, i:i + 1], step.values[:, :, i:i + 1]), scale=scale, mask=None,
-                    sinks=sinks))
-            if model is not None:
-                model.record = _layer.after_split(model.record, last)
+            for i in range(s):  # each token with its own model-level record, where there is one
+                model.at_token(i, s, self.layer)
+                k, v = self._fetch(step.keys[:, :, i:i + 1], step.values[:, :, i:i + 1])
+                outs.append(self.attention(queries[:, :, i:i + 1], k, v, scale=scale, mask=None,
+                                           sinks=sinks))
+            model.after_split(self.layer)
             return mx.concatenate(outs, axis=2)
         before = self._state if self.observe else None
         out, self.held, self.last_step, record = _layer.attend(
