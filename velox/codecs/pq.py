@@ -35,6 +35,9 @@ equally near).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Union
+
 import mlx.core as mx
 import numpy as np
 
@@ -49,6 +52,8 @@ __all__ = ["BLOCK_ELEMENTS", "MAX_BITS", "split", "merge", "words", "assign", "a
 BLOCK_ELEMENTS = 1 << 23
 #: Widest index :func:`pack` takes.
 MAX_BITS = 24
+#: A k-means seed: an int or a sequence of ints (NumPy's ``default_rng`` takes either).
+Seed = Union[int, Sequence[int]]
 
 
 def split(x, sub_dim: int):
@@ -157,8 +162,9 @@ def assign_np(sub: np.ndarray, codebook: np.ndarray, metric: np.ndarray | None =
 
 # --- k-means --------------------------------------------------------------------------------
 
-def kmeans_np_init(points: np.ndarray, k: int, seed: int, init: str = "sample") -> np.ndarray:
-    """``k`` initial centroids (rows of ``points``), deterministic in ``seed``: ``"sample"``
+def kmeans_np_init(points: np.ndarray, k: int, seed: Seed, init: str = "sample") -> np.ndarray:
+    """``k`` initial centroids (rows of ``points``), deterministic in ``seed`` (an int or a
+    sequence of ints, as NumPy's ``default_rng`` takes it): ``"sample"``
     draws ``k`` distinct rows; ``"kmeans++"`` draws each next row with probability
     proportional to its squared distance to the nearest centroid drawn so far."""
     x = np.asarray(points, np.float64)
@@ -177,7 +183,7 @@ def kmeans_np_init(points: np.ndarray, k: int, seed: int, init: str = "sample") 
     return x[chosen].astype(np.float32)
 
 
-def kmeans(points, k: int, *, iters: int = 20, seed: int = 0, init: str = "sample",
+def kmeans(points, k: int, *, iters: int = 20, seed: Seed = 0, init: str = "sample",
            metric=None, spherical: bool = False) -> mx.array:
     """Lloyd's algorithm in MLX: ``k`` centroids ``[k, s]`` (float32) of ``points [N, s]``
     (``N >= k``), from :func:`kmeans_np_init`'s draw, ``iters`` rounds of assignment
@@ -210,7 +216,7 @@ def kmeans(points, k: int, *, iters: int = 20, seed: int = 0, init: str = "sampl
     return cb
 
 
-def sample_indices(n: int, k: int, seed) -> np.ndarray:
+def sample_indices(n: int, k: int, seed: Seed) -> np.ndarray:
     """The initial centroids' point indices of :func:`kmeans_many` (int32 ``[k]``): the ``k``
     distinct points :func:`kmeans_np_init` draws (``"sample"``, ascending) when ``n >= k``;
     otherwise every point, repeated in order (``i mod n``) up to ``k``."""
@@ -222,8 +228,8 @@ def sample_indices(n: int, k: int, seed) -> np.ndarray:
     return (np.arange(k) % n).astype(np.int32)
 
 
-def kmeans_many(points: mx.array, k: int, *, iters: int, seed, weights: mx.array | None = None
-                ) -> mx.array:
+def kmeans_many(points: mx.array, k: int, *, iters: int, seed: Seed,
+                weights: mx.array | None = None) -> mx.array:
     """Lloyd's algorithm on ``G`` point sets at once: ``[G, k, s]`` float32 centroids of
     ``points [G, N, s]``, each set's its own (:func:`kmeans` on each set: the same draw,
     :func:`sample_indices`, the same assignment, means and empty-cluster rule: an empty
