@@ -434,3 +434,85 @@ def test_determinism_per_seed_and_artifact():
     k3 = mx.array(rows(1, (1, 3, 20, 64)))
     x, y = (M.update(M.init(1, 3, 64, layer=4), k3, k3) for _ in range(2))
     assert np.array_equal(np.array(x.codes.idx), np.array(y.codes.idx))
+
+
+# --- the data-free tier: codebooks fitted at the prefill -----------------------------------------
+
+def _prefill_state(b=2, h=2, d=16, s=4, bits=5, backend="mlx", seed=3, **kw):
+    return M.init(b, h, d, sub_dim=s, codebook_bits=bits, codebook="prefill", seed=seed,
+                  rope_base=500.0, backend=backend, **kw)
+
+
+@pytest.mark.parametrize("backend", ["mlx", "reference"])
+def test_prefill_codebooks_are_kmeans_of_the_prompts_pre_rope_keys(backend):
+    """Each (batch row, kv head, sub-space)'s codebook is velox.codecs.pq.kmeans run directly
+    on that sub-space of the row's prompt keys, each un-rotated by its position (seed
+    [seed, 2]); H = I; the frequencies are rope_base's."""
+    b, h, d, s, n = 2, 2, 16, 4, 50
+    k, v = rows(0, (b, h, n, d)), rows(1, (b, h, n, d))
+    state = M.update(_prefill_state(b, h, d, s, backend=backend), mx.array(k), mx.array(v))
+    t = state.tables
+    assert t.codebook.shape == (b, h, d // s, 32, s) and t.calibrated
+    np.testing.assert_array_equal(np.array(t.metric), np.broadcast_to(np.eye(s), t.metric.shape))
+    np.testing.assert_array_equal(np.array(t.freqs), ac.inverse_frequencies(d, 500.0))
+    pre = _pre(state, k)
+    for i, j, jj in np.ndindex(b, h, d // s):
+        want = np.array(pq.kmeans(pre[i, j, :, jj * s:(jj + 1) * s], 32, iters=ac.PREFILL_ITERS,
+                                  seed=[3, 2]))
+        np.testing.assert_allclose(np.array(t.codebook[i, j, jj]).astype(np.float32),
+                                   want.astype(np.float16).astype(np.float32), rtol=1e-3, atol=1e-4)
+
+
+def test_prefill_assignment_is_euclidean_frozen_and_deterministic():
+    k, v = mx.array(rows(0, (2, 2, 40, 16))), mx.array(rows(1, (2, 2, 40, 16)))
+    a = M.update(_prefill_state(), k[:, :, :30], v[:, :, :30])
+    later = M.update(a, k[:, :, 30:], v[:, :, 30:])
+    assert mx.array_equal(a.tables.codebook, later.tables.codebook).item()  # frozen
+    plain = M.update(M.update(_prefill_state(use_query_aware=False), k[:, :, :30], v[:, :, :30]),
+                     k[:, :, 30:], v[:, :, 30:])
+    assert mx.array_equal(plain.codes.idx, later.codes.idx).item()  # H = I: Euclidean either way
+    # the codes are the brute-force nearest centroids of each row's own codebooks
+    pre = _pre(later, np.array(k))
+    cb = np.array(later.tables.codebook).astype(np.float32)
+    got = np.array(ac.indices(later.tables, later.codes))
+    for i in range(2):
+        want = _brute(pre[i:i + 1], cb[i])
+        assert (got[i:i + 1] != want).any(-1).mean() <= 0.02
+    # 30 tokens, 16 centroids: the seed draws the initial centroids (with fewer tokens than
+    # centroids every sub-vector is one, whatever the seed)
+    a, again, other = (M.update(_prefill_state(bits=4, seed=sd), k[:, :, :30], v[:, :, :30])
+                       for sd in (3, 3, 4))
+    assert mx.array_equal(a.tables.codebook, again.tables.codebook).item()
+    assert not mx.array_equal(a.tables.codebook, other.tables.codebook).item()
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 100))
+def test_prefill_backends_agree_and_bytes_count_the_codebooks(seed):
+    b, h, d, s, bits, n = 2, 2, 16, 4, 5, 33
+    k, v = mx.array(rows(seed, (b, h, n, d))), mx.array(rows(seed + 1, (b, h, n, d)))
+    got = [M.update(M.update(_prefill_state(backend=be, seed=seed), k[:, :, :32], v[:, :, :32]),
+                    k[:, :, 32:], v[:, :, 32:]) for be in ("mlx", "reference")]
+    assert mx.array_equal(got[0].tables.codebook, got[1].tables.codebook).item()
+    assert (np.array(got[0].codes.idx) != np.array(got[1].codes.idx)).any(-1).mean() <= 0.02
+    assert int(mx.max(ac.indices(got[0].tables, got[0].codes)).item()) < 1 << bits
+    # a float16 codebook a batch row, kv head and sub-space, counted; the fit keeps its shape
+    fresh = _prefill_state(seed=seed)
+    tables = sum(x.nbytes for x in got[0].tables if isinstance(x, mx.array))
+    assert tables - (fresh.tables.metric.nbytes + fresh.tables.freqs.nbytes) == b * h * (d // s) * (1 << bits) * s * 2
+    assert M.nbytes(got[0]) == M.nbytes(fresh) + 2 * (b * h * n * d * 4) + b * h * n * pq.words(d // s, bits) * 4
+
+
+def test_prefill_runs_on_any_model_without_an_artifact():
+    from mlx_lm.models import llama
+    from velox.adapters.mlxlm import make_cache
+
+    assert {p["layer"] for p in M.per_layer_params(30, {"codebook": "prefill"})} == {-1}
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2,
+                           intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                           rms_norm_eps=1e-5, vocab_size=50)
+    model = llama.Model(args)
+    caches = make_cache(model, "a2ats", codebook="prefill", codebook_bits=4, window=2)
+    model(mx.array([[1, 2, 3, 4, 5, 6, 7, 8]]), cache=caches)
+    out = model(mx.array([[9]]), cache=caches)
+    assert np.isfinite(np.array(out)).all()

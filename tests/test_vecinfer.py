@@ -214,3 +214,122 @@ def test_make_cache_on_another_model_names_the_command():
     caches = make_cache(model, "vecinfer", codebook="random")  # explicit, for tests
     out = model(mx.array([[1, 2, 3]]), cache=caches)
     assert np.isfinite(np.array(out)).all()
+
+
+# --- the data-free tier: codebooks fitted at the prefill -----------------------------------------
+
+def _prefill_state(b, h, d, backend="mlx", seed=5, **kw):
+    params = dict(key_sub_dim=4, key_codebook_bits=6, value_sub_dim=8, value_codebook_bits=5)
+    params.update(kw)
+    return M.init(b, h, d, codebook="prefill", seed=seed, backend=backend, **params)
+
+
+@pytest.mark.parametrize("backend", ["mlx", "reference"])
+def test_prefill_tables_are_the_calibration_rule_on_the_prompt_rows(backend):
+    """Each (batch row, kv head)'s smoothing factors are sqrt(max |k|) over its prompt keys and
+    its codebooks are velox.codecs.pq.kmeans run directly on its own sub-vectors (the
+    smoothed, rotated keys'; the raw values'), seeded [seed, 0] and [seed, 1]."""
+    b, h, d, n = 2, 3, 32, 40
+    k, v = rows(0, (b, h, n, d), 3.0), rows(1, (b, h, n, d))
+    state = M.update(_prefill_state(b, h, d, backend), mx.array(k), mx.array(v))
+    t, vt = state.tables, state.value_tables
+    assert t.codebook.shape == (b, h, 64, 4) and vt.codebook.shape == (b, h, 32, 8)
+    rot = vc.rotation(d)
+    for i in range(b):
+        for j in range(h):
+            sm = vc.smoothing(k[i, j][:, None, :])[0]
+            np.testing.assert_allclose(np.array(t.smooth[i, j]), sm, rtol=1e-6)
+            y = (k[i, j] / sm) @ rot.T
+            want_k = np.array(pq.kmeans(y.reshape(-1, 4), 64, iters=vc.PREFILL_ITERS, seed=[5, 0]))
+            want_v = np.array(pq.kmeans(v[i, j].reshape(-1, 8), 32, iters=vc.PREFILL_ITERS, seed=[5, 1]))
+            np.testing.assert_allclose(np.array(t.codebook[i, j]).astype(np.float32),
+                                       want_k.astype(np.float16).astype(np.float32), rtol=1e-3, atol=1e-4)
+            np.testing.assert_allclose(np.array(vt.codebook[i, j]).astype(np.float32),
+                                       want_v.astype(np.float16).astype(np.float32), rtol=1e-3, atol=1e-4)
+
+
+def test_prefill_fit_is_frozen_deterministic_and_seeded():
+    b, h, d = 1, 2, 32
+    k, v = mx.array(rows(0, (b, h, 30, d))), mx.array(rows(1, (b, h, 30, d)))
+    a = M.update(_prefill_state(b, h, d), k[:, :, :20], v[:, :, :20])
+    later = M.update(a, k[:, :, 20:], v[:, :, 20:])  # frozen after the first update
+    for x, y in ((a.tables, later.tables), (a.value_tables, later.value_tables)):
+        assert all(mx.array_equal(p, q).item() for p, q in zip(x[:3], y[:3]))
+    again = M.update(_prefill_state(b, h, d), k[:, :, :20], v[:, :, :20])
+    other = M.update(_prefill_state(b, h, d, seed=6), k[:, :, :20], v[:, :, :20])
+    assert mx.array_equal(a.tables.codebook, again.tables.codebook).item()
+    assert mx.array_equal(a.key_codes.idx, again.key_codes.idx).item()
+    assert not mx.array_equal(a.tables.codebook, other.tables.codebook).item()
+
+
+@given(seed=st.integers(0, 2**16))
+def test_prefill_backends_agree_and_indices_are_in_range(seed):
+    b, h, d = 2, 2, 32
+    x, v = rows(seed, (b, h, 33, d)), rows(seed + 1, (b, h, 33, d))
+    got = {}
+    for backend in ("mlx", "reference"):
+        s = _prefill_state(b, h, d, backend, seed=seed)
+        s = M.update(s, mx.array(x[:, :, :32]), mx.array(v[:, :, :32]))
+        got[backend] = M.update(s, mx.array(x[:, :, 32:]), mx.array(v[:, :, 32:]))
+    a, r = got["mlx"], got["reference"]
+    assert mx.array_equal(a.tables.codebook, r.tables.codebook).item()  # one MLX fit for both
+    for x1, x2, t in ((a.key_codes.idx, r.key_codes.idx, a.tables),
+                      (a.value_codes.idx, r.value_codes.idx, a.value_tables)):
+        assert (np.array(x1) != np.array(x2)).any(-1).mean() <= 0.02
+        idx = np.array(pq.unpack(x1, t.bits, d // t.sub_dim))
+        assert idx.max() < 1 << t.bits
+
+
+def test_prefill_bytes_count_the_fitted_tables():
+    """The fitted tables (a float16 codebook and float32 smoothing factors a batch row and kv
+    head) are held in the state and counted: against a random codebook's state, which shares
+    one codebook and no smoothing, exactly those bytes more."""
+    b, h, d, n = 2, 3, 32, 20
+    x = mx.array(rows(0, (b, h, n, d)))
+    fit = M.update(_prefill_state(b, h, d), x, x)
+    rnd = M.update(M.init(b, h, d, key_sub_dim=4, key_codebook_bits=6, value_sub_dim=8,
+                          value_codebook_bits=5, codebook="random"), x, x)
+    extra = (b * h - 1) * (64 * 4 + 32 * 8) * 2 + (b * h - 1) * d * 4
+    assert M.nbytes(fit) - M.nbytes(rnd) == extra
+    assert M.nbytes(fit) == M.nbytes(_prefill_state(b, h, d)) + M.nbytes(rnd) - M.nbytes(
+        M.init(b, h, d, key_sub_dim=4, key_codebook_bits=6, value_sub_dim=8,
+               value_codebook_bits=5, codebook="random"))  # the fit keeps the tables' shapes
+
+
+def test_a_prompt_of_fewer_subvectors_than_centroids_is_held_exactly():
+    """With fewer sub-vectors than centroids, every sub-vector of the prompt is a centroid: the
+    prompt decodes to itself up to the float16 codebook."""
+    b, h, d = 1, 2, 32
+    k, v = rows(0, (b, h, 6, d), 2.0), rows(1, (b, h, 6, d))  # 48 key, 24 value sub-vectors
+    state = M.update(_prefill_state(b, h, d), mx.array(k), mx.array(v))
+    kh, vh = M.get_kv(state)
+    np.testing.assert_allclose(np.array(kh), k, rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(np.array(vh), v, rtol=2e-3, atol=2e-3)
+
+
+def test_prefill_skips_non_finite_tokens():
+    b, h, d = 1, 2, 32
+    k, v = rows(0, (b, h, 40, d)), rows(1, (b, h, 40, d))
+    k[0, 0, 3, 5], v[0, 1, 7, 2] = np.nan, np.inf
+    state = M.update(_prefill_state(b, h, d), mx.array(k), mx.array(v))
+    for t in (state.tables, state.value_tables):
+        assert np.isfinite(np.array(t.codebook)).all()
+        assert np.isfinite(np.array(t.smooth)).all()
+    kh, vh = (np.array(x) for x in M.get_kv(state))
+    assert np.isfinite(np.delete(kh[0, 0], 3, axis=0)).all() and np.isfinite(vh[0, 0]).all()
+
+
+def test_prefill_runs_on_any_model_without_an_artifact():
+    from mlx_lm.models import llama
+    from velox.adapters.mlxlm import make_cache
+
+    assert {p["layer"] for p in M.per_layer_params(30, {"codebook": "prefill"})} == {-1}
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2,
+                           intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                           rms_norm_eps=1e-5, vocab_size=50)
+    model = llama.Model(args)
+    caches = make_cache(model, "vecinfer", codebook="prefill", key_codebook_bits=6,
+                        value_codebook_bits=5)
+    out = model(mx.array([[1, 2, 3, 4, 5]]), cache=caches)
+    out = model(mx.array([[6]]), cache=caches)
+    assert np.isfinite(np.array(out)).all()

@@ -180,7 +180,7 @@ class _Layout(NamedTuple):
     split: bool = False     # n_outlier / outlier_bits parameters: the channel split
     chunked: bool = False   # rows in chunks, the last `empty` of them empty (state_type's)
     value_rename: dict = {}  # values held by a registered codec: its parameter -> init's
-    prepare: Callable | None = None  # prepare(state, keys) -> state before rows are encoded
+    prepare: Callable | None = None  # prepare(state, keys, values) -> state before rows are encoded
 
 
 _LAYOUT: dict[type, _Layout] = {}
@@ -206,10 +206,11 @@ def state_type(name: str, init: Callable, doc: str, *, codec: str, codes: type, 
     ``"exact"``) for an ``init`` without them, or the name of a registered codec (``values``
     then names the codec, ``value_types`` its ``(codes, tables)`` records and ``value_rename``
     maps each of its parameters to ``init``'s: the values are that codec's codes, its tables
-    in ``value_tables``, decoded for attention). ``prepare(state, keys) -> state``, given, runs
-    before any rows are encoded, on both backends and every path (update, fill, the steady
+    in ``value_tables``, decoded for attention). ``prepare(state, keys, values) -> state``, given,
+    runs before any rows are encoded, on both backends and every path (update, fill, the steady
     and compiled step): it may raise to refuse a state (VecInfer without calibrated tables)
-    or return it with tables fitted to the first keys (KVTC's prefill basis).
+    or return it with tables fitted to the first rows (KVTC's prefill basis, VecInfer's prefill
+    codebooks).
     """
     own = values not in ("affine", "exact")
     if own and value_types is None:
@@ -284,10 +285,11 @@ def empty(state_type: type, args: dict) -> tuple:
     return state_type(**{f: given[f] if f in given else args[f] for f in state_type._fields})
 
 
-def _prepared(state, keys):
-    """The layout's ``prepare`` of a state about to encode ``keys`` (none: the state)."""
+def _prepared(state, keys, values):
+    """The layout's ``prepare`` of a state about to encode ``keys`` and ``values`` (none: the
+    state)."""
     prepare = _LAYOUT[type(state)].prepare
-    return state if prepare is None else prepare(state, keys)
+    return state if prepare is None else prepare(state, keys, values)
 
 
 # --- the rows a state holds -----------------------------------------------------------
@@ -554,7 +556,7 @@ def _encode_mlx(state, keys, values):
     """``(state, key codes, value codes)`` of new rows on the ``mlx`` backend (the state with
     its outlier channels chosen, if this is its first update holding tokens)."""
     cd = quant.dtype_of(state.cache_dtype)
-    state = _prepared(state, keys)
+    state = _prepared(state, keys, values)
     state = _chosen(state, keys, reference=False)
     kc = codec_of(state).encode(state.tables, _in_codec_order(state, keys))
     vc = _encode_values_mlx(value_codec(state), value_bits(state), value_tables(state), values, cd)
@@ -564,7 +566,7 @@ def _encode_mlx(state, keys, values):
 def _encode_reference(state, keys, values):
     """:func:`_encode_mlx` by the codec's NumPy twins and ``velox.reference.quantize``."""
     cd = quant.dtype_of(state.cache_dtype)
-    state = _prepared(state, keys)
+    state = _prepared(state, keys, values)
     state = _chosen(state, keys, reference=True)
     codec = codec_of(state)
     rows = ref.to_np(keys, np.float32)

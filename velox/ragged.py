@@ -267,11 +267,16 @@ class RowStates(NamedTuple):
 
 
 def _per_row(x: mx.array, b: int, h: int, dims: str | None) -> bool:
-    """Whether the array ``x`` has a batch axis: annotated with a leading ``b`` dim, or
-    without an annotation of shape ``[b, h, ...]`` (a shared table such as a rotation
-    ``[d, d]`` or a codebook ``[c]`` has neither)."""
+    """Whether the array ``x`` has a batch axis: annotated with a leading ``b`` dim, or with a
+    leading ``*bh`` (up to two leading axes, batch and kv heads: a table shared by the rows,
+    or one a batch row where fitted to its rows) holding both of them, or without an
+    annotation of shape ``[b, h, ...]`` (a shared table such as a rotation ``[d, d]`` or a
+    codebook ``[c]`` has neither)."""
     if dims is not None:
-        return dims.split()[:1] == ["b"]
+        names = dims.split()
+        if names[:1] == ["*bh"]:
+            return x.ndim == len(names) + 1
+        return names[:1] == ["b"]
     return x.ndim >= 2 and tuple(x.shape[:2]) == (b, h)
 
 

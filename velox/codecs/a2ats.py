@@ -23,9 +23,13 @@ artifact shipped for the embedded SmolLM2, :data:`SHIPPED`; :func:`tables_from_a
 fit, ``velox calibrate --method a2ats``), which also carries the model's RoPE frequencies
 (measured from its ``rope`` module: :func:`rope_frequencies`) and the distance ``b`` its ``H``
 was taken at; a shipped fit that does not match (kv heads, head_dim, bits, sub_dim, ``b``,
-layer) gives tables with ``calibrated = False``. ``codebook="random"`` (tests) draws standard
-normal centroids from ``seed``, ``H = I`` and the frequencies of ``rope_base`` and
-``rope_scaling`` (:func:`inverse_frequencies`).
+layer) gives tables with ``calibrated = False``. ``codebook="prefill"`` (data-free) fits the
+codebooks to the pre-RoPE keys of the first update that holds tokens, one fit a batch row, kv
+head and sub-space (:func:`prefill_tables`: Lloyd's k-means in MLX from ``seed``), with
+``H = I`` (no query is seen: the assignment is Euclidean) and the frequencies of ``rope_base``
+and ``rope_scaling``; its codebook then has a batch axis (``[b, h, J, K, s]``).
+``codebook="random"`` (tests) draws standard normal centroids from ``seed``, ``H = I`` and the
+frequencies of ``rope_base`` and ``rope_scaling`` (:func:`inverse_frequencies`).
 
 RoPE here is mlx-lm's rotate-half form (``traditional=False``): coordinates ``i`` and ``i + d /
 2`` turn by ``pos * f_i``; :func:`rotate` turns rows by any per-row position (negative:
@@ -44,7 +48,8 @@ from .._typing import Array, Float, UInt
 from . import Codec, register_codec, shipped_calibration
 from . import pq
 
-__all__ = ["A2atsTables", "A2atsCodes", "SHIPPED", "ROPE_SCALINGS", "inverse_frequencies",
+__all__ = ["A2atsTables", "A2atsCodes", "SHIPPED", "ROPE_SCALINGS", "PREFILL_ITERS",
+           "inverse_frequencies", "prefill_placeholder", "prefill_tables",
            "rope_frequencies", "rotate", "rotate_np", "shipped_arrays", "tables_from_arrays",
            "tables", "encode", "decode", "scores", "encode_np", "decode_np", "scores_np",
            "indices", "indices_np", "CODEC"]
@@ -54,11 +59,16 @@ SHIPPED = {"smollm2-135m-instruct": "a2ats_smollm2.npz"}
 #: ``rope_scaling`` choices: none, or mlx-lm's Llama-3 frequency scaling (low 1, high 4,
 #: original context 8,192) at factor 8 (Llama-3.1) or 32 (Llama-3.2).
 ROPE_SCALINGS = {"none": None, "llama3.1": 8.0, "llama3.2": 32.0}
+#: Lloyd rounds of a codebook fitted at the prefill (``codebook="prefill"``), as many as the
+#: shipped calibration's fit (``velox calibrate --method a2ats``, ``iters`` 10).
+PREFILL_ITERS = 10
 
 
 class A2atsTables(NamedTuple):
-    # no batch axis: shared by the rows (velox.ragged reads the annotations)
-    codebook: Float[Array, "hc j k s"]  # float16 [h, J, 2^bits, sub_dim] ([1, ...]: every head)
+    # a batch axis only where fitted at the prefill, one fit a batch row ("*bh": velox.ragged
+    # cuts such an array by row); the other arrays are shared by the rows
+    codebook: Float[Array, "*bh j k s"]  # float16 [h, J, 2^bits, sub_dim] ([1, ...]: every
+    #                                      head), or [b, h, J, 2^bits, sub_dim] (prefill)
     metric: Float[Array, "hc j s s"]    # float32 H a kv head and sub-space (identity: Euclidean)
     freqs: Float[Array, "r"]            # float32 [d / 2] RoPE angle a position, pair i
     head_dim: int
@@ -194,6 +204,10 @@ def tables(head_dim: int, params: dict) -> A2atsTables:
     if d % 2 or d % sub_dim:
         raise ValueError(f"head_dim={d} must be even and divisible by sub_dim={sub_dim}")
     j = d // sub_dim
+    if which == "prefill":  # zeros until the method fits them (prefill_placeholder)
+        f = inverse_frequencies(d, params.get("rope_base", 10000.0), params.get("rope_scaling", "none"))
+        return tables_from_arrays(d, sub_dim, bits, np.zeros((j, 1 << bits, sub_dim)), None, f,
+                                  query_aware=aware)
     if which == "random":
         rng = np.random.default_rng([int(params.get("seed", 0)), 2])
         cb = rng.standard_normal((j, 1 << bits, sub_dim)).astype(np.float32)
@@ -212,12 +226,46 @@ def tables(head_dim: int, params: dict) -> A2atsTables:
                               arrays["freqs"][layer][0], query_aware=aware)
 
 
+def prefill_placeholder(t: A2atsTables, batch: int, kv_heads: int) -> A2atsTables:
+    """The tables of a ``codebook="prefill"`` state before its fit: zeros in the fitted shape
+    ``[b, h, J, K, s]``, so that the state's arrays keep their shapes when
+    :func:`prefill_tables` replaces them."""
+    j = t.head_dim // t.sub_dim
+    return t._replace(codebook=mx.zeros((batch, kv_heads, j, 1 << t.bits, t.sub_dim), mx.float16))
+
+
+def prefill_tables(t: A2atsTables, rows: mx.array, seed) -> A2atsTables:
+    """``t`` with codebooks fitted to pre-RoPE rows ``[b, h, n, d]`` (``n > 0``), one a batch
+    row, kv head and sub-space: Lloyd's k-means of the sub-vectors
+    (:func:`velox.codecs.pq.kmeans_many`, :data:`PREFILL_ITERS` rounds, the initial centroids
+    drawn from ``seed``; Euclidean: ``H = I``, no query is seen), clipped to float16's range;
+    a token with a non-finite element takes no part. One MLX function for both backends,
+    nothing read back to the host."""
+    b, h, n, d = rows.shape
+    s, j = t.sub_dim, d // t.sub_dim
+    x = rows.astype(mx.float32)
+    finite = mx.all(mx.isfinite(x), axis=-1)                                    # [b, h, n]
+    x = mx.where(finite[..., None], x, mx.zeros_like(x))
+    pts = x.reshape(b, h, n, j, s).transpose(0, 1, 3, 2, 4).reshape(b * h * j, n, s)
+    w = mx.broadcast_to(finite[:, :, None, :], (b, h, j, n)).reshape(b * h * j, n)
+    cb = pq.kmeans_many(pts, 1 << t.bits, iters=PREFILL_ITERS, seed=seed, weights=w)
+    f16 = float(np.finfo(np.float16).max)
+    cb = mx.clip(cb, -f16, f16).astype(mx.float16).reshape(b, h, j, 1 << t.bits, s)
+    return t._replace(codebook=cb, calibrated=True)
+
+
 # --- MLX ------------------------------------------------------------------------------------
 
 def _check(t: A2atsTables, shape) -> None:
     if len(shape) != 4 or shape[-1] != t.head_dim:
         raise ValueError(f"rows must be [b, h, n, {t.head_dim}], got {tuple(shape)}")
-    hc = t.codebook.shape[0]
+    cb = t.codebook
+    if cb.ndim == 5:
+        if tuple(cb.shape[:2]) != tuple(shape[:2]):
+            raise ValueError(f"the tables hold {tuple(cb.shape[:2])} batch rows and kv heads; "
+                             f"rows of shape {tuple(shape)} do not")
+        return
+    hc = cb.shape[0]
     if hc != 1 and hc != shape[1]:
         raise ValueError(f"the tables hold {hc} kv heads; rows of shape {tuple(shape)} do not")
 
@@ -226,10 +274,26 @@ def _metric(t: A2atsTables):
     return t.metric if t.query_aware else None
 
 
+def _rows_of(cb, x):
+    """``(codebook, x)`` for ``velox.codecs.pq``, whose codebook's leading axis is the rows'
+    head axis: a codebook with a batch axis (``[b, h, J, K, s]``, fitted at the prefill) folds
+    the batch rows into the heads (``[b h, J, K, s]``, ``x [1, b h, ...]``). MLX or NumPy."""
+    if cb.ndim != 5:
+        return cb, x
+    b, h = cb.shape[:2]
+    return cb.reshape(b * h, *cb.shape[2:]), x.reshape(1, b * h, *x.shape[2:])
+
+
+def _unfold(cb, y, shape):
+    """Undo :func:`_rows_of` on a result ``y [1, b h, ...]``: ``[b, h, ...]``."""
+    return y if cb.ndim != 5 else y.reshape(*shape[:2], *y.shape[2:])
+
+
 def encode(t: A2atsTables, rows: mx.array) -> A2atsCodes:
     """Indices of the nearest centroids under ``H`` (``query_aware``) or Euclidean, packed."""
     _check(t, rows.shape)
-    idx = pq.assign(pq.split(rows.astype(mx.float32), t.sub_dim), t.codebook, _metric(t))
+    cb, sub = _rows_of(t.codebook, pq.split(rows.astype(mx.float32), t.sub_dim))
+    idx = _unfold(t.codebook, pq.assign(sub, cb, _metric(t)), rows.shape)
     return A2atsCodes(pq.pack(idx, t.bits))
 
 
@@ -239,11 +303,15 @@ def indices(t: A2atsTables, codes: A2atsCodes) -> mx.array:
 
 
 def decode(t: A2atsTables, codes: A2atsCodes) -> mx.array:
-    return pq.decode(t.codebook, indices(t, codes))
+    idx = indices(t, codes)
+    cb, fi = _rows_of(t.codebook, idx)
+    return _unfold(t.codebook, pq.decode(cb, fi), idx.shape)
 
 
 def scores(t: A2atsTables, queries: mx.array, codes: A2atsCodes) -> mx.array:
-    return pq.scores(queries.astype(mx.float32), t.codebook, indices(t, codes))
+    cb, fq = _rows_of(t.codebook, queries.astype(mx.float32))
+    _, fi = _rows_of(t.codebook, indices(t, codes))
+    return _unfold(t.codebook, pq.scores(fq, cb, fi), queries.shape)
 
 
 # --- NumPy twins ----------------------------------------------------------------------------
@@ -257,7 +325,9 @@ def encode_np(t: A2atsTables, rows: np.ndarray) -> A2atsCodes:
     x = np.asarray(rows, np.float32)
     _check(t, x.shape)
     cb, h = _np(t)
-    return A2atsCodes(pq.pack_np(pq.assign_np(pq.split(x, t.sub_dim), cb, h), t.bits))
+    fcb, sub = _rows_of(cb, pq.split(x, t.sub_dim))
+    idx = _unfold(cb, pq.assign_np(sub, fcb, h), x.shape)
+    return A2atsCodes(pq.pack_np(idx, t.bits))
 
 
 def indices_np(t: A2atsTables, codes: A2atsCodes) -> np.ndarray:
@@ -265,11 +335,16 @@ def indices_np(t: A2atsTables, codes: A2atsCodes) -> np.ndarray:
 
 
 def decode_np(t: A2atsTables, codes: A2atsCodes) -> np.ndarray:
-    return pq.decode_np(_np(t)[0], indices_np(t, codes))
+    cb, idx = _np(t)[0], indices_np(t, codes)
+    fcb, fi = _rows_of(cb, idx)
+    return _unfold(cb, pq.decode_np(fcb, fi), idx.shape)
 
 
 def scores_np(t: A2atsTables, queries: np.ndarray, codes: A2atsCodes) -> np.ndarray:
-    return pq.scores_np(np.asarray(queries, np.float32), _np(t)[0], indices_np(t, codes))
+    cb, q = _np(t)[0], np.asarray(queries, np.float32)
+    fcb, fq = _rows_of(cb, q)
+    _, fi = _rows_of(cb, indices_np(t, codes))
+    return _unfold(cb, pq.scores_np(fq, fcb, fi), q.shape)
 
 
 CODEC = register_codec(Codec(

@@ -16,7 +16,9 @@ sub-space); rows are ``[b, h, n, d]``, so a codebook's leading axis is the rows'
   ``K`` distinct points drawn by NumPy's ``default_rng(seed)`` (``init="sample"``) or by
   k-means++ (``init="kmeans++"``); an empty cluster takes the point farthest from its centroid
   (the farthest not yet taken, in order), so every centroid is some point's mean; deterministic
-  per seed.
+  per seed. :func:`kmeans_many` is the same algorithm for many point sets at once
+  (``[G, N, s]``, one codebook a set), all in MLX (no value read back to the host, so it runs
+  inside a compiled update), with weights that leave points out.
 * :func:`pack` / :func:`unpack` ``(idx [..., J], bits)``: one little-endian bit stream a row
   into ``ceil(J * bits / 32)`` uint32 words at any width 1-24 (a 12-bit index takes 12 bits),
   the layout of :func:`velox.quant.pack` where that one packs.
@@ -33,13 +35,16 @@ equally near).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Union
+
 import mlx.core as mx
 import numpy as np
 
 from ..quant import _word_layout, pack_units
 
 __all__ = ["BLOCK_ELEMENTS", "MAX_BITS", "split", "merge", "words", "assign", "assign_np",
-           "kmeans", "kmeans_np_init", "pack", "unpack", "pack_np", "unpack_np", "decode",
+           "kmeans", "kmeans_np_init", "kmeans_many", "sample_indices", "pack", "unpack", "pack_np", "unpack_np", "decode",
            "decode_np", "lookup_table", "lookup_table_np", "table_scores", "table_scores_np",
            "scores", "scores_np"]
 
@@ -47,6 +52,8 @@ __all__ = ["BLOCK_ELEMENTS", "MAX_BITS", "split", "merge", "words", "assign", "a
 BLOCK_ELEMENTS = 1 << 23
 #: Widest index :func:`pack` takes.
 MAX_BITS = 24
+#: A k-means seed: an int or a sequence of ints (NumPy's ``default_rng`` takes either).
+Seed = Union[int, Sequence[int]]
 
 
 def split(x, sub_dim: int):
@@ -155,8 +162,9 @@ def assign_np(sub: np.ndarray, codebook: np.ndarray, metric: np.ndarray | None =
 
 # --- k-means --------------------------------------------------------------------------------
 
-def kmeans_np_init(points: np.ndarray, k: int, seed: int, init: str = "sample") -> np.ndarray:
-    """``k`` initial centroids (rows of ``points``), deterministic in ``seed``: ``"sample"``
+def kmeans_np_init(points: np.ndarray, k: int, seed: Seed, init: str = "sample") -> np.ndarray:
+    """``k`` initial centroids (rows of ``points``), deterministic in ``seed`` (an int or a
+    sequence of ints, as NumPy's ``default_rng`` takes it): ``"sample"``
     draws ``k`` distinct rows; ``"kmeans++"`` draws each next row with probability
     proportional to its squared distance to the nearest centroid drawn so far."""
     x = np.asarray(points, np.float64)
@@ -175,7 +183,7 @@ def kmeans_np_init(points: np.ndarray, k: int, seed: int, init: str = "sample") 
     return x[chosen].astype(np.float32)
 
 
-def kmeans(points, k: int, *, iters: int = 20, seed: int = 0, init: str = "sample",
+def kmeans(points, k: int, *, iters: int = 20, seed: Seed = 0, init: str = "sample",
            metric=None, spherical: bool = False) -> mx.array:
     """Lloyd's algorithm in MLX: ``k`` centroids ``[k, s]`` (float32) of ``points [N, s]``
     (``N >= k``), from :func:`kmeans_np_init`'s draw, ``iters`` rounds of assignment
@@ -205,6 +213,55 @@ def kmeans(points, k: int, *, iters: int = 20, seed: int = 0, init: str = "sampl
             new = new / mx.maximum(mx.sqrt((new * new).sum(axis=-1, keepdims=True)), 1e-30)
         cb = new
     mx.eval(cb)
+    return cb
+
+
+def sample_indices(n: int, k: int, seed: Seed) -> np.ndarray:
+    """The initial centroids' point indices of :func:`kmeans_many` (int32 ``[k]``): the ``k``
+    distinct points :func:`kmeans_np_init` draws (``"sample"``, ascending) when ``n >= k``;
+    otherwise every point, repeated in order (``i mod n``) up to ``k``."""
+    if n < 1 or k < 1:
+        raise ValueError(f"k={k} centroids of n={n} points: both must be positive")
+    if n >= k:
+        rng = np.random.default_rng(seed)
+        return np.sort(rng.choice(n, size=k, replace=False)).astype(np.int32)
+    return (np.arange(k) % n).astype(np.int32)
+
+
+def kmeans_many(points: mx.array, k: int, *, iters: int, seed: Seed,
+                weights: mx.array | None = None) -> mx.array:
+    """Lloyd's algorithm on ``G`` point sets at once: ``[G, k, s]`` float32 centroids of
+    ``points [G, N, s]``, each set's its own (:func:`kmeans` on each set: the same draw,
+    :func:`sample_indices`, the same assignment, means and empty-cluster rule: an empty
+    cluster takes the point farthest from its centroid, the farthest first, each point once).
+    ``weights [G, N]`` (0 or 1) leaves the points of weight 0 out of the means and of the
+    empty-cluster rule (their coordinates are taken as 0). With fewer points than ``k`` every
+    point is a centroid (a set of distinct points is held exactly). Everything runs in MLX,
+    nothing read back to the host (the draw depends on the shapes and ``seed`` only): the fit
+    can run inside ``mx.compile``."""
+    g, n, s = points.shape
+    x = points.astype(mx.float32)
+    w = mx.ones((g, n), mx.float32) if weights is None else weights.astype(mx.float32)
+    x = mx.where(w[..., None] > 0, x, mx.zeros_like(x))
+    cb = mx.take(x, mx.array(sample_indices(n, k, seed)), axis=1)  # [G, k, s]
+    sub = x.reshape(1, g, n, 1, s)
+    base = (mx.arange(g, dtype=mx.uint32) * k)[:, None]
+    flat_x = x.reshape(g * n, s)
+    for _ in range(iters):
+        idx = assign(sub, cb).reshape(g, n)
+        flat = (idx + base).reshape(g * n)
+        sums = mx.zeros((g * k, s), mx.float32).at[flat].add(flat_x * w.reshape(g * n, 1))
+        counts = mx.zeros((g * k,), mx.float32).at[flat].add(w.reshape(g * n)).reshape(g, k)
+        new = sums.reshape(g, k, s) / mx.maximum(counts, 1.0)[..., None]
+        # empty clusters, in order, take the points farthest from their (old) centroids
+        dist = ((x - mx.take_along_axis(cb, idx.astype(mx.int32)[..., None], axis=1)) ** 2).sum(axis=-1)
+        dist = mx.where(w > 0, dist, mx.array(-mx.inf, mx.float32))
+        far = mx.argsort(-dist, axis=-1)                                     # [G, N]
+        empty = counts == 0
+        rank = mx.minimum(mx.maximum(mx.cumsum(empty.astype(mx.int32), axis=-1) - 1, 0), n - 1)
+        pick = mx.take_along_axis(far, rank, axis=-1)                        # [G, k]
+        fill = mx.take_along_axis(x, pick[..., None], axis=1)                # [G, k, s]
+        cb = mx.where(empty[..., None], fill, new)
     return cb
 
 

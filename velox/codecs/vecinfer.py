@@ -25,9 +25,14 @@ The codebook comes from calibration: ``codebook="smollm2-135m-instruct"`` reads 
 ``layer`` of the artifact shipped in ``velox.adapters/data`` (:data:`SHIPPED`), which fits only
 that model's kv heads and head_dim (the tables say ``calibrated = False`` otherwise, and the
 method refuses to encode); :func:`tables_from_arrays` builds tables from any fit
-(``velox calibrate --method vecinfer``); ``codebook="random"`` draws ``K`` standard normal
-centroids from ``seed`` (tests only). Codebooks are held in float16 (their bytes count where a
-state holds them), smoothing factors in float32.
+(``velox calibrate --method vecinfer``); ``codebook="prefill"`` (data-free) fits them to the
+rows of the first update that holds tokens, one fit a batch row and kv head
+(:func:`prefill_tables`: the calibration's rule run on the prompt itself, smoothing factors
+included, Lloyd's k-means in MLX from ``seed``, :data:`PREFILL_ITERS` rounds); the tables then
+have a batch axis (``smooth [b, h, d]``, ``codebook [b, h, K, s]``; :func:`prefill_placeholder`
+before the fit). ``codebook="random"`` draws ``K`` standard normal centroids from ``seed``
+(tests only). Codebooks are held in float16 (their bytes count where a state holds them),
+smoothing factors in float32.
 
 Bits per element: ``bits / sub_dim`` exactly (12 / 4 = 3 for keys, 8 / 8 = 1 for values at the
 defaults), no side data a token.
@@ -47,18 +52,23 @@ from . import Codec, register_codec, shipped_calibration
 from . import pq
 from .rotation import hadamard, is_power_of_two, matmul_per_slice, random_rotation
 
-__all__ = ["VecInferTables", "VQCodes", "SHIPPED", "rotation", "shipped_arrays", "smoothing",
-           "tables_from_arrays", "key_tables", "value_tables", "KEYS", "VALUES"]
+__all__ = ["VecInferTables", "VQCodes", "SHIPPED", "PREFILL_ITERS", "rotation", "shipped_arrays",
+           "smoothing", "tables_from_arrays", "prefill_placeholder", "prefill_tables",
+           "key_tables", "value_tables", "KEYS", "VALUES"]
 
 #: Calibrations shipped in ``velox.adapters/data``: name -> file.
 SHIPPED = {"smollm2-135m-instruct": "vecinfer_smollm2.npz"}
+#: Lloyd rounds of a codebook fitted at the prefill (``codebook="prefill"``), as many as the
+#: shipped SmolLM2 fit took.
+PREFILL_ITERS = 6
 
 
 class VecInferTables(NamedTuple):
-    # no batch axis: shared by the rows (velox.ragged reads the annotations)
-    smooth: Float[Array, "*h d"]      # [h, d] float32 (keys; divided by it) or [0] (values: none)
-    rotation: Float[Array, "r r"]     # [d, d] float32 normalized Hadamard (keys) or [0, 0] (values)
-    codebook: Float[Array, "*h k s"]  # [K, s] or [h, K, s] float16
+    # a batch axis only where fitted at the prefill, one fit a batch row and kv head ("*bh":
+    # velox.ragged cuts such an array by row; the others are shared by the rows)
+    smooth: Float[Array, "*bh d"]      # [h, d] or [b, h, d] float32 (keys; divided by it), [0] (values)
+    rotation: Float[Array, "r r"]      # [d, d] float32 normalized Hadamard (keys) or [0, 0] (values)
+    codebook: Float[Array, "*bh k s"]  # [K, s], [h, K, s] or [b, h, K, s] float16
     head_dim: int
     sub_dim: int
     bits: int
@@ -124,6 +134,9 @@ def _tables(head_dim: int, params: dict, side: str) -> VecInferTables:
     sub_dim, bits = int(params.get("sub_dim", 4)), int(params.get("bits", 12))
     which = params.get("codebook", "random")
     rotate = side == "key"
+    if which == "prefill":  # shared zeros until the method fits them (prefill_placeholder)
+        return tables_from_arrays(head_dim, sub_dim, bits, np.zeros((1 << bits, sub_dim)),
+                                  rotate=rotate)
     if which == "random":
         rng = np.random.default_rng([int(params.get("seed", 0)), 0 if rotate else 1])
         cb = rng.standard_normal((1 << bits, sub_dim)).astype(np.float32)
@@ -140,6 +153,44 @@ def _tables(head_dim: int, params: dict, side: str) -> VecInferTables:
                               arrays["smooth"][layer] if rotate else None, rotate=rotate)
 
 
+def prefill_placeholder(t: VecInferTables, batch: int, kv_heads: int) -> VecInferTables:
+    """The tables of a ``codebook="prefill"`` state before its fit: ``t``'s arrays in the
+    fitted shapes (``smooth [b, h, d]`` ones for keys, ``codebook [b, h, K, s]`` zeros), so
+    that a state's arrays keep their shapes when :func:`prefill_tables` replaces them."""
+    lead = (batch, kv_heads)
+    sm = t.smooth if not t.smooth.size else mx.ones((*lead, t.head_dim), mx.float32)
+    cb = mx.zeros((*lead, 1 << t.bits, t.sub_dim), mx.float16)
+    return t._replace(smooth=sm, codebook=cb)
+
+
+def prefill_tables(t: VecInferTables, rows: mx.array, seed) -> VecInferTables:
+    """``t`` fitted to ``rows [b, h, n, d]`` (``n > 0``), one fit a batch row and kv head, by
+    the calibration's rule (``velox.adapters.artifacts.fit_vecinfer``) on these rows alone:
+    key tables (``t`` has a rotation) take the smoothing factors ``sqrt(max_n |k|)`` per
+    channel (:func:`smoothing`) and fit the smoothed, rotated sub-vectors; value tables fit the
+    raw ones. The codebook is Lloyd's k-means of the row's sub-vectors
+    (:func:`velox.codecs.pq.kmeans_many`, :data:`PREFILL_ITERS` rounds, the initial centroids
+    drawn from ``seed``), clipped to float16's range; a token with a non-finite element takes
+    no part (nor in the smoothing factors). One MLX function for both backends, nothing read
+    back to the host."""
+    b, h, n, d = rows.shape
+    x = rows.astype(mx.float32)
+    finite = mx.all(mx.isfinite(x), axis=-1)                                    # [b, h, n]
+    x = mx.where(finite[..., None], x, mx.zeros_like(x))
+    sm = t.smooth
+    if t.rotation.size:
+        peak = mx.max(mx.abs(x), axis=2)                                         # [b, h, d]
+        sm = mx.sqrt(mx.maximum(peak, 1e-6))
+        x = matmul_per_slice(x / sm[:, :, None, :], t.rotation.T)
+    j = d // t.sub_dim
+    pts = x.reshape(b * h, n * j, t.sub_dim)
+    w = mx.broadcast_to(finite[..., None], (b, h, n, j)).reshape(b * h, n * j)
+    cb = pq.kmeans_many(pts, 1 << t.bits, iters=PREFILL_ITERS, seed=seed, weights=w)
+    f16 = float(np.finfo(np.float16).max)
+    cb = mx.clip(cb, -f16, f16).astype(mx.float16).reshape(b, h, 1 << t.bits, t.sub_dim)
+    return t._replace(smooth=sm, codebook=cb, calibrated=True)
+
+
 def key_tables(head_dim: int, params: dict) -> VecInferTables:
     return _tables(head_dim, params, "key")
 
@@ -149,16 +200,33 @@ def value_tables(head_dim: int, params: dict) -> VecInferTables:
 
 
 def _per_head(v):
-    return v if v.ndim == 1 else v[:, None, :]
+    """Smoothing factors ``[d]``, ``[h, d]`` or ``[b, h, d]`` against rows ``[b, h, n, d]``."""
+    return v if v.ndim == 1 else v[..., None, :]
 
 
 def _check(t: VecInferTables, shape) -> None:
     if len(shape) != 4 or shape[-1] != t.head_dim:
         raise ValueError(f"rows must be [b, h, n, {t.head_dim}], got {tuple(shape)}")
-    for a in (t.smooth if t.smooth.ndim == 2 else None, t.codebook if t.codebook.ndim == 3 else None):
-        if a is not None and a.shape[0] != shape[1]:
-            raise ValueError(f"the tables hold {a.shape[0]} kv heads; rows of shape "
+    for a, lead in ((t.smooth, t.smooth.ndim - 1), (t.codebook, t.codebook.ndim - 2)):
+        if a.size and lead and tuple(a.shape[:lead]) != tuple(shape[2 - lead:2]):
+            what = "kv heads" if lead == 1 else "batch rows and kv heads"
+            raise ValueError(f"the tables hold {tuple(a.shape[:lead])} {what}; rows of shape "
                              f"{tuple(shape)} do not")
+
+
+def _rows_of(cb, x):
+    """``(codebook, x)`` for ``velox.codecs.pq``, whose codebook's leading axis is the rows'
+    head axis: a codebook with a batch axis (``[b, h, K, s]``, fitted at the prefill) folds the
+    batch rows into the heads (``[b h, K, s]``, ``x [1, b h, ...]``). Works on MLX and NumPy."""
+    if cb.ndim != 4:
+        return cb, x
+    b, h = cb.shape[:2]
+    return cb.reshape(b * h, *cb.shape[2:]), x.reshape(1, b * h, *x.shape[2:])
+
+
+def _unfold(cb, y, shape):
+    """Undo :func:`_rows_of` on a result ``y [1, b h, ...]``: ``[b, h, ...]``."""
+    return y if cb.ndim != 4 else y.reshape(*shape[:2], *y.shape[2:])
 
 
 # --- MLX ------------------------------------------------------------------------------------
@@ -174,7 +242,8 @@ def _transformed(t: VecInferTables, x: mx.array) -> mx.array:
 
 def encode(t: VecInferTables, rows: mx.array) -> VQCodes:
     _check(t, rows.shape)
-    idx = pq.assign(pq.split(_transformed(t, rows), t.sub_dim), t.codebook)
+    cb, sub = _rows_of(t.codebook, pq.split(_transformed(t, rows), t.sub_dim))
+    idx = _unfold(t.codebook, pq.assign(sub, cb), rows.shape)
     return VQCodes(pq.pack(idx, t.bits))
 
 
@@ -183,7 +252,9 @@ def _indices(t: VecInferTables, codes: VQCodes) -> mx.array:
 
 
 def decode(t: VecInferTables, codes: VQCodes) -> mx.array:
-    y = pq.decode(t.codebook, _indices(t, codes))
+    idx = _indices(t, codes)
+    cb, fi = _rows_of(t.codebook, idx)
+    y = _unfold(t.codebook, pq.decode(cb, fi), idx.shape)
     if t.rotation.size:
         y = y @ t.rotation
     if t.smooth.size:
@@ -197,7 +268,9 @@ def scores(t: VecInferTables, queries: mx.array, codes: VQCodes) -> mx.array:
         q = q * _per_head(t.smooth)
     if t.rotation.size:
         q = q @ t.rotation.T
-    return pq.scores(q, t.codebook, _indices(t, codes))
+    cb, fq = _rows_of(t.codebook, q)
+    _, fi = _rows_of(t.codebook, _indices(t, codes))
+    return _unfold(t.codebook, pq.scores(fq, cb, fi), q.shape)
 
 
 # --- NumPy twins ----------------------------------------------------------------------------
@@ -215,12 +288,16 @@ def encode_np(t: VecInferTables, rows: np.ndarray) -> VQCodes:
         x = x / _per_head(sm)
     if rot.size:
         x = x @ rot.T
-    return VQCodes(pq.pack_np(pq.assign_np(pq.split(x, t.sub_dim), cb), t.bits))
+    fcb, sub = _rows_of(cb, pq.split(x, t.sub_dim))
+    idx = _unfold(cb, pq.assign_np(sub, fcb), x.shape)
+    return VQCodes(pq.pack_np(idx, t.bits))
 
 
 def decode_np(t: VecInferTables, codes: VQCodes) -> np.ndarray:
     sm, rot, cb = _np(t)
-    y = pq.decode_np(cb, pq.unpack_np(np.asarray(codes.idx), t.bits, t.head_dim // t.sub_dim))
+    idx = pq.unpack_np(np.asarray(codes.idx), t.bits, t.head_dim // t.sub_dim)
+    fcb, fi = _rows_of(cb, idx)
+    y = _unfold(cb, pq.decode_np(fcb, fi), idx.shape)
     if rot.size:
         y = y @ rot
     if sm.size:
@@ -236,7 +313,9 @@ def scores_np(t: VecInferTables, queries: np.ndarray, codes: VQCodes) -> np.ndar
     if rot.size:
         q = q @ rot.T
     idx = pq.unpack_np(np.asarray(codes.idx), t.bits, t.head_dim // t.sub_dim)
-    return pq.scores_np(q, cb, idx)
+    fcb, fq = _rows_of(cb, q)
+    _, fi = _rows_of(cb, idx)
+    return _unfold(cb, pq.scores_np(fq, fcb, fi), q.shape)
 
 
 def head_tables(t: VecInferTables, i: int, j: int) -> VecInferTables:

@@ -26,6 +26,12 @@ Codebooks: ``codebook="smollm2-135m-instruct"`` (the default) takes layer ``laye
 calibration shipped for the embedded SmolLM2 (``make_cache`` numbers the layers); a state it
 does not fit refuses its first tokens with a ``ValueError`` naming :data:`CALIBRATE`, whose
 artifact ``make_cache(model, "a2ats", artifacts=FILE)`` installs (:func:`calibrated`).
+``codebook="prefill"`` is the data-free choice: the codebooks are fitted to the pre-RoPE keys of
+the first update that holds tokens (the prefill), one a batch row, kv head and sub-space, by
+Lloyd's k-means in MLX (its initial centroids drawn from ``seed``), then frozen
+(:func:`prefill_fitted`), with ``H = I``: no query statistics exist without calibration, so the
+assignment is Euclidean (``use_query_aware`` changes nothing); the RoPE is that of ``rope_base``
+and ``rope_scaling``, and the fitted codebooks count in the state's bytes.
 ``codebook="random"`` (tests) draws the centroids from ``seed``, with ``H = I`` and the RoPE of
 ``rope_base`` and ``rope_scaling``.
 
@@ -56,7 +62,7 @@ from ..ordering import order_key
 from ..registry import register
 
 __all__ = ["A2atsState", "State", "init", "update", "get_kv", "nbytes", "positions", "attend",
-           "calibrated", "far_count", "retrieved_count", "approx_scores", "retrieve",
+           "calibrated", "prefill_fitted", "far_count", "retrieved_count", "approx_scores", "retrieve",
            "window_logits", "CALIBRATE"]
 
 #: The command that fits a model's codebooks and H.
@@ -106,18 +112,22 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
             Euclidean.
         retrieval_fraction: the share of the tokens outside the window read exactly (the
             top of their approximate scores, at least one).
-        rope_base: RoPE base of a state without calibration (codebook="random").
+        rope_base: RoPE base of a state without calibration (codebook="prefill" or "random").
         rope_scaling: RoPE scaling of such a state: "none", "llama3.1", "llama3.2".
         codebook: "smollm2-135m-instruct", the calibration shipped for the embedded SmolLM2
-            (layer `layer`), or "random" (centroids from seed, H = I: tests only).
+            (layer `layer`), "prefill" (data-free: fitted to the first update's pre-RoPE
+            keys, one fit a batch row, H = I) or "random" (centroids from seed, H = I: tests
+            only).
         layer: the model layer whose shipped calibration the state takes (-1: none; the
             state then needs calibrated() before its first tokens).
-        seed: seed of the random codebook.
+        seed: seed of the random codebook, and of the prefill fit's initial centroids.
     """
     t = codec.tables(head_dim, dict(sub_dim=sub_dim, bits=codebook_bits, codebook=codebook,
                                     seed=seed, kv_heads=kv_heads, layer=layer, b=b,
                                     query_aware=use_query_aware, rope_base=rope_base,
                                     rope_scaling=rope_scaling))
+    if codebook == "prefill":
+        t = codec.prefill_placeholder(t, batch, kv_heads)
     one = codec.encode(t, mx.zeros((batch, kv_heads, 1, head_dim), mx.float32))
     empty = mx.zeros((batch, kv_heads, 0, head_dim), dtype)
     return A2atsState(empty, empty, A2atsCodes(one.idx[:, :, :0]), t,
@@ -133,7 +143,8 @@ def _check_calibrated(state: A2atsState) -> None:
             f"a2ats has no calibrated codebooks for this cache (kv_heads={h}, head_dim={d}, "
             f"layer={state.layer}, b={state.b}): the shipped calibration fits the embedded "
             f"SmolLM2 only, at b=2048. Fit this model's with `{CALIBRATE}` and pass "
-            f"make_cache(model, 'a2ats', artifacts=FILE); codebook='random' is for tests")
+            f"make_cache(model, 'a2ats', artifacts=FILE), or take codebook='prefill' (fitted "
+            "to the prompt's keys); codebook='random' is for tests")
 
 
 def calibrated(state: A2atsState, arrays: dict) -> A2atsState:
@@ -174,13 +185,27 @@ def _stored(state, keys, values, codes):
                           next_pos=state.next_pos + keys.shape[2])
 
 
+def prefill_fitted(state: A2atsState, keys: mx.array) -> A2atsState:
+    """``state`` with its codebooks fitted to the pre-RoPE form of ``keys`` (each un-rotated
+    by its position, :func:`velox.codecs.a2ats.rotate`; ``velox.codecs.a2ats.prefill_tables``,
+    the initial centroids drawn from ``[seed, 2]``, the random codebook's stream) if it is a
+    ``codebook="prefill"`` state holding no token yet and the update holds tokens; else
+    ``state``. One MLX fit for both backends."""
+    if state.codebook != "prefill" or state.keys.shape[2] or not keys.shape[2]:
+        return state
+    pre = codec.rotate(keys, -_positions_of_new(state, keys.shape[2]), state.tables.freqs)
+    return state._replace(tables=codec.prefill_tables(state.tables, pre, [int(state.seed), 2]))
+
+
 def _update_mlx(state, keys, values, queries):
+    state = prefill_fitted(state, keys)
     _check_calibrated(state)
     pre = codec.rotate(keys, -_positions_of_new(state, keys.shape[2]), state.tables.freqs)
     return _stored(state, keys, values, codec.encode(state.tables, pre))
 
 
 def _update_reference(state, keys, values, queries):
+    state = prefill_fitted(state, keys)
     _check_calibrated(state)
     s = keys.shape[2]
     pos = np.array(state.next_pos)[..., None] + np.arange(s, dtype=np.int32)
@@ -281,7 +306,7 @@ def _layer_params(n_layers: int, params: dict) -> list[dict]:
     """Layer ``i`` takes layer ``i`` of the shipped calibration when the model has its layer
     count; otherwise no layer (-1: the first tokens ask for an artifact)."""
     shipped = params.get("codebook", "smollm2-135m-instruct")
-    fits = shipped != "random" and codec.shipped_arrays(shipped)[1]["layers"] == n_layers
+    fits = shipped in codec.SHIPPED and codec.shipped_arrays(shipped)[1]["layers"] == n_layers
     return [dict(params, layer=i if fits else -1) for i in range(n_layers)]
 
 

@@ -52,10 +52,11 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
     return state._replace(tables=state.tables._replace(**fresh))
 
 
-def prefill_fitted(state: KVTCState, keys: mx.array) -> KVTCState:
+def prefill_fitted(state: KVTCState, keys: mx.array,
+                   values: mx.array | None = None) -> KVTCState:
     """``state`` with its tables fitted to ``keys`` if it holds no row yet and is not
     calibrated (the first update that holds tokens fits, one fit a batch row and kv head);
-    else ``state``."""
+    else ``state``. ``values`` is not read."""
     if state.tables.calibrated or codec_cache.capacity(state):
         return state
     return state._replace(tables=codec.fitted(state.tables, keys))

@@ -62,9 +62,10 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
                                             sigma=rep(t.sigma), bits=rep(t.bits), rank=rep(t.rank)))
 
 
-def prefill_fitted(state: SVDqState, keys: mx.array) -> SVDqState:
+def prefill_fitted(state: SVDqState, keys: mx.array,
+                   values: mx.array | None = None) -> SVDqState:
     """``state`` with its tables fitted to ``keys`` if it holds no row yet (the first update
-    that holds tokens fits, one fit a batch row and kv head); else ``state``."""
+    that holds tokens fits, one fit a batch row and kv head); else ``state``. ``values`` is not read."""
     if codec_cache.capacity(state):
         return state
     return state._replace(tables=codec.fitted(state.tables, keys))

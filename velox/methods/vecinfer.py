@@ -15,8 +15,12 @@ artifact shipped for the embedded SmolLM2 (``make_cache`` numbers the layers thr
 ``layer_params``); a state it does not fit (another model's kv heads, head_dim or layer count,
 or no layer) refuses its first tokens with a ``ValueError`` naming ``velox calibrate --method
 vecinfer``, whose artifact ``make_cache(model, "vecinfer", artifacts=FILE)`` installs
-(:func:`calibrated`). ``codebook="random"`` draws standard normal centroids from ``seed``, for
-tests. The paper's exact recent window is the adapter's decode tail (``make_cache(...,
+(:func:`calibrated`). ``codebook="prefill"`` is the data-free choice: no offline data, the
+smoothing factors and both codebooks fitted to the rows of the first update that holds tokens
+(the prefill), one fit a batch row and kv head, by the calibration's own rule (Lloyd's k-means
+in MLX, its initial centroids drawn from ``seed``), then frozen (:func:`prefill_fitted`); the
+fitted tables are held in the state and count in its bytes. ``codebook="random"`` draws
+standard normal centroids from ``seed``, for tests. The paper's exact recent window is the adapter's decode tail (``make_cache(...,
 decode="append", decode_cap=128)``, ``velox.wrap.with_tail``), not a parameter.
 Every token is kept; both backends (``mlx``, ``reference``) give the same codes. Built by
 ``velox.codec_cache``.
@@ -28,10 +32,11 @@ import mlx.core as mx
 import numpy as np
 
 from .. import codec_cache
-from ..codecs.vecinfer import VecInferTables, VQCodes, shipped_arrays, tables_from_arrays
+from ..codecs import vecinfer as codec
+from ..codecs.vecinfer import SHIPPED, VecInferTables, VQCodes, shipped_arrays, tables_from_arrays
 
 __all__ = ["VecInferState", "State", "init", "update", "get_kv", "nbytes", "positions",
-           "attend", "calibrated", "CALIBRATE"]
+           "attend", "calibrated", "prefill_fitted", "CALIBRATE"]
 
 #: The command that fits a model's codebooks.
 CALIBRATE = "velox calibrate --method vecinfer --out FILE"
@@ -50,23 +55,49 @@ def init(batch: int, kv_heads: int, head_dim: int, *, dtype: mx.Dtype = mx.float
         key_codebook_bits: bits of a key index (2^bits centroids).
         value_codebook_bits: bits of a value index.
         codebook: "smollm2-135m-instruct", the calibration shipped for the embedded SmolLM2
-            (layer `layer`), or "random" (standard normal centroids from seed: tests only).
+            (layer `layer`), "prefill" (data-free: fitted to the first update's rows, one fit
+            a batch row and kv head) or "random" (standard normal centroids from seed: tests
+            only).
         layer: the model layer whose shipped calibration the state takes (-1: none; the
             state then needs calibrated() before its first tokens).
-        seed: seed of the random codebook.
+        seed: seed of the random codebook, and of the prefill fit's initial centroids.
     """
-    return codec_cache.empty(VecInferState, locals())
+    state = codec_cache.empty(VecInferState, locals())
+    if codebook != "prefill":
+        return state
+    return state._replace(tables=codec.prefill_placeholder(state.tables, batch, kv_heads),
+                          value_tables=codec.prefill_placeholder(state.value_tables, batch, kv_heads))
 
 
-def _check_calibrated(state, keys):
-    """``state``, refused (``ValueError``) without calibrated codebooks."""
-    if not state.tables.calibrated or not state.value_tables.calibrated:
+def prefill_fitted(state, keys, values):
+    """``state`` with its smoothing factors and codebooks fitted to ``keys`` and ``values``
+    (``velox.codecs.vecinfer.prefill_tables``, seeded from ``seed``: the key codebook's draw
+    from ``[seed, 0]``, the values' from ``[seed, 1]``, the streams of the random codebook) if
+    it is a ``codebook="prefill"`` state holding no row yet and the update holds tokens; else
+    ``state``. A state whose values another codec holds (a composition's) fits its keys only."""
+    if state.codebook != "prefill" or codec_cache.capacity(state) or not keys.shape[2]:
+        return state
+    seed = int(getattr(state, "seed", 0))
+    state = state._replace(tables=codec.prefill_tables(state.tables, keys, [seed, 0]))
+    vt = getattr(state, "value_tables", None)
+    if isinstance(vt, codec.VecInferTables):
+        state = state._replace(value_tables=codec.prefill_tables(vt, values, [seed, 1]))
+    return state
+
+
+def _check_calibrated(state, keys, values=None):
+    """``state``, fitted first if it fits its codebooks at the prefill (:func:`prefill_fitted`);
+    refused (``ValueError``) without calibrated codebooks."""
+    state = prefill_fitted(state, keys, values)
+    vt = getattr(state, "value_tables", None)
+    if not state.tables.calibrated or (vt is not None and not vt.calibrated):
         _, h, d, _ = codec_cache.dims(state)
         raise ValueError(
             f"vecinfer has no calibrated codebooks for this cache (kv_heads={h}, head_dim={d}, "
             f"layer={state.layer}): the shipped calibration fits the embedded SmolLM2 only. "
             f"Fit this model's with `{CALIBRATE}` and pass make_cache(model, 'vecinfer', "
-            f"artifacts=FILE); codebook='random' is for tests")
+            f"artifacts=FILE), or take codebook='prefill' (fitted to the prompt's rows); "
+            "codebook='random' is for tests")
     return state
 
 
@@ -109,7 +140,7 @@ def _layer_params(n_layers: int, params: dict) -> list[dict]:
     """Layer ``i`` takes layer ``i`` of the shipped calibration when the model has its layer
     count; otherwise no layer (-1: the first tokens ask for an artifact)."""
     shipped = params.get("codebook", "smollm2-135m-instruct")
-    fits = shipped != "random" and shipped_arrays(shipped)[1]["layers"] == n_layers
+    fits = shipped in SHIPPED and shipped_arrays(shipped)[1]["layers"] == n_layers
     return [dict(params, layer=i if fits else -1) for i in range(n_layers)]
 
 
