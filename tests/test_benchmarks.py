@@ -161,14 +161,14 @@ def test_every_script_imports_velox_before_mlx():
     assert late == []
 
 
-def test_lowrank_prefill_times_the_decompositions_and_restores_them():
+def test_prefill_cost_times_the_decompositions_and_restores_them():
     """The decomposition timer counts every eigh / svd call of MLX and NumPy while it runs,
     returns their results unchanged, and puts the functions back."""
     import velox  # noqa: F401
     import mlx.core as mx
     import numpy as np
 
-    bench = _load("lowrank_prefill")
+    bench = _load("prefill_cost")
     before = (mx.linalg.eigh, mx.linalg.svd, np.linalg.eigh, np.linalg.svd)
     a = np.array([[2.0, 1.0], [1.0, 3.0]], np.float32)
     total = [0.0]

@@ -1,7 +1,8 @@
-"""Prefill time and peak memory of the low-rank and cross-layer methods beside the full cache,
-and the share of the prefill their decompositions (SVD, eigendecomposition) take.
+"""Prefill time and peak memory of velox caches beside the full cache (by default the low-rank
+and cross-layer methods), and the share of the prefill their decompositions (SVD,
+eigendecomposition) take.
 
-    python benchmarks/lowrank_prefill.py [--prefill 2048] [--chunk 512] [--rounds 3] \
+    python benchmarks/prefill_cost.py [--prefill 2048] [--chunk 512] [--rounds 3] \
         [--rows full svdq palu palu:basis=prefill xkv minicache xquant kvtc]
 
 The embedded SmolLM2-135M-Instruct (float32, CPU) prefills the first ``--prefill`` tokens of a
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
     t_full, p_full = statistics.median(times[FULL]), statistics.median(peaks[FULL])
     lines = ["| cache | prefill s | x full | peak MiB | x full | decomp s | of prefill |",
              "|---|---|---|---|---|---|---|"]
-    out = {"command": " ".join(["python", "benchmarks/lowrank_prefill.py",
+    out = {"command": " ".join(["python", "benchmarks/prefill_cost.py",
                                 *(sys.argv[1:] if argv is None else argv)]),
            "prefill": int(tokens.shape[0]), "chunk": args.chunk, "text": args.text,
            "device": str(mx.default_device()), "rows": {}}
