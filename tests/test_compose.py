@@ -183,3 +183,27 @@ def test_methods_that_hold_no_survivors_say_why(codec):
     assert note in str(err.value)
     with pytest.raises(ValueError, match="codec='vecinfer'"):
         compose.evict_then_store("tova", codec="vecinfer_keys")
+
+
+def test_vecinfer_composed_with_prefill_tables_scores_each_row_and_heads_own():
+    """``tova+vecinfer`` with ``codebook='prefill'`` (tables fitted a batch row and kv head):
+    a decode step keeps the same tokens on both backends, the ``reference`` score reading
+    each (row, head)'s own tables (``vecinfer.head_tables``), a non-finite token too."""
+    from velox.codecs import vecinfer
+
+    rng = np.random.default_rng(6)
+    keys = mx.array(rng.standard_normal((2, 2, 40, 16)).astype(np.float32))
+    values = mx.array(rng.standard_normal((2, 2, 40, 16)).astype(np.float32))
+    kw = dict(budget=24, n_sink=2, codebook="prefill", key_sub_dim=4, key_codebook_bits=4,
+              value_sub_dim=4, value_codebook_bits=4)
+    small = velox.update(velox.init("tova+vecinfer", 2, 2, 16, backend="mlx", **kw), keys, values)
+    assert small.tables.codebook.shape == (2, 2, 16, 4)
+    t = vecinfer.head_tables(small.tables, 1, 0)
+    assert t.codebook.shape == (1, 1, 16, 4)
+    assert np.array_equal(t.codebook[0, 0], np.array(small.tables.codebook)[1, 0])
+    step = [velox.update(small._replace(backend=b), keys[:, :, :1] * 0.5, values[:, :, :1])
+            for b in ("mlx", "reference")]
+    assert np.array_equal(np.array(velox.positions(step[0])), np.array(velox.positions(step[1])))
+    bad = [velox.update(small._replace(backend=b), keys[:, :, :1] * float("nan"), values[:, :, :1])
+           for b in ("mlx", "reference")]
+    assert np.array_equal(np.array(velox.positions(bad[0])), np.array(velox.positions(bad[1])))

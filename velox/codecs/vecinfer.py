@@ -319,11 +319,14 @@ def scores_np(t: VecInferTables, queries: np.ndarray, codes: VQCodes) -> np.ndar
 
 
 def head_tables(t: VecInferTables, i: int, j: int) -> VecInferTables:
-    """Kv head ``j``'s tables (its smoothing factors ``[1, d]`` and codebook ``[1, K, s]``) of
-    tables holding one a kv head; shared ones as they are (the batch row ``i`` shares them)."""
+    """Batch row ``i``, kv head ``j``'s tables: of tables fitted a row and head at the prefill
+    (``[b, h, ...]``) those of ``[i, j]`` (leading ``[1, 1]``), of tables holding one a kv head
+    kv head ``j``'s (its smoothing factors ``[1, d]`` and codebook ``[1, K, s]``); shared
+    ones as they are."""
     def one(x, base):  # base: the array's own axes
         x = np.asarray(x)
-        return x[j:j + 1] if x.ndim == base + 1 else x
+        lead = x.ndim - base
+        return x[i:i + 1, j:j + 1] if lead == 2 else x[j:j + 1] if lead == 1 else x
     return t._replace(smooth=one(t.smooth, 1), codebook=one(t.codebook, 2))
 
 
