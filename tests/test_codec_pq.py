@@ -203,3 +203,24 @@ def test_spherical_kmeans_is_the_normalized_mean_of_the_largest_cosines():
     assert np.array_equal(fit, np.array(pq.kmeans(pts, 16, iters=8, seed=2, spherical=True)))
     # more rounds raise the mean cosine of each point to its centroid
     assert (pts @ fit.T).max(axis=1).mean() > (pts @ got.T).max(axis=1).mean()
+
+
+def test_assign_holds_one_block_of_distances_at_a_time(monkeypatch):
+    """A prefill chunk's assignment against a 12-bit codebook (3 kv heads, 512 tokens of 16
+    sub-vectors: 384 MiB of float32 distances in all) runs block after block, holding a few
+    blocks' worth at most, and gives the indices of one block holding every distance."""
+    from velox.codecs import pq
+
+    mx.random.seed(0)
+    sub = mx.random.normal((1, 3, 512, 16, 4))
+    cb = mx.random.normal((3, 4096, 4))
+    mx.eval(sub, cb)
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    idx = pq.assign(sub, cb)
+    mx.eval(idx)
+    peak = mx.get_peak_memory() - base
+    whole = 3 * 512 * 16 * 4096 * 4
+    assert peak <= 12 * pq.BLOCK_ELEMENTS * 4 < whole / 4
+    monkeypatch.setattr(pq, "BLOCK_ELEMENTS", 1 << 30)
+    assert np.array_equal(np.array(idx), np.array(pq.assign(sub, cb)))

@@ -49,7 +49,7 @@ __all__ = ["BLOCK_ELEMENTS", "MAX_BITS", "split", "merge", "words", "assign", "a
            "scores", "scores_np"]
 
 #: Distances held at once by :func:`assign` (float32: 32 MiB).
-BLOCK_ELEMENTS = 1 << 23
+BLOCK_ELEMENTS = 1 << 20
 #: Widest index :func:`pack` takes.
 MAX_BITS = 24
 #: A k-means seed: an int or a sequence of ints (NumPy's ``default_rng`` takes either).
@@ -134,7 +134,10 @@ def assign(sub: mx.array, codebook: mx.array, metric: mx.array | None = None) ->
     step = _block(rows, b * h * x.shape[2], cb4.shape[2])
     out = []
     for lo in range(0, rows, step):
-        dist = c2 - 2 * (x[:, :, :, lo:lo + step] @ a)  # [b, h, Jx, rows, K]
+        xb = x[:, :, :, lo:lo + step]
+        if out:  # one block after another: the last block's distances are freed before these
+            xb = mx.depends(xb, [out[-1]])
+        dist = c2 - 2 * (xb @ a)  # [b, h, Jx, rows, K]
         out.append(mx.argmin(dist, axis=-1).astype(mx.uint32))
     idx = out[0] if len(out) == 1 else mx.concatenate(out, axis=3)
     return idx.reshape(b, h, j, n).transpose(0, 1, 3, 2)
