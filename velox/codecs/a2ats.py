@@ -275,18 +275,13 @@ def _metric(t: A2atsTables):
 
 
 def _rows_of(cb, x):
-    """``(codebook, x)`` for ``velox.codecs.pq``, whose codebook's leading axis is the rows'
-    head axis: a codebook with a batch axis (``[b, h, J, K, s]``, fitted at the prefill) folds
-    the batch rows into the heads (``[b h, J, K, s]``, ``x [1, b h, ...]``). MLX or NumPy."""
-    if cb.ndim != 5:
-        return cb, x
-    b, h = cb.shape[:2]
-    return cb.reshape(b * h, *cb.shape[2:]), x.reshape(1, b * h, *x.shape[2:])
+    """``pq.fold_batch`` for this codec's codebooks (fitted a batch row and kv head:
+    ``[b, h, J, K, s]``)."""
+    return pq.fold_batch(cb, x, 5)
 
 
 def _unfold(cb, y, shape):
-    """Undo :func:`_rows_of` on a result ``y [1, b h, ...]``: ``[b, h, ...]``."""
-    return y if cb.ndim != 5 else y.reshape(*shape[:2], *y.shape[2:])
+    return pq.unfold_batch(cb, y, shape, 5)
 
 
 def encode(t: A2atsTables, rows: mx.array) -> A2atsCodes:

@@ -46,7 +46,7 @@ from ..quant import _word_layout, pack_units
 __all__ = ["BLOCK_ELEMENTS", "MAX_BITS", "split", "merge", "words", "assign", "assign_np",
            "kmeans", "kmeans_np_init", "kmeans_many", "sample_indices", "pack", "unpack", "pack_np", "unpack_np", "decode",
            "decode_np", "lookup_table", "lookup_table_np", "table_scores", "table_scores_np",
-           "scores", "scores_np"]
+           "scores", "scores_np", "fold_batch", "unfold_batch"]
 
 #: Distances held at once by :func:`assign` (float32: 32 MiB).
 BLOCK_ELEMENTS = 1 << 20
@@ -405,3 +405,22 @@ def scores(q: mx.array, codebook: mx.array, idx: mx.array) -> mx.array:
 def scores_np(q: np.ndarray, codebook: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """NumPy twin of :func:`scores`."""
     return table_scores_np(lookup_table_np(q, codebook), idx)
+
+
+# --- codebooks fitted a batch row and kv head -----------------------------------------------
+
+def fold_batch(cb, x, ndim: int):
+    """``(codebook, x)`` for this module's functions, whose codebook's leading axis is the
+    rows' head axis: a codebook with a batch axis (``ndim`` axes, ``[b, h, ...]``, fitted a
+    batch row and kv head at the prefill) folds the batch rows into the heads (``[b h, ...]``,
+    ``x [1, b h, ...]``); any other as it is. MLX or NumPy."""
+    if cb.ndim != ndim:
+        return cb, x
+    b, h = cb.shape[:2]
+    return cb.reshape(b * h, *cb.shape[2:]), x.reshape(1, b * h, *x.shape[2:])
+
+
+def unfold_batch(cb, y, shape, ndim: int):
+    """Undo :func:`fold_batch` on a result ``y [1, b h, ...]``: ``[b, h, ...]`` (``shape``
+    the rows' shape)."""
+    return y if cb.ndim != ndim else y.reshape(*shape[:2], *y.shape[2:])

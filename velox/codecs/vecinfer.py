@@ -215,18 +215,13 @@ def _check(t: VecInferTables, shape) -> None:
 
 
 def _rows_of(cb, x):
-    """``(codebook, x)`` for ``velox.codecs.pq``, whose codebook's leading axis is the rows'
-    head axis: a codebook with a batch axis (``[b, h, K, s]``, fitted at the prefill) folds the
-    batch rows into the heads (``[b h, K, s]``, ``x [1, b h, ...]``). Works on MLX and NumPy."""
-    if cb.ndim != 4:
-        return cb, x
-    b, h = cb.shape[:2]
-    return cb.reshape(b * h, *cb.shape[2:]), x.reshape(1, b * h, *x.shape[2:])
+    """``pq.fold_batch`` for this codec's codebooks (fitted a batch row and kv head:
+    ``[b, h, K, s]``)."""
+    return pq.fold_batch(cb, x, 4)
 
 
 def _unfold(cb, y, shape):
-    """Undo :func:`_rows_of` on a result ``y [1, b h, ...]``: ``[b, h, ...]``."""
-    return y if cb.ndim != 4 else y.reshape(*shape[:2], *y.shape[2:])
+    return pq.unfold_batch(cb, y, shape, 4)
 
 
 # --- MLX ------------------------------------------------------------------------------------
