@@ -244,3 +244,25 @@ def small_params(key: str, tokens: int) -> dict:
     if "recent" in spec.params:  # a recent window that fits the small budget
         p["recent"] = min(4, spec.defaults["recent"])
     return p
+
+
+class OracleDraft:
+    """A draft model for speculative decoding that knows the answer but for a few tokens: it
+    proposes the reference greedy tokens (``reference``, the tokens generated after a
+    ``prompt``-token prompt), except a wrong one for the generated tokens in ``wrong``, so
+    rounds accept all, some or none of their drafts. It keeps its position in a plain
+    ``KVCache`` of width one (mlx-lm trims it as a draft cache) and runs no forward."""
+
+    def __init__(self, reference: list[int], prompt: int, vocab: int, wrong: set[int]):
+        self.reference, self.prompt, self.vocab, self.wrong = reference, prompt, vocab, wrong
+
+    def __call__(self, inputs, cache):
+        s = inputs.shape[1]
+        start = cache[0].offset
+        cache[0].update_and_fetch(mx.zeros((1, 1, s, 1)), mx.zeros((1, 1, s, 1)))
+        logits = np.zeros((1, s, self.vocab), np.float32)
+        for i in range(s):
+            j = start + i + 1 - self.prompt  # the generated token this position predicts
+            tok = self.reference[j] if 0 <= j < len(self.reference) else 0
+            logits[0, i, (tok + 1) % self.vocab if j in self.wrong else tok] = 1.0
+        return mx.array(logits)

@@ -20,9 +20,10 @@ from mlx.utils import tree_flatten
 
 import velox.methods.xquant as xq
 from velox import layer, wrap
-from velox.adapters import mlxlm
 from velox.adapters.mlxlm import load_cache, make_cache, save_cache
 from velox.registry import get_method
+
+from tests._helpers import OracleDraft
 
 pytestmark = pytest.mark.unchecked
 
@@ -277,26 +278,6 @@ def test_decoding_after_a_trim_through_the_model(tiny_llama, key):
         assert fields(a) == fields(r)
 
 
-class _Draft:
-    """A draft whose proposals are the target's greedy tokens but for those in ``wrong``
-    (rounds accept all, some or none of their drafts); a plain ``KVCache`` of width one
-    keeps its position and no forward runs."""
-
-    def __init__(self, reference: list[int], prompt: int, vocab: int, wrong: set[int]):
-        self.reference, self.prompt, self.vocab, self.wrong = reference, prompt, vocab, wrong
-
-    def __call__(self, inputs, cache):
-        s = inputs.shape[1]
-        start = cache[0].offset
-        cache[0].update_and_fetch(mx.zeros((1, 1, s, 1)), mx.zeros((1, 1, s, 1)))
-        logits = np.zeros((1, s, self.vocab), np.float32)
-        for i in range(s):
-            j = start + i + 1 - self.prompt
-            tok = self.reference[j] if 0 <= j < len(self.reference) else 0
-            logits[0, i, (tok + 1) % self.vocab if j in self.wrong else tok] = 1.0
-        return mx.array(logits)
-
-
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("key", sorted(PARAMS))
 def test_speculative_decoding(tiny_llama, key, k):
@@ -308,7 +289,7 @@ def test_speculative_decoding(tiny_llama, key, k):
 
     n = 12
     want = greedy(tiny_llama, build(tiny_llama, key, 0), PROMPT, n + 1)
-    draft = _Draft(want, len(PROMPT), 97, {2, 3, 7, 10})
+    draft = OracleDraft(want, len(PROMPT), 97, {2, 3, 7, 10})
     caches = build(tiny_llama, key, k) + [KVCache()]
 
     def run():

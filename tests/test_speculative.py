@@ -4,12 +4,13 @@ for the model gives exactly the tokens of plain greedy decoding with the same ve
 with a draft that is rejected now and then; caches that cannot trim exactly are refused."""
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import KVCache
 
 from velox.adapters.mlxlm import make_cache
+
+from tests._helpers import OracleDraft
 
 pytestmark = [pytest.mark.model, pytest.mark.unchecked]
 
@@ -27,27 +28,6 @@ CONFIGS = {
     "kivi": dict(method="kivi", residual_length=4),  # groups of 32: a flush at 36 tokens
     "snapkv": dict(method="snapkv", budget=12, obs_window=4),
 }
-
-
-class Oracle:
-    """A draft that knows the answer but for a few tokens: it proposes the reference greedy
-    tokens, except a wrong one for the generated tokens in ``WRONG``, so rounds accept all,
-    some or none of their drafts. It keeps its position in a plain ``KVCache`` of width one
-    (mlx-lm trims it as a draft cache) and costs no model forward."""
-
-    def __init__(self, reference: list[int], vocab: int):
-        self.reference, self.vocab = reference, vocab
-
-    def __call__(self, inputs, cache):
-        s = inputs.shape[1]
-        start = cache[0].offset
-        cache[0].update_and_fetch(mx.zeros((1, 1, s, 1)), mx.zeros((1, 1, s, 1)))
-        logits = np.zeros((1, s, self.vocab), np.float32)
-        for i in range(s):
-            j = start + i + 1 - PROMPT  # the generated token this position predicts
-            tok = self.reference[j] if 0 <= j < len(self.reference) else 0
-            logits[0, i, (tok + 1) % self.vocab if j in WRONG else tok] = 1.0
-        return mx.array(logits)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +60,7 @@ def reference(setup):
 
 
 def draft(setup, tokens):
-    return Oracle(tokens, setup[0].args.vocab_size)
+    return OracleDraft(tokens, PROMPT, setup[0].args.vocab_size, WRONG)
 
 
 # k=1 and k=3 for TOVA in both decode modes; k=3 alone for the other methods by default
