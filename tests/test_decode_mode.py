@@ -19,6 +19,8 @@ from velox.adapters.mlxlm import VeloxCache, cache_nbytes, load_cache, make_cach
 from velox.registry import get_method, method_keys
 from velox.testing import test_params
 
+from tests._helpers import small_params
+
 pytestmark = pytest.mark.unchecked
 
 PROMPT = [1, 5, 7, 9, 11, 13, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 3, 5, 7, 9] * 3
@@ -45,19 +47,9 @@ def decode(model, caches, first, n):
 
 
 def small(key):
-    """Parameters that compress the 60-token prompt (as in test_adapter)."""
-    spec = get_method(key).spec
-    p = test_params(key)
-    for name, param in spec.params.items():
-        if param.test_max is not None and param.type == "int" and name in ("budget", "window_size"):
-            p[name] = min(param.default, 24)
-    if "obs_window" in spec.params:
-        p["obs_window"] = min(8, spec.defaults["obs_window"])
-    if "residual_length" in spec.params:
-        p["residual_length"] = 8
-    if "recent" in spec.params:  # a recent window that fits the small budget
-        p["recent"] = min(4, spec.defaults["recent"])
-    return p
+    """Parameters that compress the 60-token prompt (as in test_adapter): the spec's test
+    choices, then the small capacities of ``small_params``."""
+    return {**test_params(key), **small_params(key, 60)}
 
 
 def arrays(record):
