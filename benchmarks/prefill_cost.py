@@ -38,21 +38,17 @@ import velox  # noqa: F401  first: it loads OpenBLAS for MLX's CPU matmuls, befo
 import mlx.core as mx
 import numpy as np
 
-FULL = "full"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import long_decode_quality as ldq  # noqa: E402  (its rows: name[:key=value,...])
+
+FULL = ldq.FULL
 DEFAULT_ROWS = ["full", "svdq", "palu", "palu:basis=prefill", "xkv", "minicache", "xquant", "kvtc"]
 
 
 def make_caches(model, row: str) -> list:
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from velox.adapters.cli import parse_param
-    from velox.adapters.mlxlm import make_cache
-
-    name, _, rest = row.partition(":")
-    if name == FULL:
-        return make_prompt_cache(model)
-    params = dict(parse_param(item) for item in rest.split(",") if item)
-    return make_cache(model, name, **params)
+    """The caches of a row as the long-decode benchmark makes them (``full``, ``mlxlm-q``, or
+    a velox method with its parameters)."""
+    return ldq.make_caches(model, *ldq.parse_row(row))
 
 
 def prefill(model, tokens: mx.array, caches: list, chunk: int) -> None:
